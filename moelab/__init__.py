@@ -1,0 +1,10 @@
+"""moelab: drive large-scale Mixture-of-Experts training from a Jupyter notebook.
+
+    from moelab import Session
+    run = Session("tiny", train={"steps": 20}).submit()
+    run.dashboard()
+"""
+from moelab.config import Config, ConfigError, load_config, save_config
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "load_config", "save_config"]

@@ -1,0 +1,462 @@
+"""moelab's one config dialect: typed dataclasses, YAML in and out, dotted overrides.
+
+    cfg = load_config("tiny", overrides=["model.moe.num_experts=16", "train.steps=20"])
+    cfg.model.moe.top_k            # 2
+    save_config(cfg, "run/config.yaml"); load_config("run/config.yaml") == cfg   # True
+
+Every value is checked when a Config is built (``Config.validate``), and every error names the field, the
+value and the fix (`ConfigError`). Layout checks that need the world size live in ``check_layout``.
+Nothing here touches torch or hardware: a config can be built and planned on any machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid config value. The message names the field, the value and the fix."""
+
+
+def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"{field_name}={value!r}: {fix}")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_ffn_size: int = 128
+    num_shared_experts: int = 0
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    # Group-limited (two-level) routing: experts split into num_groups groups, tokens pick topk_groups first.
+    num_groups: int = 1
+    topk_groups: int = 1
+    # Load balancing. aux_loss_type: "batch" = Switch-style over the micro batch; "sequence" = DeepSeek-V3's
+    # per-sequence loss, averaged over sequences.
+    aux_loss_coeff: float = 0.0
+    aux_loss_type: Literal["batch", "sequence"] = "batch"
+    z_loss_coeff: float = 0.0
+    # Aux-loss-free balancing: bias += rate * sign(mean_load - load), after the optimizer step. 0 = off.
+    bias_update_rate: float = 0.0
+    # Token dropping: capacity = ceil(capacity_factor * tokens * top_k / num_experts). 0 = no dropping.
+    capacity_factor: float = 0.0
+    # Dynamic capacity: factor = 1 + 0.5 * sigmoid(std(load) - 1) over the last capacity_window steps.
+    dynamic_capacity: bool = False
+    capacity_window: int = 10
+    # Per-expert learning-rate scaling by utilisation: lr_e = lr * clip((1/E / share_e) ** power, 1, max).
+    expert_lr_power: float = 0.0
+    expert_lr_max_scale: float = 4.0
+    # Expert health: an expert with no tokens for this many steps is reported dead.
+    dead_expert_steps: int = 5
+    overload_factor: float = 2.0
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_dense_layers: int = 1
+    dense_ffn_size: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    # Attention kind: gqa (MHA when num_kv_heads == num_heads) or mla (DeepSeek-V3 / Kimi-K2).
+    attention: Literal["gqa", "mla"] = "gqa"
+    # MLA shapes (used when attention == "mla"); q_lora_rank 0 = full-rank q projection.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Sliding-window attention (GPT-OSS): window in tokens; 0 = full attention everywhere.
+    # sliding_pattern "alternate" makes even layers sliding and odd layers full.
+    sliding_window: int = 0
+    sliding_pattern: Literal["all", "alternate"] = "alternate"
+    attention_sinks: bool = False
+    attention_bias: bool = False
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class ParallelConfig:
+    """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vp: int = 1
+    # Data-parallel (FSDP2) degree; -1 = whatever the world size leaves after tp, pp and cp.
+    fsdp: int = -1
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
+    keep_checkpoints: int = 2
+    on_nan: Literal["stop", "skip"] = "stop"
+    collective_timeout_s: float = 120.0
+
+
+@dataclass
+class BackendConfig:
+    """The kernel switchboard. Availability of optional packages is checked by moelab.backends at run time."""
+    attention: Literal["sdpa", "flex", "eager", "te"] = "sdpa"
+    experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te"] = "auto"
+    dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
+    fake_balanced_gate: bool = False
+    fake_gate_noise: float = 0.0
+    fallback: bool = False  # True = an unavailable backend falls back to the torch path with a warning
+
+
+@dataclass
+class DataConfig:
+    # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file
+    kind: Literal["synthetic", "random", "tokens"] = "synthetic"
+    path: str = ""  # a flat file of token ids for kind == "tokens"
+    token_dtype: Literal["uint16", "uint32", "int32"] = "uint16"
+    # synthetic: a fixed random Markov chain; each token follows its successor with prob 1 - noise.
+    noise: float = 0.1
+
+
+@dataclass
+class Config:
+    name: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ conversions
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        return _build(cls, d, "")
+
+    def replace(self, **dotted: Any) -> "Config":
+        """A copy with dotted keys replaced: ``cfg.replace(**{"train.steps": 5})``."""
+        d = self.to_dict()
+        for key, value in dotted.items():
+            _set_dotted(d, key, value)
+        return Config.from_dict(d)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        m, moe, p, t, b = self.model, self.model.moe, self.parallel, self.train, self.backend
+        for section, obj in (("model", m), ("model.moe", moe), ("parallel", p), ("train", t)):
+            for f in fields(obj):
+                v = getattr(obj, f.name)
+                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
+                    _fail(f"{section}.{f.name}", v, "must be >= 0")
+        _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
+                     ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                     ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
+                     ("model.moe.top_k", moe.top_k), ("model.moe.num_experts", moe.num_experts),
+                     ("model.moe.expert_ffn_size", moe.expert_ffn_size), ("train.steps", t.steps),
+                     ("train.global_batch_size", t.global_batch_size),
+                     ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
+                     ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
+                     ("parallel.ep", p.ep), ("parallel.vp", p.vp)]
+        for name, v in _positive:
+            if v < 1:
+                _fail(name, v, "must be >= 1")
+        if moe.top_k > moe.num_experts:
+            _fail("model.moe.top_k", moe.top_k,
+                  f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
+        if m.num_heads % m.num_kv_heads:
+            _fail("model.num_kv_heads", m.num_kv_heads,
+                  f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
+                  f"by num_heads/num_kv_heads query heads)")
+        if m.num_dense_layers > m.num_layers:
+            _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
+        if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
+            _fail("model.dense_ffn_size", m.dense_ffn_size, "must be >= 1 when model.num_dense_layers > 0")
+        if m.attention == "gqa" and m.head_dim % 2:
+            _fail("model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
+        if m.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(m, name) < 1:
+                    _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
+            if m.qk_rope_head_dim % 2:
+                _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
+        if m.attention_sinks and b.attention not in ("eager", "flex"):
+            _fail("backend.attention", b.attention,
+                  "attention sinks need backend.attention='eager' or 'flex' (SDPA has no sink logits)")
+        if moe.num_experts % moe.num_groups:
+            _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
+        if not 1 <= moe.topk_groups <= moe.num_groups:
+            _fail("model.moe.topk_groups", moe.topk_groups,
+                  f"must be between 1 and model.moe.num_groups={moe.num_groups}")
+        if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
+            _fail("model.moe.top_k", moe.top_k,
+                  "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+        if moe.capacity_factor < 0:
+            _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
+        if moe.dynamic_capacity and moe.capacity_factor == 0:
+            _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "expert_lr_power"):
+            if getattr(moe, name) < 0:
+                _fail(f"model.moe.{name}", getattr(moe, name), "must be >= 0")
+        if moe.route_scale <= 0:
+            _fail("model.moe.route_scale", moe.route_scale, "must be > 0")
+        if t.global_batch_size % t.micro_batch_size:
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
+        if t.lr <= 0:
+            _fail("train.lr", t.lr, "must be > 0")
+        if not 0 <= t.min_lr_ratio <= 1:
+            _fail("train.min_lr_ratio", t.min_lr_ratio, "must be within [0, 1]")
+        if t.grad_clip < 0:
+            _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+        if t.keep_checkpoints < 1:
+            _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+        if p.fsdp == 0 or p.fsdp < -1:
+            _fail("parallel.fsdp", p.fsdp, "must be >= 1, or -1 to fill the world size")
+        if moe.num_experts % p.ep:
+            _fail("parallel.ep", p.ep, f"must divide model.moe.num_experts={moe.num_experts} "
+                  f"(each EP rank owns num_experts/ep experts); try ep in {_divisors(moe.num_experts)}")
+        if p.vp > 1 and p.pp == 1:
+            _fail("parallel.vp", p.vp, "virtual stages need parallel.pp > 1; set parallel.vp=1")
+        if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
+            _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
+        if p.tp > 1:
+            _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
+                  "(supported: ep, fsdp, pp with vp, cp)")
+        if b.fake_gate_noise < 0:
+            _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
+        if self.data.kind == "tokens" and not self.data.path:
+            _fail("data.path", self.data.path, "data.kind='tokens' needs data.path to a token file")
+        if not 0 <= self.data.noise <= 1:
+            _fail("data.noise", self.data.noise, "must be within [0, 1]")
+
+    # ------------------------------------------------------------------ layout
+    def resolved_parallel(self, world_size: int) -> ParallelConfig:
+        """The layout for ``world_size`` ranks, with fsdp=-1 filled in; raises ConfigError if impossible."""
+        return check_layout(self, world_size)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
+    p = cfg.parallel
+    rest = p.tp * p.pp * p.cp
+    if world_size % rest:
+        _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
+              f"tp*pp*cp={rest} must divide the world size {world_size}")
+    fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
+    if p.tp * p.pp * p.cp * fsdp != world_size:
+        _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
+              f"set parallel.fsdp={world_size // rest} or -1")
+    if (fsdp * p.cp * p.tp) % p.ep:
+        _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from the "
+              f"non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")
+    t = cfg.train
+    dp = fsdp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp}")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        _fail("train.seq_len", t.seq_len, f"must be a multiple of 2*cp={2 * p.cp} for load-balanced causal sharding")
+    if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
+        _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
+              f"(model.num_layers={cfg.model.num_layers})")
+    return dataclasses.replace(p, fsdp=fsdp)
+
+
+# ---------------------------------------------------------------------- building from dicts (YAML, CLI)
+def _build(cls, d: Any, prefix: str):
+    if not isinstance(d, dict):
+        _fail(prefix.rstrip(".") or "config", d, f"expected a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(known))}"
+            _fail(f"{prefix}{key}", value, f"unknown key; {hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, name):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name + ".")
+    if get_origin(tp) is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            _fail(name, value, f"choose one of {list(choices)}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        _fail(name, value, "expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            _fail(name, value, "expected an integer, got a boolean")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                pass
+        _fail(name, value, "expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(name, value, "expected a number, got a boolean")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        _fail(name, value, "expected a number")
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(name, value, "expected a string")
+        return value
+    raise TypeError(f"moelab.config: no coercion for {tp} ({name})")
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = d
+    for i, part in enumerate(parts[:-1]):
+        if part not in node or not isinstance(node[part], dict):
+            prefix = ".".join(parts[:i])
+            options = [k for k, v in node.items() if isinstance(v, dict)]
+            close = difflib.get_close_matches(part, options, n=1)
+            hint = f"did you mean '{'.'.join(parts[:i] + [close[0]])}'?" if close else f"sections: {options}"
+            _fail(key, value, f"'{part}' is not a section{' of ' + prefix if prefix else ''}; {hint}")
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'model.moe.num_experts=16' -> ('model.moe.num_experts', 16); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example model.moe.num_experts=16")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+# ---------------------------------------------------------------------- loading and saving
+def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None) -> Config:
+    """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
+
+        load_config("tiny", ["train.steps=20"])
+        load_config("my.yaml", {"parallel.ep": 2})
+    """
+    if isinstance(source, Config):
+        d = source.to_dict()
+    elif isinstance(source, dict):
+        d = Config.from_dict(source).to_dict()
+    else:
+        d = _read_source(str(source))
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
+    for key, value in items:
+        _set_dotted(d, key, value)
+    return Config.from_dict(d)
+
+
+def _read_source(source: str) -> dict:
+    from moelab.presets import preset_names, preset_path
+
+    path = Path(source)
+    if source in preset_names():
+        path = preset_path(source)
+    elif not path.exists():
+        if path.suffix in (".yaml", ".yml") or "/" in source:
+            raise ConfigError(f"config file {source!r} does not exist; give a YAML path or one of the presets: "
+                              f"{', '.join(preset_names())}")
+        close = difflib.get_close_matches(source, preset_names(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown preset {source!r}.{hint} Presets: {', '.join(preset_names())} "
+                          f"(or give a path to a YAML file)")
+    try:
+        data = yaml.safe_load(path.read_text())  # safe_load: a config never executes code
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    base = data.pop("base", None)  # a YAML file may start from a preset: `base: qwen3-moe-30b-a3b`
+    d = _read_source(base) if base else Config().to_dict()
+    d["name"] = data.get("name", d.get("name"))
+    _merge(d, data, "")
+    return d
+
+
+def _merge(dst: dict, src: dict, prefix: str) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v, f"{prefix}{k}.")
+        else:
+            if k not in dst:
+                Config.from_dict(_nest(prefix + k, v))  # raises with a did-you-mean for unknown keys
+            dst[k] = v
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    d: dict = {}
+    _set_nested = d
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        _set_nested = _set_nested.setdefault(p, {})
+    _set_nested[parts[-1]] = value
+    return d
+
+
+def save_config(cfg: Config, path: "str | Path") -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,96 @@
+"""Parameter and FLOP accounting from a config alone (no torch needed), shared by the trainer and the planner.
+
+FLOPs convention (stated in every metrics stream and benchmark result as FLOPS_CONVENTION):
+    flops_per_token = 6 * activated_params + attention
+    activated_params: every parameter a token's matmuls touch: attention projections, dense FFNs, the router,
+        shared experts, top_k routed experts, and the LM head; the embedding lookup is excluded (not a matmul),
+        and so are norms.
+    attention: causal score and value matmuls, forward + backward (3x forward), halved for causality:
+        per layer 3 * 2 * ctx * H * (d_qk + d_v) / 2 with ctx = seq_len (or the window of a sliding layer,
+        counted as the mean keys a query sees).
+This is NeMo Automodel's convention (LM head included, causal halving) plus the router; torchtitan's omits the
+causal halving and the head, giving larger TFLOPs for the same run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLOPS_CONVENTION = ("6 x activated params (attention, dense FFN, router, shared + top-k experts, LM head; "
+                    "no embedding) + causal attention 3 x 2 x ctx x heads x (d_qk + d_v) / 2 per layer")
+
+
+@dataclass
+class ParamCount:
+    total: int
+    activated: int
+    embedding: int
+    experts_total: int
+
+
+def attention_params(m) -> int:
+    D, H = m.hidden_size, m.num_heads
+    if m.attention == "mla":
+        d_qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * d_qk) if m.q_lora_rank else D * H * d_qk
+        kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+            + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + H * m.v_head_dim * D
+    G, Dh = m.num_kv_heads, m.head_dim
+    n = D * H * Dh + 2 * D * G * Dh + H * Dh * D
+    if m.attention_bias:
+        n += H * Dh + 2 * G * Dh + D
+    if m.qk_norm:
+        n += 2 * Dh
+    if m.attention_sinks:
+        n += H
+    return n
+
+
+def count_params(m) -> ParamCount:
+    """Total and activated parameters of a ModelConfig (norm weights included in the total)."""
+    D, moe = m.hidden_size, m.moe
+    attn = attention_params(m)
+    norms = 2 * D
+    dense_ffn = 3 * D * m.dense_ffn_size
+    expert = 3 * D * moe.expert_ffn_size
+    router = moe.num_experts * D
+    shared = moe.num_shared_experts * expert
+    n_moe = m.num_layers - m.num_dense_layers
+    embedding = m.vocab_size * D
+    head = 0 if m.tie_embeddings else m.vocab_size * D
+    total = (embedding + head + D + m.num_dense_layers * (attn + norms + dense_ffn)
+             + n_moe * (attn + norms + router + shared + moe.num_experts * expert))
+    activated = (m.vocab_size * D + m.num_dense_layers * (attn + dense_ffn)
+                 + n_moe * (attn + router + shared + moe.top_k * expert))
+    return ParamCount(total=total, activated=activated, embedding=embedding,
+                      experts_total=n_moe * moe.num_experts * expert)
+
+
+def attention_flops_per_token(m, seq_len: int) -> float:
+    """Causal attention matmul FLOPs per token, forward + backward, summed over layers."""
+    from moelab.model_shapes import layer_windows
+
+    if m.attention == "mla":
+        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    else:
+        d_qk = d_v = m.head_dim
+    total = 0.0
+    for window in layer_windows(m):
+        # mean number of keys a query sees: (L+1)/2 for full causal, about the window for a sliding layer
+        ctx = (seq_len + 1) / 2 if not window or window >= seq_len else window - (window * window) / (2 * seq_len)
+        total += 3 * 2 * ctx * m.num_heads * (d_qk + d_v)
+    return total
+
+
+def flops_per_token(m, seq_len: int) -> float:
+    return 6 * count_params(m).activated + attention_flops_per_token(m, seq_len)
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Datasheet dense peak for MFU; None where unknown (CPU)."""
+    name = device_name.upper()
+    table = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+    for key, bf16 in table.items():
+        if key in name:
+            return bf16 if dtype == "bfloat16" else bf16 / 2
+    return None

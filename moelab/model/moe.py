@@ -1,0 +1,85 @@
+"""The MoE feed-forward: route, dispatch to experts, compute, combine, add shared experts.
+
+Shapes: B batch, L sequence, T tokens (B*L), D hidden, K top-k, E experts, N routed rows (T*K).
+
+The layer holds no parallelism. Moving rows to the experts is the job of ``self.dispatcher``: the default
+``LocalDispatcher`` only sorts rows by expert; moelab.parallel swaps in an all-to-all dispatcher for expert
+parallelism (and the backend switchboard may swap in DeepEP) without touching this module.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelab.config import BackendConfig, MoEConfig
+from moelab.model.experts import GroupedExperts
+from moelab.model.layers import SwiGLU
+from moelab.model.router import Router
+
+
+class AttachLoss(torch.autograd.Function):
+    """Identity on `x` whose backward also sends gradient `scale` into `loss`.
+
+    This lets router losses train without being returned through every layer (and through pipeline stages):
+    the trainer sets ``MoE.loss_scale`` to the weight of one micro batch in the step's loss."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(loss, ctx.scale), None
+
+
+class LocalDispatcher:
+    """All experts on this rank: sort the N = T*K assignments by expert, and undo it after."""
+
+    def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
+        T, K = experts_TK.shape
+        flat_N = experts_TK.reshape(-1)
+        if keep_TK is not None:  # dropped assignments sort last, behind a sentinel expert
+            flat_N = torch.where(keep_TK.reshape(-1), flat_N, num_experts)
+        order_N = torch.argsort(flat_N, stable=True)
+        counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts]
+        return x_TD[order_N // K], counts_E, order_N
+
+    def combine(self, y_ND, order_N, weights_TK, keep_TK, counts_E):
+        T, K = weights_TK.shape
+        if keep_TK is not None:  # rows past the kept ones were not computed by the grouped GEMM
+            valid_N = torch.arange(y_ND.shape[0], device=y_ND.device) < counts_E.sum()
+            y_ND = torch.where(valid_N[:, None], y_ND, 0.0)
+        y_unsorted_ND = torch.empty_like(y_ND).index_copy(0, order_N, y_ND)
+        return (y_unsorted_ND.view(T, K, -1) * weights_TK[..., None]).sum(1)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig, backend: BackendConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.router = Router(dim, cfg, backend.fake_balanced_gate, backend.fake_gate_noise)
+        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_size,
+                                      backend.experts if backend.experts in ("auto", "grouped_mm", "loop") else "auto")
+        self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts)
+                               if cfg.num_shared_experts else None)
+        self.dispatcher = LocalDispatcher()
+        self.loss_scale = 1.0  # set by the trainer: 1 / micro batches per step
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        weights_TK, experts_TK, keep_TK, router_loss = self.router(x_BLD)
+        if keep_TK is not None:
+            weights_TK = weights_TK * keep_TK
+        x_ND, counts_E, ctx = self.dispatcher.dispatch(x_TD, experts_TK, keep_TK, self.num_experts)
+        y_ND = self.experts(x_ND, counts_E)
+        y_TD = self.dispatcher.combine(y_ND, ctx, weights_TK, keep_TK, counts_E)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        y_BLD = y_TD.view(B, L, D)
+        if router_loss.requires_grad:
+            y_BLD = AttachLoss.apply(y_BLD, router_loss, self.loss_scale)
+        return y_BLD

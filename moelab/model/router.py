@@ -1,0 +1,176 @@
+"""Token-choice top-k router with the load-balancing strategies used in practice.
+
+Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, G expert groups.
+
+Routing statistics are accumulated in buffers on the device (no host synchronisation); the trainer reads and
+resets them once per optimizer step (``pop_stats``). The expert bias only changes which experts are selected,
+never the combine weights, and is updated after the optimizer step (``update_bias``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelab.config import MoEConfig
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig, fake_balanced_gate: bool = False, fake_gate_noise: float = 0.0):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.fake_balanced_gate, self.fake_gate_noise = fake_balanced_gate, fake_gate_noise
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+        # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # Capacity factor in force (dynamic capacity moves it between steps); persistent so resumes match.
+        self.register_buffer("capacity_factor", torch.tensor(float(cfg.capacity_factor)))
+        self.register_buffer("load_history", torch.zeros(max(cfg.capacity_window, 1), cfg.num_experts))
+        self.register_buffer("history_len", torch.zeros((), dtype=torch.long))
+        # Per-step statistics (not saved): tokens per expert, dropped assignments, loss terms, logit norms.
+        E = cfg.num_experts
+        self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
+        self.register_buffer("stat_dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("stat_aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("stat_z_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("stat_entropy", torch.zeros(()), persistent=False)
+        self.register_buffer("stat_logit_norm", torch.zeros(()), persistent=False)
+        self.register_buffer("stat_calls", torch.zeros(()), persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Buffers start empty after `to_empty` (building on the meta device); give them their initial values."""
+        for name, buf in self.named_buffers():
+            buf.zero_()
+        self.capacity_factor.fill_(float(self.cfg.capacity_factor))
+
+    def forward(self, x_BLD: torch.Tensor):
+        """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient."""
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.fake_balanced_gate:
+            experts_TK = self._balanced_assignment(x_TD)
+            weights_TK = torch.full(experts_TK.shape, 1.0 / self.top_k, device=x_TD.device)
+            scores_TE = torch.softmax(logits_TE, -1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE) if self.cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+            experts_TK = self._select(scores_TE.detach() + self.expert_bias)
+            weights_TK = scores_TE.gather(1, experts_TK)
+            if self.cfg.norm_topk_prob and self.top_k > 1:
+                weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+            weights_TK = weights_TK * self.cfg.route_scale
+        keep_TK = self._capacity_mask(experts_TK, weights_TK) if self.cfg.capacity_factor > 0 else None
+
+        loss = logits_TE.new_zeros(())
+        if self.cfg.aux_loss_coeff > 0 and self.training and not self.fake_balanced_gate:
+            aux = self._aux_loss(scores_TE, experts_TK, B, L)
+            loss = loss + self.cfg.aux_loss_coeff * aux
+            self.stat_aux_loss += aux.detach()
+        if self.cfg.z_loss_coeff > 0 and self.training:
+            z = torch.logsumexp(logits_TE, -1).pow(2).mean()
+            loss = loss + self.cfg.z_loss_coeff * z
+            self.stat_z_loss += z.detach()
+        self._record(experts_TK, keep_TK, scores_TE.detach(), logits_TE.detach())
+        return weights_TK.to(x_BLD.dtype), experts_TK, keep_TK, loss
+
+    # ------------------------------------------------------------------ selection
+    def _select(self, sel_TE: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.num_groups > 1:
+            T, E = sel_TE.shape
+            grouped_TGX = sel_TE.view(T, cfg.num_groups, E // cfg.num_groups)
+            # DeepSeek-V3: a group's score is the sum of its two best experts (its best one if it has one).
+            n = min(2, E // cfg.num_groups)
+            group_TG = grouped_TGX.topk(n, dim=-1).values.sum(-1)
+            top_groups_TG = group_TG.topk(cfg.topk_groups, dim=-1).indices
+            mask_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, top_groups_TG, False)
+            sel_TE = grouped_TGX.masked_fill(mask_TG[..., None], float("-inf")).view(T, E)
+        return sel_TE.topk(self.top_k, dim=-1).indices
+
+    def _balanced_assignment(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Round-robin top-k for reproducible benchmarks; optional noise is seeded by token content, so an
+        activation-checkpoint recompute routes identically."""
+        T, K, E = x_TD.shape[0], self.top_k, self.num_experts
+        base_T = torch.arange(T, device=x_TD.device) * K
+        if self.fake_gate_noise > 0:
+            content = (x_TD[:, 0].detach().float() * 9973.0).frac().abs()
+            base_T = base_T + (content * self.fake_gate_noise * E).long()
+        return (base_T[:, None] + torch.arange(K, device=x_TD.device)[None, :]) % E
+
+    def _capacity_mask(self, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Keep at most `capacity` assignments per expert, dropping the lowest-scored ones above it."""
+        T, K = experts_TK.shape
+        capacity = math.ceil(float(self.capacity_factor) * T * K / self.num_experts)
+        flat_e, flat_w = experts_TK.reshape(-1), weights_TK.detach().reshape(-1).float()
+        # Sort by expert, then by descending score: the rank within an expert decides who stays.
+        order = torch.argsort(flat_w, descending=True, stable=True)
+        order = order[torch.argsort(flat_e[order], stable=True)]
+        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_sorted = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
+        keep = torch.empty_like(flat_e, dtype=torch.bool)
+        keep[order] = rank_sorted < capacity
+        return keep.view(T, K)
+
+    # ------------------------------------------------------------------ losses
+    def _aux_loss(self, scores_TE, experts_TK, B, L):
+        """Switch-style: E * sum_e f_e * P_e (f: share of assignments, P: mean normalised score).
+        "sequence" (DeepSeek-V3) computes it per sequence and averages over sequences."""
+        E, K = self.num_experts, self.top_k
+        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if self.cfg.score_func == "sigmoid" else scores_TE
+        onehot_TE = torch.zeros_like(probs_TE).scatter_(1, experts_TK, 1.0)
+        if self.cfg.aux_loss_type == "sequence":
+            f_BE = onehot_TE.view(B, L, E).sum(1) / (L * K)
+            p_BE = probs_TE.view(B, L, E).mean(1)
+            return (E * (f_BE * p_BE).sum(-1)).mean()
+        f_E = onehot_TE.sum(0) / (B * L * K)
+        return E * (f_E * probs_TE.mean(0)).sum()
+
+    # ------------------------------------------------------------------ statistics
+    def _record(self, experts_TK, keep_TK, scores_TE, logits_TE):
+        flat = experts_TK.reshape(-1)
+        if keep_TK is not None:
+            kept = keep_TK.reshape(-1)
+            self.stat_dropped += (~kept).sum()
+            flat = torch.where(kept, flat, self.num_experts)
+        self.stat_tokens_per_expert += torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        p = scores_TE / scores_TE.sum(-1, keepdim=True)
+        self.stat_entropy += -(p * (p + 1e-20).log()).sum(-1).mean()
+        self.stat_logit_norm += logits_TE.norm(dim=-1).mean()
+        self.stat_calls += 1
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """Step statistics as device tensors (no synchronisation); resets them."""
+        calls = self.stat_calls.clamp(min=1)
+        out = {"tokens_per_expert": self.stat_tokens_per_expert.clone(), "dropped": self.stat_dropped.clone(),
+               "aux_loss": self.stat_aux_loss / calls, "z_loss": self.stat_z_loss / calls,
+               "entropy": self.stat_entropy / calls, "logit_norm": self.stat_logit_norm / calls,
+               "capacity_factor": self.capacity_factor.clone()}
+        for name in ("stat_tokens_per_expert", "stat_dropped", "stat_aux_loss", "stat_z_loss", "stat_entropy",
+                     "stat_logit_norm", "stat_calls"):
+            getattr(self, name).zero_()
+        return out
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the others.
+        Call after the optimizer step with counts summed over data-parallel ranks."""
+        if self.cfg.bias_update_rate > 0 and not self.fake_balanced_gate:
+            load = tokens_per_expert_E.float()
+            self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def update_capacity(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Dynamic capacity: factor = 1 + 0.5 * sigmoid(std(load / mean load) - 1) over the history window."""
+        if not self.cfg.dynamic_capacity:
+            return
+        load = tokens_per_expert_E.float()
+        self.load_history = torch.roll(self.load_history, 1, 0)
+        self.load_history[0] = load / load.mean().clamp(min=1e-9)
+        self.history_len.clamp_(max=self.load_history.shape[0] - 1).add_(1)
+        spread = self.load_history[: int(self.history_len)].std(dim=1).mean()
+        self.capacity_factor.fill_(float(1 + 0.5 * torch.sigmoid(spread - 1)))

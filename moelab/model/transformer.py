@@ -1,0 +1,95 @@
+"""The decoder-only MoE transformer.
+
+Shapes: B batch, L sequence, D hidden, V vocabulary.
+
+Pipeline-friendly in torchtitan's way: ``layers`` is a ModuleDict keyed by the global layer index, and
+``tok_embeddings``, ``norm`` and ``output`` may be set to None, so a pipeline stage is this same class with
+the parts it does not own removed. No parallelism lives here.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from moelab.config import BackendConfig, ModelConfig
+from moelab.model.attention import GQAttention
+from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
+from moelab.model.moe import MoE
+from moelab.model_shapes import layer_window
+
+
+def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:
+    if cfg.attention == "mla":
+        from moelab.model.mla import MLAttention
+
+        return MLAttention(cfg, backend)
+    return GQAttention(cfg, backend, window=layer_window(cfg, index))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: BackendConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = build_attention(cfg, backend, index)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = index >= cfg.num_dense_layers
+        self.ffn = MoE(cfg.hidden_size, cfg.moe, backend) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size)
+
+    def forward(self, x_BLD, cos_LD, sin_LD):
+        x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD)
+        return x_BLD + self.ffn(self.ffn_norm(x_BLD))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: BackendConfig | None = None):
+        super().__init__()
+        backend = backend or BackendConfig()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, backend, i) for i in range(cfg.num_layers)})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+
+    def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head).
+        `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard."""
+        h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
+        if positions_L is None:
+            positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
+        cos_LD, sin_LD = rope_cos_sin(positions_L, self.rope_dim, self.cfg.rope_theta, h_BLD.dtype)
+        for layer in self.layers.values():
+            h_BLD = layer(h_BLD, cos_LD, sin_LD)
+        if self.norm is not None:
+            h_BLD = self.norm(h_BLD)
+        return self.output(h_BLD) if self.output is not None else h_BLD
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.layers.values() if b.is_moe]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Initialise every parameter from a generator seeded by (seed, parameter name): the same weights on
+        any device and for any subset of layers, so pipeline stages and sharded builds agree with one process."""
+        out_std = std / math.sqrt(2 * max(self.cfg.num_layers, 1))
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name.rsplit(".", 2)[-2] or leaf == "sinks":
+                p.fill_(1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0)
+                continue
+            if leaf == "bias":
+                p.zero_()
+                continue
+            g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            scale = out_std if any(k in name for k in ("o_proj", "down_proj", "w_down")) else std
+            p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+        for moe in self.moe_layers():
+            moe.router.reset_buffers()

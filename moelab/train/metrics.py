@@ -1,0 +1,149 @@
+"""The metrics stream: the one contract between the trainer and every reader (Run, dashboard, gallery).
+
+A run folder holds ``metrics.jsonl``: one JSON object per line, appended and flushed as it happens.
+
+Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and ``time`` (unix seconds):
+- ``start``: config (dict), env (torch, python, host, device, gpu_name, world_size, layout), total_steps,
+  start_step (> 0 after a resume), flops_per_token, flops_convention, activated_params, total_params.
+- ``step``: step (1-based optimizer step), loss, aux_loss, z_loss, lr, grad_norm, tokens (this step, global),
+  step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu (null where the peak is unknown),
+  skipped (true when a non-finite step was skipped),
+  memory: {peak_allocated_gb, peak_reserved_gb, rss_gb, max_peak_allocated_gb, per_rank: [{rank, ...}]},
+  routing: {tokens_per_expert: [moe_layers][num_experts] (global, after dropping: each layer sums to
+  tokens x top_k - dropped), dropped_tokens: [moe_layers], entropy: [moe_layers], logit_norm: [moe_layers],
+  capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...], overloaded: [...]}.
+- ``warning``: step, kind, message.
+- ``checkpoint``: step, path.
+- ``end``: step, status ("COMPLETED" | "PREEMPTED" | "STOPPED"), summary.
+- ``error``: step, rank, message, traceback.
+
+Readers must expect the last line to be half written while a run is live (``read_events(..., live=True)``);
+any other line that does not parse is corruption and raises MetricsError with the line number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+EVENTS = ("start", "step", "warning", "checkpoint", "end", "error")
+
+
+class MetricsError(ValueError):
+    """A metrics.jsonl line that is not a valid event (the message names the file and the line)."""
+
+
+class MetricsWriter:
+    """Appends events to metrics.jsonl; one write() and one flush() per event, so a crash loses nothing that
+    was written and a reader never sees a partial line except the very last one."""
+
+    def __init__(self, path: "str | Path"):
+        self.path = Path(path)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, event: str, **fields) -> dict:
+        record = {"event": event, "schema": SCHEMA_VERSION, "time": time.time(), **_finite(fields)}
+        self._f.write(json.dumps(record, allow_nan=False, default=_jsonable) + "\n")
+        self._f.flush()
+        return record
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def append_event(path: "str | Path", event: str, **fields) -> None:
+    """Append one event from any process (an error on a rank that is not the writer): a single O_APPEND
+    write of one line, which does not interleave with the writer's lines."""
+    line = json.dumps({"event": event, "schema": SCHEMA_VERSION, "time": time.time(), **_finite(fields)},
+                      default=_jsonable) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _finite(x):
+    """NaN and infinities are not JSON: they are written as null (a non-finite loss is also an error event)."""
+    if isinstance(x, float):
+        return x if x == x and abs(x) != float("inf") else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, float):  # nan / inf are not JSON: write null
+        return None
+    return str(x)
+
+
+def parse_line(line: "str | bytes", where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise MetricsError(f"{where}: not valid JSON ({e}); the metrics stream is corrupt") from None
+    if not isinstance(record, dict) or record.get("event") not in EVENTS:
+        raise MetricsError(f"{where}: not a moelab event (needs 'event' in {EVENTS})")
+    if record.get("schema", SCHEMA_VERSION) > SCHEMA_VERSION:
+        raise MetricsError(f"{where}: schema {record['schema']} is newer than this moelab reads "
+                           f"({SCHEMA_VERSION}); upgrade moelab")
+    return record
+
+
+def read_events(path: "str | Path", live: bool = False) -> list[dict]:
+    """All events of a metrics.jsonl. A last line without its newline is tolerated only when `live` (the
+    writer may be mid-line); a bad line anywhere else raises MetricsError naming its line number."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    events = []
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            events.append(parse_line(line, f"{path}:{i}"))
+    if tail.strip():
+        if not live:
+            raise MetricsError(f"{path}:{len(lines) + 1}: truncated last line (no newline); the run was "
+                               f"interrupted mid-write. Remove the line or resume the run")
+    return events
+
+
+class JsonlTail:
+    """Incremental reader for a live stream: returns new complete events on each poll, keeps a half-written
+    last line for the next poll, and reports corrupt complete lines through `errors` (never raises)."""
+
+    def __init__(self, path: "str | Path"):
+        self.path = Path(path)
+        self._pos = 0
+        self._partial = b""
+        self._line = 0
+        self.errors: list[str] = []
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return []
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            self._line += 1
+            if line.strip():
+                try:
+                    out.append(parse_line(line, f"{self.path}:{self._line}"))
+                except MetricsError as e:
+                    self.errors.append(str(e))
+        return out

@@ -1,0 +1,244 @@
+"""The training loop that runs on every rank.
+
+One optimizer step = the global batch, split into micro batches; this rank trains its data-parallel share with
+gradient accumulation. Exactly one host synchronisation per step: every statistic the step needs (loss, grad
+norm, routing counts) is packed into one tensor, summed over ranks, and read once; the non-finite check uses the
+same read, before the optimizer steps.
+
+    summary = Trainer(load_config("tiny"), "runs/tiny").run()
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moelab.config import Config, save_config
+from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
+from moelab.launch.env import DistEnv
+from moelab.train.data import make_dataset, micro_batch
+from moelab.train.metrics import MetricsWriter, append_event
+from moelab.train.optim import build_optimizer, lr_at, set_lr
+from moelab.train.summary import summarize
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: "str | Path", env: DistEnv | None = None, progress: bool = False):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.env = env or DistEnv.from_environ(cfg.train.device)
+        self.progress = progress and self.env.rank == 0
+        self.writer: MetricsWriter | None = None
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from moelab.model import MoETransformer
+        from moelab.parallel import parallelize
+
+        cfg, env = self.cfg, self.env
+        env.init(cfg.train.collective_timeout_s)
+        self.layout = cfg.resolved_parallel(env.world_size)
+        torch.manual_seed(cfg.train.seed)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if env.rank == 0:
+            save_config(cfg, self.run_dir / "config.yaml")
+        self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        # Build on the meta device, parallelize (which may drop layers and experts this rank does not own),
+        # then materialise and initialise only what is left: the same weights as one process would have.
+        with torch.device("meta"):
+            model = MoETransformer(cfg.model, cfg.backend)
+        self.par = parallelize(model, cfg, env, self.layout)
+        self.model = self.par.model
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.dataset = make_dataset(cfg)
+        t = cfg.train
+        self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
+        for moe in self.par.moe_layers:
+            moe.loss_scale = 1.0 / self.micro_per_rank
+        params = count_params(cfg.model)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
+        self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
+        self.start_step = 0
+        self.step = self.start_step
+        if env.rank == 0:
+            self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+            self.writer.write(
+                "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
+                flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION,
+                total_params=params.total, activated_params=params.activated,
+                env={"torch": torch.__version__, "python": platform.python_version(), "host": socket.gethostname(),
+                     "device": env.device, "gpu_name": self.gpu_name, "world_size": env.world_size,
+                     "layout": {k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                     "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses."""
+        t, par = self.cfg.train, self.par
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i in range(self.micro_per_rank):
+            first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
+            batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device)
+            inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
+            with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
+                                enabled=self.dtype != torch.float32 and not par.casts_params):
+                logits = self.model(inputs, par.positions(t.seq_len, self.env.device))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            (loss / self.micro_per_rank).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def train_step(self, step: int) -> dict:
+        cfg, par = self.cfg, self.par
+        lr = lr_at(step, cfg)
+        set_lr(self.optimizer, lr)
+        loss_sum = self.forward_backward(step)
+        grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
+        # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
+        # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
+        # read once.
+        moes = par.moe_layers_all
+        E, n_layers = cfg.model.moe.num_experts, len(moes)
+        stats = [m.router.pop_stats() if m is not None else None for m in moes]
+        dev = self.env.device
+        parts = [par.loss_contribution(loss_sum), grad_norm.reshape(1).float() * par.grad_norm_weight()]
+        for key, size, weight in (("tokens_per_expert", E, 1.0), ("dropped", 1, 1.0), ("aux_loss", 1, None),
+                                  ("z_loss", 1, None), ("entropy", 1, None), ("logit_norm", 1, None),
+                                  ("capacity_factor", 1, None)):
+            w = par.stat_weight() if weight is None else weight
+            parts += [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
+                      for s in stats]
+        memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
+        memory_slots[par.rank_slot()] = torch.tensor(self.memory_now(), device=dev)
+        parts.append(memory_slots.reshape(-1))
+        values = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts])).tolist()
+        loss = values[0] / (self.micro_per_rank * par.dp_size)
+        gnorm = values[1]
+        off = 2
+        tokens_per_expert = [values[off + i * E: off + (i + 1) * E] for i in range(n_layers)]
+        off += n_layers * E
+        per_layer = {}
+        for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm", "capacity_factor"):
+            per_layer[key] = values[off: off + n_layers]
+            off += n_layers
+        self.last_memory = [values[off + 3 * r: off + 3 * r + 3] for r in range(self.env.world_size)]
+        skipped = False
+        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
+            if cfg.train.on_nan == "stop":
+                raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
+                                    f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
+            self.optimizer.zero_grad(set_to_none=True)
+            skipped = True
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            counts = torch.tensor(tokens_per_expert, device=self.env.device) if n_layers else None
+            for i, moe in enumerate(moes):
+                if moe is not None:
+                    moe.router.update_bias(counts[i])
+                    moe.router.update_capacity(counts[i])
+        return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
+                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
+                "routing": {"tokens_per_expert": tokens_per_expert, "dropped_tokens": per_layer["dropped"],
+                            "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
+                            "capacity_factor": per_layer["capacity_factor"]}}
+
+    def nonfinite_hint(self) -> str:
+        """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails)."""
+        for name, p in self.model.named_parameters():
+            g = p.grad
+            if g is not None:
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                if not torch.isfinite(g).all():
+                    return f"First non-finite gradient: {name}. "
+        return ""
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        try:
+            self.setup()
+            return self._loop()
+        except BaseException as e:
+            self._report_error(e)
+            raise
+        finally:
+            if self.writer:
+                self.writer.close()
+
+    def _loop(self) -> dict:
+        t = self.cfg.train
+        tokens_per_step = t.global_batch_size * t.seq_len
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=t.steps, initial=self.start_step, desc=self.cfg.name, unit="step")
+        records = []
+        t_prev = time.perf_counter()
+        if self.env.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.env.device)
+        status = "COMPLETED"
+        for step in range(self.start_step + 1, t.steps + 1):
+            self.step = step
+            rec = self.train_step(step)
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            tps = tokens_per_step / dt
+            tflops = self.flops_per_token * tps / self.env.world_size / 1e12
+            rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
+                       tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
+                       mfu=tflops / self.peak if self.peak else None, memory=self.memory())
+            if self.writer:
+                self.writer.write("step", **rec)
+            records.append(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        summary = summarize(self.cfg, records, status=status, start_step=self.start_step)
+        if self.writer:
+            self.writer.write("end", step=self.step, status=status, summary=summary)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.env.shutdown()
+        return summary
+
+    def memory_now(self) -> list[float]:
+        """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,
+        so reading them costs no device synchronisation."""
+        rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if not self.env.is_cuda:
+            return [0.0, 0.0, rss_gb]
+        return [torch.cuda.max_memory_allocated(self.env.device) / 2**30,
+                torch.cuda.max_memory_reserved(self.env.device) / 2**30, rss_gb]
+
+    def memory(self) -> dict:
+        """This step's memory event: rank 0's figures, the maximum over ranks, and every rank's."""
+        keys = ("peak_allocated_gb", "peak_reserved_gb", "rss_gb")
+        per_rank = [{"rank": r, **dict(zip(keys, vals))} for r, vals in enumerate(self.last_memory)]
+        key = "peak_allocated_gb" if self.env.is_cuda else "rss_gb"
+        return {**per_rank[0], "max_peak_allocated_gb": max(r[key] for r in per_rank), "per_rank": per_rank}
+
+    def _report_error(self, e: BaseException) -> None:
+        """Every rank that fails appends an error event (with its traceback) to the stream."""
+        if isinstance(e, KeyboardInterrupt):
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            append_event(self.run_dir / "metrics.jsonl", "error", step=self.step, rank=self.env.rank,
+                         message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        except OSError:
+            pass
