@@ -5,6 +5,8 @@
     run.dashboard()
 """
 from moelab.config import Config, ConfigError, load_config, save_config
+from moelab.run import Run, Sweep, runs
+from moelab.session import Session
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "load_config", "save_config"]
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "Run", "Session", "Sweep", "runs"]

@@ -61,6 +61,22 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from moelab.plan import plan
+
+    p = plan(_load(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb)
+    print(json.dumps(p.to_dict(), indent=1) if args.json else p)
+    return 0
+
+
+def cmd_gallery(args) -> int:
+    from moelab.gallery import main as gallery_main
+
+    return gallery_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moelab", description="Mixture-of-Experts training lab")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -74,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the named configs")
     p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU, communication and a fits verdict")
+    _config_args(p)
+    p.add_argument("--gpus", type=int, help="world size (default: the product of the config's layout)")
+    p.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: this CUDA device, else 80, an H100)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("gallery", help="benchmark gallery: list | run NAME | report")
+    from moelab.gallery import add_arguments as _gallery_arguments
+
+    _gallery_arguments(p)
+    p.set_defaults(func=cmd_gallery)
     return ap
 
 

@@ -34,7 +34,9 @@ class MoEConfig:
     top_k: int = 2
     expert_ffn_size: int = 128
     num_shared_experts: int = 0
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # softmax/sigmoid: score all experts, pick the top-k; softmax_topk (GPT-OSS): pick the top-k logits, then
+    # softmax over those k only.
+    score_func: Literal["softmax", "sigmoid", "softmax_topk"] = "softmax"
     norm_topk_prob: bool = True
     route_scale: float = 1.0
     # Group-limited (two-level) routing: experts split into num_groups groups, tokens pick topk_groups first.
@@ -58,6 +60,27 @@ class MoEConfig:
     # Expert health: an expert with no tokens for this many steps is reported dead.
     dead_expert_steps: int = 5
     overload_factor: float = 2.0
+    # GPT-OSS: a learned router bias, biases on the expert projections, and its clamped SwiGLU
+    # ((up + 1) * gate * sigmoid(1.702 * gate), gate <= 7, |up| <= 7).
+    router_bias: bool = False
+    expert_proj_bias: bool = False
+    activation: Literal["swiglu", "gpt_oss"] = "swiglu"
+
+
+@dataclass
+class RopeScalingConfig:
+    """YaRN rotary scaling as in the published DeepSeek-V3, Kimi-K2 and GPT-OSS checkpoints (HF's "yarn").
+    It changes the rotary frequencies at every length, so loaded checkpoints need it for matching logits."""
+    kind: Literal["none", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_len: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # DeepSeek-style softmax-scale correction: scale *= (0.1 * mscale_all_dim * ln(factor) + 1) ** 2 (MLA only);
+    # cos/sin are multiplied by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim). 0 = unset.
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
 
 @dataclass
@@ -88,6 +111,7 @@ class ModelConfig:
     sliding_pattern: Literal["all", "alternate"] = "alternate"
     attention_sinks: bool = False
     attention_bias: bool = False
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -119,6 +143,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Parameter (and gradient, optimizer state) dtype. float32 = fp32 master weights, bf16 compute by autocast or
+    # FSDP2 mixed precision; bfloat16 = parameters stored in bf16 (as HF/torchtitan benchmarks run): half the
+    # memory traffic of the optimizer step, no per-step weight casts; needs train.dtype=bfloat16.
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
@@ -233,8 +261,23 @@ class Config:
         for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "expert_lr_power"):
             if getattr(moe, name) < 0:
                 _fail(f"model.moe.{name}", getattr(moe, name), "must be >= 0")
+        for name, fix in (("expert_lr_max_scale", "must be >= 1 (under-used experts never learn slower)"),
+                          ("overload_factor", "must be >= 1 (times the mean load)"),
+                          ("dead_expert_steps", "must be >= 1 (steps without tokens)")):
+            if getattr(moe, name) < 1:
+                _fail(f"model.moe.{name}", getattr(moe, name), fix)
         if moe.route_scale <= 0:
             _fail("model.moe.route_scale", moe.route_scale, "must be > 0")
+        if moe.score_func == "softmax_topk" and moe.num_groups > 1:
+            _fail("model.moe.num_groups", moe.num_groups,
+                  "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
+        rs = m.rope_scaling
+        if rs.kind == "yarn":
+            if rs.factor < 1:
+                _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
+            if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
+                _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
+                      f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
         if t.global_batch_size % t.micro_batch_size:
             _fail("train.global_batch_size", t.global_batch_size,
                   f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
@@ -244,6 +287,8 @@ class Config:
             _fail("train.min_lr_ratio", t.min_lr_ratio, "must be within [0, 1]")
         if t.grad_clip < 0:
             _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+        if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
+            _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
         if t.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
         if p.fsdp == 0 or p.fsdp < -1:

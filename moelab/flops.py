@@ -34,7 +34,8 @@ def attention_params(m) -> int:
         q = (D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * d_qk) if m.q_lora_rank else D * H * d_qk
         kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
             + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + H * m.v_head_dim * D
+        bias = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim + D) if m.attention_bias else 0
+        return q + kv + H * m.v_head_dim * D + bias
     G, Dh = m.num_kv_heads, m.head_dim
     n = D * H * Dh + 2 * D * G * Dh + H * Dh * D
     if m.attention_bias:
@@ -52,9 +53,9 @@ def count_params(m) -> ParamCount:
     attn = attention_params(m)
     norms = 2 * D
     dense_ffn = 3 * D * m.dense_ffn_size
-    expert = 3 * D * moe.expert_ffn_size
-    router = moe.num_experts * D
-    shared = moe.num_shared_experts * expert
+    expert = 3 * D * moe.expert_ffn_size + ((2 * moe.expert_ffn_size + D) if moe.expert_proj_bias else 0)
+    router = moe.num_experts * (D + (1 if moe.router_bias else 0))
+    shared = moe.num_shared_experts * 3 * D * moe.expert_ffn_size  # shared experts have no biases
     n_moe = m.num_layers - m.num_dense_layers
     embedding = m.vocab_size * D
     head = 0 if m.tie_embeddings else m.vocab_size * D

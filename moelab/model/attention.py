@@ -1,4 +1,5 @@
-"""Attention: grouped-query attention (MHA when kv heads == heads) through SDPA or an eager reference.
+"""Attention: grouped-query attention (MHA when kv heads == heads) through SDPA, FlexAttention or an eager
+reference; sliding windows and GPT-OSS sink logits through flex or eager.
 
 Shapes: B batch, L sequence, D hidden, H query heads, G kv heads, Dh head dim.
 
@@ -6,6 +7,7 @@ Shapes: B batch, L sequence, D hidden, H query heads, G kv heads, Dh head dim.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,15 +18,24 @@ from moelab.config import BackendConfig, ModelConfig
 from moelab.model.layers import RMSNorm, apply_rope
 
 
-def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sinks_H=None):
-    """Causal attention with optional sliding window and learned sink logits (GPT-OSS)."""
+def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sinks_H=None, scale=None,
+                     block_mask=None):
+    """Causal attention with optional sliding window and learned sink logits (GPT-OSS).
+
+    backend "sdpa" (plain causal only; anything else falls to eager), "flex" (FlexAttention; `block_mask` from
+    `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults to 1/sqrt(Dh).
+    v may have a different head dim than q and k (MLA)."""
     H, G = q_BHLD.shape[1], k_BGLD.shape[1]
+    if backend == "flex":
+        return flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window, sinks_H, scale, block_mask)
     if backend == "sdpa" and not window and sinks_H is None:
-        return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, is_causal=True, enable_gqa=H != G)
+        return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, is_causal=True, scale=scale,
+                                              enable_gqa=H != G)
     k_BHLD = k_BGLD.repeat_interleave(H // G, dim=1)
     v_BHLD = v_BGLD.repeat_interleave(H // G, dim=1)
     L, S = q_BHLD.shape[2], k_BHLD.shape[2]
-    scores = (q_BHLD @ k_BHLD.transpose(-1, -2)).float() / math.sqrt(q_BHLD.shape[-1])
+    scale = 1 / math.sqrt(q_BHLD.shape[-1]) if scale is None else scale
+    scores = (q_BHLD @ k_BHLD.transpose(-1, -2)).float() * scale
     i = torch.arange(L, device=q_BHLD.device)[:, None] + (S - L)
     j = torch.arange(S, device=q_BHLD.device)[None, :]
     allowed = j <= i
@@ -37,6 +48,52 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     else:
         probs = torch.softmax(scores, dim=-1)
     return (probs.to(v_BHLD.dtype) @ v_BHLD)
+
+
+def flex_block_mask(L: int, S: int, window: int, device):
+    """FlexAttention block mask: causal (queries are the last L of S keys), within `window` keys if > 0."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = S - L
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        causal = kv_idx <= q_idx + offset
+        return causal & (q_idx + offset - kv_idx < window) if window else causal
+
+    return create_block_mask(mask_mod, None, None, L, S, device=device)
+
+
+def cached_block_mask(owner: nn.Module, q_BHLD, k_BGLD, window: int):
+    """The flex block mask for these shapes, kept on `owner._flex_mask` while the sequence length stays."""
+    key = (q_BHLD.shape[2], k_BGLD.shape[2], str(q_BHLD.device))
+    if owner._flex_mask is None or owner._flex_mask[0] != key:
+        owner._flex_mask = (key, flex_block_mask(key[0], key[1], window, q_BHLD.device))
+    return owner._flex_mask[1]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # FlexAttention is only fast compiled (eager materialises the scores); compile once per process.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=None, block_mask=None):
+    """FlexAttention with the sliding window in the block mask and sinks folded in through the LSE:
+    softmax over [scores, sink] = softmax(scores) * sigmoid(lse - sink), so the kernel needs no extra column.
+    On CPU it runs uncompiled and forward only (torch has no CPU FlexAttention backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    L, S = q_BHLD.shape[2], k_BGLD.shape[2]
+    if block_mask is None:
+        block_mask = flex_block_mask(L, S, window, q_BHLD.device)
+    fn = _compiled_flex_attention() if q_BHLD.is_cuda else flex_attention
+    o_BHLD, lse_BHL = fn(q_BHLD, k_BGLD, v_BGLD, block_mask=block_mask, scale=scale,
+                         enable_gqa=q_BHLD.shape[1] != k_BGLD.shape[1], return_lse=True)
+    if sinks_H is not None:
+        o_BHLD = o_BHLD * torch.sigmoid(lse_BHL.float() - sinks_H.float()[None, :, None])[..., None].to(o_BHLD.dtype)
+    return o_BHLD
 
 
 class GQAttention(nn.Module):
@@ -52,6 +109,7 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(Dh, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(Dh, cfg.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None
+        self._flex_mask = None  # (shape key, BlockMask) cache for backend 'flex'
 
     def forward(self, x_BLD, cos_LD, sin_LD):
         B, L, _ = x_BLD.shape
@@ -66,4 +124,6 @@ class GQAttention(nn.Module):
         return self.o_proj(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
     def attend(self, q_BHLD, k_BGLD, v_BGLD):
-        return causal_attention(q_BHLD, k_BGLD, v_BGLD, self.backend, self.window, self.sinks)
+        block_mask = cached_block_mask(self, q_BHLD, k_BGLD, self.window) if self.backend == "flex" else None
+        return causal_attention(q_BHLD, k_BGLD, v_BGLD, self.backend, self.window, self.sinks,
+                                block_mask=block_mask)

@@ -1,7 +1,8 @@
-"""Routed experts stored stacked, computed as one grouped GEMM or a reference loop.
+"""Routed experts stored stacked, computed as one grouped GEMM or a reference loop; SwiGLU or GPT-OSS's
+clamped SwiGLU, with optional per-expert biases (GPT-OSS).
 
 Shapes: N routed rows (tokens x top-k, sorted by expert), D hidden, F expert width, E local experts.
-Weights: w_gate_up_EDF2 = [gate | up] of every expert, w_down_EFD.
+Weights: w_gate_up_EDF2 = [gate | up] of every expert, w_down_EFD; biases b_gate_up_EF2, b_down_ED.
 """
 from __future__ import annotations
 
@@ -21,42 +22,83 @@ def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32
 
 
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+# GPT-OSS's clamped SwiGLU constants (openai/gpt-oss; transformers' GptOssExperts swiglu_alpha/swiglu_limit).
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def gpt_oss_glu(gate, up):
+    """(up + 1) * gate * sigmoid(1.702 * gate) with gate <= 7 and |up| <= 7 (GPT-OSS experts)."""
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))
+
+
+ACTIVATIONS = {"swiglu": swiglu, "gpt_oss": gpt_oss_glu}
+
+
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, dim: int, ffn: int, impl: str = "auto"):
+    def __init__(self, num_experts: int, dim: int, ffn: int, impl: str = "auto", bias: bool = False,
+                 activation: str = "swiglu"):
         super().__init__()
         self.num_experts, self.dim, self.ffn = num_experts, dim, ffn
         self.impl = impl  # auto | grouped_mm | loop; other backends replace forward_impl (moelab.backends)
+        self.activation = activation
+        # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
+        # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
+        self.expert_offset = 0
         self.w_gate_up_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * ffn))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn, dim))
+        # GPT-OSS biases; "b_" parameters start at zero (MoETransformer.init_weights).
+        self.b_gate_up_EF2 = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
+        self.b_down_ED = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """x_ND: rows sorted by expert; counts_E: rows per expert (rows past their sum are ignored)."""
-        w1, w2 = self.w_gate_up_EDF2, self.w_down_EFD
+        w1, w2, b1, b2 = self.w_gate_up_EDF2, self.w_down_EFD, self.b_gate_up_EF2, self.b_down_ED
         if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
+            b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
         impl = self.impl
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"
-        if impl == "grouped_mm":
-            return grouped_mm_swiglu(x_ND, w1, w2, counts_E)
-        return loop_swiglu(x_ND, w1, w2, counts_E)
+        if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
+            from moelab.backends import experts_kernel
+
+            return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
+        fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS[self.activation])
 
 
-def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E):
+def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NF2 = torch._grouped_mm(x_ND, w_gate_up_EDF2, offs=offs_E)
+    if b_gate_up_EF2 is not None:
+        # expert of each row, found on the device (no host sync); rows past the counts get the last expert
+        expert_N = torch.searchsorted(offs_E, torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32),
+                                      right=True).clamp(max=counts_E.shape[0] - 1)
+        h_NF2 = h_NF2 + b_gate_up_EF2[expert_N]
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate_NF) * up_NF, w_down_EFD, offs=offs_E)
+    y_ND = torch._grouped_mm(act(gate_NF, up_NF), w_down_EFD, offs=offs_E)
+    if b_down_ED is not None:
+        y_ND = y_ND + b_down_ED[expert_N]
+    return y_ND
 
 
-def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E):
+def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
     """Reference: one matmul pair per expert. Reads the counts on the host (one synchronisation)."""
     out = torch.zeros_like(x_ND)
     start = 0
     for e, n in enumerate(counts_E.tolist()):
         if n:
             h = x_ND[start:start + n] @ w_gate_up_EDF2[e]
+            if b_gate_up_EF2 is not None:
+                h = h + b_gate_up_EF2[e]
             gate, up = h.chunk(2, dim=-1)
-            out[start:start + n] = (F.silu(gate) * up) @ w_down_EFD[e]
+            y = act(gate, up) @ w_down_EFD[e]
+            out[start:start + n] = y + b_down_ED[e] if b_down_ED is not None else y
         start += n
     return out

@@ -4,6 +4,8 @@ Shapes: B batch, L sequence, D hidden, H heads, Dh head dim, F feed-forward widt
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,12 +23,40 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_cos_sin(positions_L: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin of shape [L, dim] for the HF "rotate half" convention (so HF weights load unchanged)."""
+def rope_cos_sin(positions_L: torch.Tensor, dim: int, theta: float, dtype: torch.dtype, scaling=None):
+    """cos and sin of shape [L, dim] for the HF "rotate half" convention (so HF weights load unchanged).
+    `scaling`: a RopeScalingConfig; kind "yarn" blends interpolated and original frequencies and scales cos/sin."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions_L.device, dtype=torch.float32) / dim))
+    attention_factor = 1.0
+    if scaling is not None and scaling.kind == "yarn":
+        inv_freq, attention_factor = _yarn(inv_freq, dim, theta, scaling)
     freqs_LF = positions_L.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs_LF, freqs_LF], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s):
+    """YaRN (arXiv 2309.00071) as HF's "yarn" rope type computes it: frequencies rotating fewer than beta_slow
+    times over the original context are interpolated by `factor`, those above beta_fast kept, a ramp between."""
+    def correction_dim(rotations):
+        return dim * math.log(s.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / max(high - low, 1e-3)
+    keep = 1 - ramp.clamp(0, 1)  # 1 = keep the original (extrapolated) frequency
+    inv_freq = inv_freq / s.factor * (1 - keep) + inv_freq * keep
+    if s.mscale and s.mscale_all_dim:
+        attention_factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(s.factor)
+    return inv_freq, attention_factor
 
 
 def apply_rope(x_BHLD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) -> torch.Tensor:

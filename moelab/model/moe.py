@@ -62,7 +62,8 @@ class MoE(nn.Module):
         self.num_experts = cfg.num_experts
         self.router = Router(dim, cfg, backend.fake_balanced_gate, backend.fake_gate_noise)
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_size,
-                                      backend.experts if backend.experts in ("auto", "grouped_mm", "loop") else "auto")
+                                      backend.experts if backend.experts in ("auto", "grouped_mm", "loop") else "auto",
+                                      bias=cfg.expert_proj_bias, activation=cfg.activation)
         self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts)
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()

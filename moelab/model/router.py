@@ -8,8 +8,6 @@ never the combine weights, and is updated after the optimizer step (``update_bia
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +22,7 @@ class Router(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.fake_balanced_gate, self.fake_gate_noise = fake_balanced_gate, fake_gate_noise
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         # Capacity factor in force (dynamic capacity moves it between steps); persistent so resumes match.
@@ -33,6 +32,7 @@ class Router(nn.Module):
         # Per-step statistics (not saved): tokens per expert, dropped assignments, loss terms, logit norms.
         E = cfg.num_experts
         self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
+        self.register_buffer("stat_routed_per_expert", torch.zeros(E), persistent=False)  # before dropping
         self.register_buffer("stat_dropped", torch.zeros(()), persistent=False)
         self.register_buffer("stat_aux_loss", torch.zeros(()), persistent=False)
         self.register_buffer("stat_z_loss", torch.zeros(()), persistent=False)
@@ -51,11 +51,19 @@ class Router(nn.Module):
         """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        # Routing in fp32 even inside a bf16 autocast region: near-ties between experts decide the selection.
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         if self.fake_balanced_gate:
             experts_TK = self._balanced_assignment(x_TD)
             weights_TK = torch.full(experts_TK.shape, 1.0 / self.top_k, device=x_TD.device)
             scores_TE = torch.softmax(logits_TE, -1)
+        elif self.cfg.score_func == "softmax_topk":
+            # GPT-OSS: choose by logit, weigh by a softmax over the chosen k; statistics and the aux loss see the
+            # softmax over all experts.
+            scores_TE = torch.softmax(logits_TE, -1)
+            experts_TK = self._select(logits_TE.detach() + self.expert_bias)
+            weights_TK = torch.softmax(logits_TE.gather(1, experts_TK), -1) * self.cfg.route_scale
         else:
             scores_TE = torch.sigmoid(logits_TE) if self.cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
             experts_TK = self._select(scores_TE.detach() + self.expert_bias)
@@ -104,7 +112,8 @@ class Router(nn.Module):
     def _capacity_mask(self, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """Keep at most `capacity` assignments per expert, dropping the lowest-scored ones above it."""
         T, K = experts_TK.shape
-        capacity = math.ceil(float(self.capacity_factor) * T * K / self.num_experts)
+        # A device tensor, not a Python number: reading the (dynamic) factor would synchronise every layer.
+        capacity = torch.ceil(self.capacity_factor * (T * K / self.num_experts))
         flat_e, flat_w = experts_TK.reshape(-1), weights_TK.detach().reshape(-1).float()
         # Sort by expert, then by descending score: the rank within an expert decides who stays.
         order = torch.argsort(flat_w, descending=True, stable=True)
@@ -133,6 +142,7 @@ class Router(nn.Module):
     # ------------------------------------------------------------------ statistics
     def _record(self, experts_TK, keep_TK, scores_TE, logits_TE):
         flat = experts_TK.reshape(-1)
+        self.stat_routed_per_expert += torch.bincount(flat, minlength=self.num_experts)
         if keep_TK is not None:
             kept = keep_TK.reshape(-1)
             self.stat_dropped += (~kept).sum()
@@ -146,11 +156,12 @@ class Router(nn.Module):
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """Step statistics as device tensors (no synchronisation); resets them."""
         calls = self.stat_calls.clamp(min=1)
-        out = {"tokens_per_expert": self.stat_tokens_per_expert.clone(), "dropped": self.stat_dropped.clone(),
+        out = {"tokens_per_expert": self.stat_tokens_per_expert.clone(),
+               "routed_per_expert": self.stat_routed_per_expert.clone(), "dropped": self.stat_dropped.clone(),
                "aux_loss": self.stat_aux_loss / calls, "z_loss": self.stat_z_loss / calls,
                "entropy": self.stat_entropy / calls, "logit_norm": self.stat_logit_norm / calls,
                "capacity_factor": self.capacity_factor.clone()}
-        for name in ("stat_tokens_per_expert", "stat_dropped", "stat_aux_loss", "stat_z_loss", "stat_entropy",
+        for name in ("stat_tokens_per_expert", "stat_routed_per_expert", "stat_dropped", "stat_aux_loss", "stat_z_loss", "stat_entropy",
                      "stat_logit_norm", "stat_calls"):
             getattr(self, name).zero_()
         return out
@@ -158,19 +169,24 @@ class Router(nn.Module):
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
         """Aux-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts, lower the others.
-        Call after the optimizer step with counts summed over data-parallel ranks."""
+        Call after the optimizer step with the routed counts (before dropping) summed over data-parallel ranks."""
         if self.cfg.bias_update_rate > 0 and not self.fake_balanced_gate:
             load = tokens_per_expert_E.float()
             self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
     @torch.no_grad()
     def update_capacity(self, tokens_per_expert_E: torch.Tensor) -> None:
-        """Dynamic capacity: factor = 1 + 0.5 * sigmoid(std(load / mean load) - 1) over the history window."""
+        """Dynamic capacity: factor = 1 + 0.5 * sigmoid(spread - 1), where spread is the load's coefficient of
+        variation std(load) / mean(load) (population std), averaged over the last capacity_window steps.
+        Call with the routed counts (before dropping): dropped load is load the capacity failed to cover.
+        Stays on the device (no synchronisation)."""
         if not self.cfg.dynamic_capacity:
             return
         load = tokens_per_expert_E.float()
-        self.load_history = torch.roll(self.load_history, 1, 0)
+        self.load_history.copy_(torch.roll(self.load_history, 1, 0))
         self.load_history[0] = load / load.mean().clamp(min=1e-9)
         self.history_len.clamp_(max=self.load_history.shape[0] - 1).add_(1)
-        spread = self.load_history[: int(self.history_len)].std(dim=1).mean()
-        self.capacity_factor.fill_(float(1 + 0.5 * torch.sigmoid(spread - 1)))
+        filled_W = torch.arange(self.load_history.shape[0], device=load.device) < self.history_len
+        cv_W = self.load_history.std(dim=1, correction=0)
+        spread = (cv_W * filled_W).sum() / self.history_len
+        self.capacity_factor.copy_(1 + 0.5 * torch.sigmoid(spread - 1))

@@ -63,7 +63,8 @@ class MoETransformer(nn.Module):
         h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
-        cos_LD, sin_LD = rope_cos_sin(positions_L, self.rope_dim, self.cfg.rope_theta, h_BLD.dtype)
+        cos_LD, sin_LD = rope_cos_sin(positions_L, self.rope_dim, self.cfg.rope_theta, h_BLD.dtype,
+                                      self.cfg.rope_scaling)
         for layer in self.layers.values():
             h_BLD = layer(h_BLD, cos_LD, sin_LD)
         if self.norm is not None:
@@ -78,6 +79,10 @@ class MoETransformer(nn.Module):
         """Initialise every parameter from a generator seeded by (seed, parameter name): the same weights on
         any device and for any subset of layers, so pipeline stages and sharded builds agree with one process."""
         out_std = std / math.sqrt(2 * max(self.cfg.num_layers, 1))
+        # Stacked expert tensors [E, ...] are seeded per expert (by global index), so an expert-parallel rank
+        # that holds a slice of the experts builds exactly that slice of the single-process tensor.
+        first_expert = {f"{mname}.{pname}": m.expert_offset for mname, m in self.named_modules()
+                        if hasattr(m, "expert_offset") for pname, _ in m.named_parameters(recurse=False)}
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
@@ -85,11 +90,21 @@ class MoETransformer(nn.Module):
             if "norm" in name.rsplit(".", 2)[-2] or leaf == "sinks":
                 p.fill_(1.0 if "norm" in name.rsplit(".", 2)[-2] else 0.0)
                 continue
-            if leaf == "bias":
+            if leaf == "bias" or leaf.startswith("b_"):  # linear, router and expert biases start at zero
                 p.zero_()
                 continue
-            g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             scale = out_std if any(k in name for k in ("o_proj", "down_proj", "w_down")) else std
-            p.copy_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+            if name in first_expert:
+                e0 = first_expert[name]
+                full = torch.stack([_seeded_randn(p.shape[1:], seed, f"{name}[{e0 + e}]") for e in range(p.shape[0])])
+            else:
+                full = _seeded_randn(p.shape, seed, name)
+            p.copy_((full * scale).to(p.device, p.dtype))
         for moe in self.moe_layers():
             moe.router.reset_buffers()
+
+
+def _seeded_randn(shape, seed: int, key: str) -> torch.Tensor:
+    """Standard normal values from a CPU generator seeded by (seed, key): the same on every device."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.randn(tuple(shape), generator=g)

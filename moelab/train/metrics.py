@@ -11,8 +11,11 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   memory: {peak_allocated_gb, peak_reserved_gb, rss_gb, max_peak_allocated_gb, per_rank: [{rank, ...}]},
   routing: {tokens_per_expert: [moe_layers][num_experts] (global, after dropping: each layer sums to
   tokens x top_k - dropped), dropped_tokens: [moe_layers], entropy: [moe_layers], logit_norm: [moe_layers],
-  capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...], overloaded: [...]}.
-- ``warning``: step, kind, message.
+  capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
+  model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
+  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
+- ``warning``: step, kind, message. Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes
+  dead or overloaded, not while it stays so) also carry layer and expert, and "overloaded_expert" its share.
 - ``checkpoint``: step, path.
 - ``end``: step, status ("COMPLETED" | "PREEMPTED" | "STOPPED"), summary.
 - ``error``: step, rank, message, traceback.

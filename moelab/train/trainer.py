@@ -25,8 +25,12 @@ from moelab.config import Config, save_config
 from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.launch.env import DistEnv
 from moelab.train.data import make_dataset, micro_batch
+from moelab.train.expert_lr import ExpertLR
+from moelab.train.health import ExpertHealth
+from moelab.train.checkpoint import Checkpointer
 from moelab.train.metrics import MetricsWriter, append_event
 from moelab.train.optim import build_optimizer, lr_at, set_lr
+from moelab.train.signals import StopSignals
 from moelab.train.summary import summarize
 
 
@@ -41,6 +45,9 @@ class Trainer:
         self.progress = progress and self.env.rank == 0
         self.writer: MetricsWriter | None = None
         self.step = 0
+        self.stop = StopSignals()  # SIGTERM/SIGUSR1/SIGUSR2 -> checkpoint at the next step boundary, PREEMPTED
+        self.stop_requested = False  # agreed by all ranks through the step's one all-reduce
+        self.health = ExpertHealth(cfg.model.moe)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -48,10 +55,12 @@ class Trainer:
         from moelab.parallel import parallelize
 
         cfg, env = self.cfg, self.env
+        self.stop.install()
         env.init(cfg.train.collective_timeout_s)
         self.layout = cfg.resolved_parallel(env.world_size)
         torch.manual_seed(cfg.train.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpointer = Checkpointer(self.run_dir, cfg, env, self.layout)  # refuses another config's folder
         if env.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
@@ -62,6 +71,7 @@ class Trainer:
         self.par = parallelize(model, cfg, env, self.layout)
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
+        self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg)
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
@@ -71,18 +81,23 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
         self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
-        self.start_step = 0
+        # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
+        self.restored = self.checkpointer.restore(self.model, self.optimizer, self.run_dir / "metrics.jsonl")
+        self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         if env.rank == 0:
             self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
             self.writer.write(
                 "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
+                resumed_from=str(self.restored.path) if self.restored.path else None,
                 flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION,
                 total_params=params.total, activated_params=params.activated,
                 env={"torch": torch.__version__, "python": platform.python_version(), "host": socket.gethostname(),
                      "device": env.device, "gpu_name": self.gpu_name, "world_size": env.world_size,
                      "layout": {k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
                      "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+            for w in self.restored.warnings:
+                self.writer.write("warning", **w)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -115,7 +130,8 @@ class Trainer:
         stats = [m.router.pop_stats() if m is not None else None for m in moes]
         dev = self.env.device
         parts = [par.loss_contribution(loss_sum), grad_norm.reshape(1).float() * par.grad_norm_weight()]
-        for key, size, weight in (("tokens_per_expert", E, 1.0), ("dropped", 1, 1.0), ("aux_loss", 1, None),
+        for key, size, weight in (("tokens_per_expert", E, 1.0), ("routed_per_expert", E, 1.0),
+                                  ("dropped", 1, 1.0), ("aux_loss", 1, None),
                                   ("z_loss", 1, None), ("entropy", 1, None), ("logit_norm", 1, None),
                                   ("capacity_factor", 1, None)):
             w = par.stat_weight() if weight is None else weight
@@ -124,17 +140,21 @@ class Trainer:
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now(), device=dev)
         parts.append(memory_slots.reshape(-1))
+        parts.append(torch.tensor([float(self.stop.requested)], device=dev))  # a signal on any rank stops all
         values = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts])).tolist()
         loss = values[0] / (self.micro_per_rank * par.dp_size)
         gnorm = values[1]
         off = 2
         tokens_per_expert = [values[off + i * E: off + (i + 1) * E] for i in range(n_layers)]
         off += n_layers * E
+        routed_per_expert = [values[off + i * E: off + (i + 1) * E] for i in range(n_layers)]  # before dropping
+        off += n_layers * E
         per_layer = {}
         for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm", "capacity_factor"):
             per_layer[key] = values[off: off + n_layers]
             off += n_layers
         self.last_memory = [values[off + 3 * r: off + 3 * r + 3] for r in range(self.env.world_size)]
+        self.stop_requested = values[-1] > 0
         skipped = False
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
             if cfg.train.on_nan == "stop":
@@ -145,11 +165,14 @@ class Trainer:
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            counts = torch.tensor(tokens_per_expert, device=self.env.device) if n_layers else None
+            if n_layers:
+                counts, routed = torch.tensor([tokens_per_expert, routed_per_expert], device=self.env.device)
+                if self.expert_lr is not None:
+                    self.expert_lr.apply(counts)
             for i, moe in enumerate(moes):
                 if moe is not None:
-                    moe.router.update_bias(counts[i])
-                    moe.router.update_capacity(counts[i])
+                    moe.router.update_bias(routed[i])
+                    moe.router.update_capacity(routed[i])
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
                 "routing": {"tokens_per_expert": tokens_per_expert, "dropped_tokens": per_layer["dropped"],
@@ -170,13 +193,17 @@ class Trainer:
     def run(self) -> dict:
         try:
             self.setup()
-            return self._loop()
+            summary = self._loop()
         except BaseException as e:
             self._report_error(e)
             raise
         finally:
             if self.writer:
                 self.writer.close()
+            self.stop.restore()
+        if summary["status"] == "PREEMPTED":
+            self.stop.chain()  # e.g. submitit's handler: requeues the job (which resumes) and exits
+        return summary
 
     def _loop(self) -> dict:
         t = self.cfg.train
@@ -186,7 +213,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=t.steps, initial=self.start_step, desc=self.cfg.name, unit="step")
-        records = []
+        records = list(self.restored.records)  # the steps before a resume count in the summary
         t_prev = time.perf_counter()
         if self.env.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.env.device)
@@ -194,6 +221,7 @@ class Trainer:
         for step in range(self.start_step + 1, t.steps + 1):
             self.step = step
             rec = self.train_step(step)
+            rec["health"], warnings = self.health.observe(step, rec["routing"]["tokens_per_expert"])
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             tps = tokens_per_step / dt
@@ -203,10 +231,19 @@ class Trainer:
                        mfu=tflops / self.peak if self.peak else None, memory=self.memory())
             if self.writer:
                 self.writer.write("step", **rec)
+                for w in warnings:
+                    self.writer.write("warning", **w)
             records.append(rec)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
+            if self.stop_requested:
+                status = "PREEMPTED"
+                break
+            if t.checkpoint_every and step % t.checkpoint_every == 0:
+                self.save_checkpoint(step)
+        if self.saved_step != self.step:  # at the end, and on a stop signal
+            self.save_checkpoint(self.step)
         if bar is not None:
             bar.close()
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step)
@@ -215,6 +252,16 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.env.shutdown()
         return summary
+
+    def save_checkpoint(self, step: int) -> None:
+        path = self.checkpointer.save(step, self.model, self.optimizer)  # collective
+        self.saved_step = step
+        if self.writer:
+            self.writer.write("checkpoint", step=step, path=str(path))
+            if self.stop_requested:
+                self.writer.write("warning", step=step, kind="preempted", message=(
+                    f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: checkpoint "
+                    f"saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`"))
 
     def memory_now(self) -> list[float]:
         """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,

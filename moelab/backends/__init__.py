@@ -1,0 +1,165 @@
+"""The kernel switchboard's optional packages: grouped_gemm, Transformer Engine and DeepEP, behind guards.
+
+Each package is detected when this module is imported (``importlib.util.find_spec``: cheap, imports nothing
+heavy). Asking for one that is missing, or that cannot run on this hardware, raises ``BackendUnavailable`` (a
+ConfigError) naming the package and how to install it; with ``backend.fallback: true`` the torch path is used
+instead and a warning says so. Nothing falls back silently.
+
+    from moelab.backends import detected, check_backends
+    detected()                          # {'grouped_gemm': False, 'te': False, 'deep_ep': False}
+    check_backends(cfg, device="cuda")  # the effective choices, e.g. {'experts': 'grouped_gemm', ...}
+
+What each backend replaces (the rest of the model is untouched):
+    backend.experts=grouped_gemm   GroupedExperts computes with grouped_gemm.ops.gmm (moelab.backends.gmm)
+    backend.experts=te             experts become TE GroupedLinear layers (moelab.backends.te)
+    backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
+    backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.backends.deepep)
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from dataclasses import dataclass
+
+from moelab.config import Config, ConfigError
+
+
+class BackendUnavailable(ConfigError):
+    """A requested backend's package is missing or unsupported here; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Package:
+    key: str
+    module: str  # what is imported
+    pip: str  # what is installed
+    install: str  # how to install it
+    needs: str  # hardware it needs
+
+
+PACKAGES = {
+    "grouped_gemm": Package(
+        "grouped_gemm", "grouped_gemm", "grouped_gemm",
+        "pip install --no-build-isolation grouped_gemm==0.3.0 (builds CUDA kernels with nvcc; on a cluster "
+        "without internet see gallery/scripts/build_backends.sh)", "a CUDA GPU (sm80+)"),
+    "te": Package(
+        "te", "transformer_engine", "transformer-engine[pytorch]",
+        "pip install --no-build-isolation 'transformer-engine[pytorch]' (or the transformer-engine-cu12/cu13 "
+        "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
+    "deep_ep": Package(
+        "deep_ep", "deep_ep", "deep-ep",
+        "build DeepEP against NVSHMEM with gallery/scripts/build_backends.sh (pip install nvidia-nvshmem-cu13 "
+        "first)", "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
+}
+
+# Which config value asks for which package: (config field, value) -> package key.
+REQUESTS = {("experts", "grouped_gemm"): "grouped_gemm", ("experts", "te"): "te", ("attention", "te"): "te",
+            ("dispatcher", "deepep"): "deep_ep"}
+TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+
+
+def _find(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_DETECTED = {key: _find(p.module) for key, p in PACKAGES.items()}  # read-only after import
+
+
+def detected() -> dict[str, bool]:
+    """Which optional packages are installed (detected at import time)."""
+    return dict(_DETECTED)
+
+
+def import_package(key: str):
+    """Import a backend package, or raise BackendUnavailable naming it and how to install it."""
+    p = PACKAGES[key]
+    if not _DETECTED[key]:
+        raise BackendUnavailable(f"the '{key}' backend needs the package {p.pip!r}, which is not installed. "
+                                 f"Install: {p.install}. Or set backend.fallback=true to use the torch path.")
+    try:
+        return importlib.import_module(p.module)
+    except Exception as e:  # installed but broken (wrong CUDA/torch ABI): say so, with the original error
+        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but does not import "
+                                 f"({type(e).__name__}: {e}). Reinstall it for this torch/CUDA: {p.install}") from e
+
+
+def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) -> str | None:
+    """Why a backend cannot run here (None when it can). Hardware checks only; packages are checked apart."""
+    import torch
+
+    p = PACKAGES[key]
+    if not device.startswith("cuda"):
+        return f"it needs {p.needs}, and this run is on {device!r}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if key in ("grouped_gemm", "te") and major < 8:
+        return f"it needs {p.needs}; this GPU is sm{major}{minor}"
+    if key in ("grouped_gemm", "te") and cfg.train.dtype != "bfloat16":
+        return "its kernels run in bf16; set train.dtype=bfloat16"
+    if key == "deep_ep":
+        if major != 9:
+            return f"DeepEP's intranode kernels need {p.needs}; this GPU is sm{major}{minor}"
+        if cfg.parallel.ep < 2 or world_size < 2:
+            return "it exchanges tokens between EP ranks; with parallel.ep=1 there is nothing to dispatch"
+    if key == "te" and cfg.model.attention == "mla" and cfg.backend.attention == "te":
+        return "moelab's TE attention backend covers GQA/MHA; MLA runs with backend.attention=sdpa"
+    if key == "te" and cfg.model.attention_sinks and cfg.backend.attention == "te":
+        return "TE's DotProductAttention has no sink logits; use backend.attention=eager or flex"
+    return None
+
+
+def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dict[str, str]:
+    """The effective switchboard for a run: each requested backend if installed and supported; otherwise raise
+    BackendUnavailable, or, with backend.fallback=true, the torch path with a warning."""
+    b = cfg.backend
+    chosen = {"experts": b.experts, "attention": b.attention, "dispatcher": b.dispatcher}
+    for (field_name, value), key in REQUESTS.items():
+        if chosen[field_name] != value:
+            continue
+        p = PACKAGES[key]
+        problem = None if _DETECTED[key] else f"the package {p.pip!r} is not installed (install: {p.install})"
+        problem = problem or unsupported_reason(key, cfg, device, world_size)
+        if problem is None:
+            continue
+        fix = f"backend.{field_name}={TORCH_PATH[field_name]!r}"
+        if not b.fallback:
+            raise BackendUnavailable(f"backend.{field_name}={value!r}: {problem}. Set {fix} for the torch path, "
+                                     f"or backend.fallback=true to fall back to it with a warning.")
+        warnings.warn(f"backend.{field_name}={value!r} unavailable ({problem}); falling back to {fix} "
+                      f"because backend.fallback=true", RuntimeWarning, stacklevel=2)
+        chosen[field_name] = TORCH_PATH[field_name]
+    return chosen
+
+
+def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1) -> dict[str, str]:
+    """Swap the chosen backends into a model built on the meta device (before it is materialised).
+    Returns the effective switchboard; the dispatcher choice is read by moelab.parallel when it builds the
+    EP dispatcher (``moelab.backends.deepep.DeepEPDispatcher``)."""
+    chosen = check_backends(cfg, device, world_size)
+    if chosen["experts"] == "te" or chosen["attention"] == "te":
+        from moelab.backends.te import apply_te
+
+        apply_te(model, cfg, experts=chosen["experts"] == "te", attention=chosen["attention"] == "te")
+    for moe in model.moe_layers():
+        if hasattr(moe.experts, "impl"):
+            moe.experts.impl = chosen["experts"] if chosen["experts"] != "te" else moe.experts.impl
+    model.backends = chosen
+    return chosen
+
+
+def experts_kernel(impl: str, experts=None):
+    """The function (x_ND, w_gate_up_EDF2, w_down_EFD, counts_E) -> y_ND for an experts backend on stacked
+    weights (GroupedExperts' hook). Such kernels compute plain SwiGLU experts without biases."""
+    if impl == "grouped_gemm":
+        if experts is not None and (experts.b_gate_up_EF2 is not None or experts.activation != "swiglu"):
+            raise BackendUnavailable("backend.experts='grouped_gemm' computes SwiGLU experts without biases; this "
+                                     "model has expert biases or another activation: use backend.experts=auto")
+        from moelab.backends.gmm import gmm_swiglu
+
+        import_package("grouped_gemm")
+        return gmm_swiglu
+    raise BackendUnavailable(f"backend.experts={impl!r} has no stacked-weight kernel; choose one of "
+                             f"auto, grouped_mm, loop, grouped_gemm, te")

@@ -1,0 +1,216 @@
+"""Where a run executes: inline (this process), local (submitit's LocalExecutor) or slurm (submitit's
+SlurmExecutor), and the job every task runs.
+
+    ex = make_executor("slurm", folder, nproc=1, options={"gpus_per_node": 8, "nodes": 2, "time": 60})
+    job = ex.submit(TrainJob(run_dir))        # every task: torch.distributed from SLURM -> train_rank(run_dir)
+
+Cluster options (``Session.submit(..., **options)``), checked before anything is submitted:
+
+- moelab's names: nodes, gpus_per_node (one task per GPU), tasks_per_node (CPU jobs; default nproc),
+  cpus_per_task, mem (GB as a number, or SLURM's "64G"), time (minutes as a number, or "H:MM:SS" / "M:SS"),
+  partition, account, qos, constraint, setup (shell lines run before the tasks: module load, conda activate),
+  job_name, signal_delay_s, array_parallelism (sweeps).
+- every other parameter that submitit's SlurmExecutor knows (exclude, gres, mail_type, comment, exclusive,
+  nodelist, dependency, srun_args, mem_per_gpu, ...), passed through unchanged;
+- ``sbatch={"reservation": "r1", "mail-type": "END"}``: any further sbatch flag, written as-is
+  (submitit's additional_parameters).
+
+An unknown name is an error that lists the valid ones (a typo never silently becomes an sbatch flag). The
+local executor honours nodes=1, gpus_per_node, tasks_per_node, time, setup and signal_delay_s, and rejects
+SLURM-only options.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from moelab.config import ConfigError
+
+EXECUTORS = ("inline", "local", "slurm", "auto")
+MOELAB_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "time", "partition",
+                  "account", "qos", "constraint", "setup", "job_name", "signal_delay_s", "array_parallelism",
+                  "sbatch")
+LOCAL_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "time", "setup", "signal_delay_s", "job_name")
+# submitit writes the sbatch header itself from these; a user never sets them
+_SUBMITIT_INTERNAL = {"ntasks_per_node", "array_parallelism", "additional_parameters", "use_srun",
+                      "stderr_to_stdout", "map_count", "num_gpus", "wckey"}
+LOCAL_DEFAULT_TIME_MIN = 7 * 24 * 60  # submitit's LocalExecutor would otherwise kill a job after 2 minutes
+
+
+def resolve_executor(name: str) -> str:
+    """'auto' -> 'slurm' where sbatch is on PATH, else 'local'; other names are checked and returned."""
+    if name not in EXECUTORS:
+        raise ConfigError(f"executor={name!r}: choose one of {list(EXECUTORS)}")
+    if name == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    return name
+
+
+def slurm_parameter_names() -> list[str]:
+    """Every cluster option name accepted for the slurm executor."""
+    from submitit.slurm.slurm import _get_default_parameters
+
+    return sorted(set(MOELAB_OPTIONS) | (set(_get_default_parameters()) - _SUBMITIT_INTERNAL))
+
+
+def check_options(executor: str, options: dict) -> None:
+    """Raise ConfigError naming every unknown option and listing the valid ones."""
+    if executor == "inline":
+        valid: list[str] = []
+    elif executor == "local":
+        valid = list(LOCAL_OPTIONS)
+    else:
+        valid = slurm_parameter_names()
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        where = ("the inline executor takes no cluster options (it runs in this process)" if executor == "inline"
+                 else f"valid {executor} options: {', '.join(valid)}")
+        hint = "; extra sbatch flags go in sbatch={...}" if executor == "slurm" else ""
+        raise ConfigError(f"cluster option(s) {unknown} are unknown for executor={executor!r}; {where}{hint}")
+    if executor == "local" and options.get("nodes", 1) != 1:
+        raise ConfigError(f"nodes={options['nodes']!r}: the local executor runs on this machine only; "
+                          f"use nodes=1 or executor='slurm'")
+
+
+def tasks_per_node(nproc: int, options: dict) -> int:
+    """One task per GPU when gpus_per_node is given, else tasks_per_node or nproc."""
+    gpus = int(options.get("gpus_per_node") or 0)
+    tpn = options.get("tasks_per_node")
+    if gpus and tpn and int(tpn) != gpus:
+        raise ConfigError(f"tasks_per_node={tpn} with gpus_per_node={gpus}: moelab runs one task per GPU; "
+                          f"drop tasks_per_node")
+    if gpus and nproc not in (1, gpus):
+        raise ConfigError(f"nproc={nproc} with gpus_per_node={gpus}: moelab runs one task per GPU; "
+                          f"give one of them")
+    return gpus or int(tpn or nproc)
+
+
+def world_size(executor: str, nproc: int, options: dict) -> int:
+    if nproc < 1:
+        raise ConfigError(f"nproc={nproc}: must be >= 1")
+    if executor == "inline":
+        if nproc != 1:
+            raise ConfigError(f"nproc={nproc}: the inline executor runs one rank in this process; "
+                              f"use executor='local' for several processes")
+        return 1
+    return int(options.get("nodes", 1)) * tasks_per_node(nproc, options)
+
+
+def parse_time_s(value: Any) -> int:
+    """A time limit in seconds from minutes (a number) or SLURM's "M:SS", "H:MM:SS", "D-H:MM:SS"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"time={value!r}: give minutes (a number) or 'H:MM:SS'")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"time={value!r}: must be > 0 minutes")
+        return int(round(value * 60))
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
+    if not m:
+        raise ConfigError(f"time={value!r}: give minutes (a number) or SLURM's 'M:SS', 'H:MM:SS', 'D-H:MM:SS'")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if c is not None:                     # H:MM:SS
+        secs = a * 3600 + b * 60 + c
+    elif b is not None:                   # M:SS, or D-H:MM
+        secs = a * 3600 + b * 60 if days is not None else a * 60 + b
+    else:                                 # minutes, or D-H
+        secs = a * 3600 if days is not None else a * 60
+    secs += (days or 0) * 86400
+    if secs <= 0:
+        raise ConfigError(f"time={value!r}: must be > 0")
+    return secs
+
+
+def _slurm_time(secs: int) -> str:
+    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+
+
+def make_executor(executor: str, folder: Path, nproc: int, options: dict):
+    """A configured submitit executor for 'local' or 'slurm' (options already checked)."""
+    import submitit
+
+    options = dict(options)
+    tpn = tasks_per_node(nproc, options)
+    time_s = parse_time_s(options.pop("time")) if "time" in options else None
+    setup = options.pop("setup", None)
+    if isinstance(setup, str):
+        setup = [setup]
+    nodes = int(options.pop("nodes", 1))
+    options.pop("tasks_per_node", None)
+    if executor == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        params: dict[str, Any] = {"tasks_per_node": tpn, "timeout_min": (time_s or LOCAL_DEFAULT_TIME_MIN * 60) / 60}
+        if options.get("gpus_per_node"):
+            params["gpus_per_node"] = int(options["gpus_per_node"])
+        if setup:
+            params["setup"] = list(setup)
+        if "signal_delay_s" in options:
+            params["signal_delay_s"] = int(options["signal_delay_s"])
+        elif time_s:
+            params["signal_delay_s"] = _signal_delay(time_s)
+        ex.update_parameters(**params)
+        return ex
+    ex = submitit.SlurmExecutor(folder=folder)
+    extra = dict(options.pop("sbatch", None) or {})
+    if "job_name" not in options:
+        options["job_name"] = "moelab"
+    mem = options.pop("mem", None)
+    if mem is not None:
+        options["mem"] = f"{mem:g}G" if isinstance(mem, (int, float)) else str(mem)
+    if time_s is not None:
+        # submitit takes whole minutes (it also uses them to tell a timeout from a preemption); SLURM's own
+        # flag carries the exact limit
+        options["time"] = max(1, math.ceil(time_s / 60))
+        if time_s % 60:
+            extra.setdefault("time", _slurm_time(time_s))
+        options.setdefault("signal_delay_s", _signal_delay(time_s))
+    if setup:
+        options["setup"] = list(setup)
+    ex.update_parameters(ntasks_per_node=tpn, nodes=nodes, **options)
+    if extra:
+        ex.update_parameters(additional_parameters=extra)
+    return ex
+
+
+def _signal_delay(time_s: int) -> int:
+    """Seconds before the limit at which the job is told it is about to end (submitit's default is 90 s,
+    which for a short limit would arrive at once)."""
+    return int(max(5, min(90, time_s // 5)))
+
+
+class TrainJob:
+    """What every task of a submitted run executes: torch.distributed from submitit's view of the job
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), then the one entry point. Lives in the installed
+    package so that jobs unpickle anywhere; a callable class so that checkpoint() can be added for requeue."""
+
+    def __init__(self, run_dir: "str | Path"):
+        self.run_dir = str(run_dir)
+
+    def __call__(self) -> dict:
+        import submitit
+
+        from moelab.launch.entry import train_rank
+
+        # one GPU per task: DistEnv picks cuda:<local_rank % visible devices>, which is right whether SLURM
+        # shows each task all the node's GPUs or only its own, so CUDA_VISIBLE_DEVICES is left alone
+        dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
+                                                                      overwrite=True)
+        _limit_cpu_threads(dist.local_world_size)
+        return train_rank(self.run_dir)
+
+    def __repr__(self) -> str:
+        return f"TrainJob({self.run_dir!r})"
+
+
+def _limit_cpu_threads(local_world: int) -> None:
+    """Tasks sharing a node's cores should not each start one thread per core (on CPU that oversubscribes
+    the machine several times over)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(cpus)

@@ -1,0 +1,241 @@
+"""Static plots of a run, as matplotlib Figures (Agg canvas, no pyplot: safe from any thread, no global state).
+
+The same panel functions draw the live dashboard's charts and the report figures, from a `DashState`.
+
+    fig = plot_routing("runs/tiny")              # a Run, a run folder or a DashState
+    fig.savefig("routing.png")
+    write_report("runs/tiny")                    # what `moelab report runs/tiny` does
+
+Shape legend: L = MoE layers, E = experts per layer, R = ranks.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import TwoSlopeNorm
+from matplotlib.figure import Figure
+
+from moelab.live.state import DashState, load_state
+
+MAX_POINTS = 2000  # line charts thin long histories to this many points
+
+
+class ReportFigure(Figure):
+    """A matplotlib Figure that also shows itself in Jupyter when no pyplot backend registered a formatter."""
+
+    def _repr_png_(self) -> bytes:
+        return to_png(self)
+
+
+def new_figure(width: float, height: float, dpi: int = 80) -> Figure:
+    fig = ReportFigure(figsize=(width, height), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def to_png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _thin(xs: list, ys: list) -> tuple[list, list]:
+    """Every k-th point (and the last), skipping missing values (a skipped step has no loss)."""
+    k = max(len(xs) // MAX_POINTS, 1)
+    idx = list(range(0, len(xs), k))
+    if xs and idx[-1] != len(xs) - 1:
+        idx.append(len(xs) - 1)
+    pts = [(xs[i], ys[i]) for i in idx if ys[i] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _empty(ax, text: str = "waiting for the first step") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _style(ax, title: str, xlabel: str = "", ylabel: str = "") -> None:
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+
+
+# ---------------------------------------------------------------------- panels (one Axes each)
+def draw_series(ax, st: DashState, values: list, title: str, ylabel: str, color: str) -> None:
+    xs, ys = _thin(st.steps, values)
+    if not ys:
+        return _empty(ax)
+    ax.plot(xs, ys, color=color, lw=1.2)
+    if st.total_steps:
+        ax.set_xlim(0, max(st.total_steps, xs[-1]))
+    _style(ax, title, "step", ylabel)
+
+
+def draw_loss(ax, st: DashState) -> None:
+    draw_series(ax, st, st.loss, "loss", "", "tab:blue")
+
+
+def draw_throughput(ax, st: DashState) -> None:
+    draw_series(ax, st, st.tokens_per_s_per_gpu, "tokens/s per GPU", "", "tab:green")
+
+
+def draw_tflops(ax, st: DashState) -> None:
+    mfu = st.last.get("mfu")
+    title = "TFLOPs per GPU" + (f" (MFU {100 * mfu:.1f}% at the last step)" if mfu is not None else "")
+    draw_series(ax, st, st.tflops_per_gpu, title, "", "tab:purple")
+
+
+def _memory_label(st: DashState) -> str:
+    return "peak allocated GB" if st.memory_key == "peak_allocated_gb" else "peak RSS GB"
+
+
+def draw_memory_ranks(ax, st: DashState) -> None:
+    """Bars: the peak so far of every rank."""
+    if not st.memory_peak_R:
+        return _empty(ax)
+    ranks = list(range(len(st.memory_peak_R)))
+    ax.bar(ranks, st.memory_peak_R, color="tab:orange", width=0.7)
+    ax.set_xticks(ranks if len(ranks) <= 16 else ranks[:: max(len(ranks) // 8, 1)])
+    pad = max(0.0, (4 - len(ranks)) / 2)  # a lone rank's bar should not fill the panel
+    ax.set_xlim(-0.5 - pad, len(ranks) - 0.5 + pad)
+    _style(ax, f"memory per rank ({_memory_label(st)})", "rank", "")
+
+
+def draw_memory_history(ax, st: DashState) -> None:
+    """Lines: the max and the min over ranks at every step."""
+    xs, hi = _thin(st.steps[-len(st.memory_max):] if st.memory_max else [], st.memory_max)
+    if not hi:
+        return _empty(ax)
+    ax.plot(xs, hi, color="tab:red", lw=1.2, label="max over ranks")
+    if len(st.memory_peak_R) > 1:
+        _, lo = _thin(st.steps[-len(st.memory_min):], st.memory_min)
+        ax.plot(xs, lo, color="tab:orange", lw=1.0, ls="--", label="min over ranks")
+        ax.legend(fontsize=7)
+    _style(ax, f"memory over steps ({_memory_label(st)})", "step", "GB")
+
+
+def draw_heatmap(ax, st: DashState, window: bool = True):
+    """Layer x expert: each expert's tokens relative to an even share (1.0 = balanced; 0 = dead)."""
+    counts_LE = st.routing_LE(window)
+    if not counts_LE:
+        return _empty(ax, "no routing yet")
+    load_LE = []
+    for row in counts_LE:
+        mean = sum(row) / len(row) if row and sum(row) > 0 else 1.0
+        load_LE.append([c / mean for c in row])
+    top = max(2.0, max(max(r) for r in load_LE))
+    im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top),
+                   interpolation="nearest")
+    L, E = len(load_LE), len(load_LE[0])
+    ax.set_yticks(range(L), [st.layer_name(i) for i in range(L)] if L <= 16 else None)
+    if L > 16:
+        ax.set_yticks(range(0, L, max(L // 8, 1)))
+    ax.set_xticks(range(0, E, max(E // 16, 1)))
+    span = f"last {len(st.routing_window)} steps" if window and st.routing_window else "whole run"
+    ax.set_title(f"routing load / mean, {span}", fontsize=9, loc="left")
+    ax.set_xlabel("expert", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.figure.colorbar(im, ax=ax, fraction=0.05, pad=0.01).ax.tick_params(labelsize=7)
+    return im
+
+
+def balance_text(b: dict, num_experts: int) -> str:
+    return (f"max/mean {b['max_over_mean']:.2f} · cv {b['cv']:.2f} · entropy {b['entropy']:.3f} · "
+            f"dead {b['dead']}/{num_experts}")
+
+
+def draw_experts(ax, st: DashState, layer: int, window: bool = True) -> None:
+    """Bars: tokens per expert of one MoE layer, the even share dashed, dead experts in red."""
+    counts_LE = st.routing_LE(window)
+    if not counts_LE:
+        return _empty(ax, "no routing yet")
+    layer = min(max(layer, 0), len(counts_LE) - 1)
+    counts = counts_LE[layer]
+    total = sum(counts) or 1.0
+    shares = [100 * c / total for c in counts]
+    colors = ["tab:red" if c == 0 else "tab:blue" for c in counts]
+    ax.bar(range(len(counts)), shares, color=colors, width=0.8)
+    ax.axhline(100 / len(counts), color="0.3", ls="--", lw=1)
+    ax.set_xticks(range(0, len(counts), max(len(counts) // 16, 1)))
+    b = st.layer_balance(layer, window)
+    _style(ax, f"{st.layer_name(layer)}: {balance_text(b, len(counts))}", "expert", "% of tokens")
+
+
+# ---------------------------------------------------------------------- figures
+def training_figure(st: DashState, dpi: int = 80) -> Figure:
+    """The dashboard's top chart: loss, throughput, memory per rank."""
+    fig = new_figure(10, 2.3, dpi)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    draw_loss(ax1, st)
+    draw_throughput(ax2, st)
+    draw_memory_ranks(ax3, st)
+    return fig
+
+
+def routing_figure(st: DashState, layer: int, window: bool = True, dpi: int = 80) -> Figure:
+    """The dashboard's routing chart: the layer x expert heatmap and one layer's histogram."""
+    fig = new_figure(10, max(2.4, 0.9 + 0.22 * st.num_layers), dpi)
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    draw_heatmap(ax1, st, window)
+    draw_experts(ax2, st, layer, window)
+    return fig
+
+
+def _state(run) -> DashState:
+    return run if isinstance(run, DashState) else load_state(run)
+
+
+def plot_throughput(run) -> Figure:
+    """Loss, tokens/s per GPU and TFLOPs per GPU over steps. `run`: a Run, a run folder or a DashState."""
+    st = _state(run)
+    fig = new_figure(12, 3.2, 90)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    draw_loss(ax1, st)
+    draw_throughput(ax2, st)
+    draw_tflops(ax3, st)
+    fig.suptitle(f"{st.name or 'run'}: {st.status}, step {st.step}/{st.total_steps}", fontsize=10)
+    return fig
+
+
+def plot_memory(run) -> Figure:
+    """Memory over steps (max and min over ranks) and every rank's peak."""
+    st = _state(run)
+    fig = new_figure(10, 3.2, 90)
+    ax1, ax2 = fig.subplots(1, 2)
+    draw_memory_history(ax1, st)
+    draw_memory_ranks(ax2, st)
+    fig.suptitle(f"{st.name or 'run'}: memory", fontsize=10)
+    return fig
+
+
+def plot_routing(run, layer: "int | None" = None) -> Figure:
+    """The whole run's routing: layer x expert heatmap, and tokens per expert of `layer` (an MoE layer index;
+    default the least balanced one) with its imbalance metrics."""
+    st = _state(run)
+    layer = st.worst_layer(window=False) if layer is None else layer
+    if st.num_layers and not 0 <= layer < st.num_layers:
+        from moelab.config import ConfigError
+
+        raise ConfigError(f"layer={layer} is not an MoE layer index of this run; use 0..{st.num_layers - 1}")
+    fig = routing_figure(st, layer, window=False, dpi=90)
+    fig.suptitle(f"{st.name or 'run'}: routing over {len(st.steps)} steps", fontsize=10)
+    return fig
+
+
+def write_report(run, out: "str | Path | None" = None) -> list[Path]:
+    """Write throughput.png, memory.png and routing.png for a run folder (default into FOLDER/report/)."""
+    st = _state(run)
+    folder = Path(getattr(run, "folder", run)) if not isinstance(run, DashState) else Path(".")
+    out = Path(out) if out is not None else folder / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fn in (("throughput", plot_throughput), ("memory", plot_memory), ("routing", plot_routing)):
+        path = out / f"{name}.png"
+        fn(st).savefig(path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,107 @@
+"""Expert parallelism: each of `ep` ranks owns num_experts/ep experts, and tokens travel to them by all-to-all.
+
+Shapes: T tokens on this rank, K top-k, D hidden, E experts (global), R = ep ranks, X = E/R local experts,
+N rows this rank sends (kept assignments), M rows it receives.
+
+    moe.dispatcher = AllToAllDispatcher(ep_group)     # moelab.parallel.distributed installs it per MoE layer
+    shard_experts(moe.experts, ep_rank, ep)           # keep only this rank's experts (on the meta device)
+
+One MoE layer's forward, implementing the dispatcher interface of moelab.model.moe (LocalDispatcher):
+  1. sort the T*K assignments by expert (dropped ones, when capacity is on, sort last and are not sent);
+  2. exchange the per-expert counts with an all-to-all of a tiny [R, X] tensor;
+  3. ONE device-to-host copy per layer: the split sizes of the uneven exchange (and the received counts) are
+     needed as Python ints by ``all_to_all_single``; this is the layer's only host synchronisation;
+  4. an autograd-aware uneven ``all_to_all_single`` (torch's functional collective) sends the rows;
+  5. the rows arrive rank-major ([from rank 0: its rows for my experts 0..X-1], [from rank 1: ...]) and are
+     permuted to local-expert-major for the grouped GEMM;
+  6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights.
+The backward pass of 4 is the mirrored all-to-all, so gradients take the same route back.
+
+Gradient scale of the experts: each rank's loss is a mean over its own tokens, and an expert's gradient is the
+sum over every EP peer's tokens routed to it; FSDP then averages over the expert-FSDP mesh ((dp*cp)/ep ranks).
+The data-parallel mean needs 1/(dp*cp), i.e. another 1/ep. ``_ScaleGrad`` applies it inside the dispatcher
+(gradient into the experts x 1/ep, gradient out of them x ep), which is exact for powers of two and does not
+depend on FSDP's custom divide factors (gloo has no PREMUL_SUM, and the factor's handling on one-rank meshes
+changed between torch releases).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class AllToAllDispatcher:
+    """Token dispatch over an expert-parallel process group with torch.distributed's all-to-all.
+
+    The MoE layer keeps `num_experts` global (routing picks among all experts); the experts module holds only
+    this rank's X = E/R experts, and receives `counts_X` for them."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+
+    def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
+        T, K = experts_TK.shape
+        R, X = self.ep, num_experts // self.ep
+        flat_TK = experts_TK.reshape(-1)
+        if keep_TK is not None:  # dropped assignments sort last, behind a sentinel expert, and stay here
+            flat_TK = torch.where(keep_TK.reshape(-1), flat_TK, num_experts)
+        order_TK = torch.argsort(flat_TK, stable=True)
+        send_RX = torch.bincount(flat_TK, minlength=num_experts + 1)[:num_experts].view(R, X)
+        recv_RX = torch.empty_like(send_RX)
+        dist.all_to_all_single(recv_RX, send_RX, group=self.group)  # recv[r, x]: rows from rank r for expert x
+        # The one device-to-host copy of this layer (see the module docstring).
+        host = torch.cat([send_RX.sum(1), recv_RX.sum(1), recv_RX.reshape(-1)]).tolist()
+        send_splits, recv_splits = host[:R], host[R:2 * R]
+        N, M = sum(send_splits), sum(recv_splits)
+        order_N = order_TK[:N]
+        x_send_ND = x_TD[order_N // K]
+        x_recv_MD = all_to_all_single_autograd(x_send_ND, recv_splits, send_splits, self.group)
+        # rank-major -> local-expert-major: a stable sort of the received rows by their local expert
+        expert_of_row_M = torch.repeat_interleave(torch.arange(R * X, device=x_TD.device) % X,
+                                                  recv_RX.reshape(-1), output_size=M)
+        perm_M = torch.argsort(expert_of_row_M, stable=True)
+        x_MD = _ScaleGrad.apply(x_recv_MD[perm_M], float(R))
+        ctx = (order_N, perm_M, send_splits, recv_splits, T, K)
+        return x_MD, recv_RX.sum(0), ctx
+
+    def combine(self, y_MD, ctx, weights_TK, keep_TK, counts_X):
+        order_N, perm_M, send_splits, recv_splits, T, K = ctx
+        y_MD = _ScaleGrad.apply(y_MD, 1.0 / self.ep)
+        y_recv_MD = torch.empty_like(y_MD).index_copy(0, perm_M, y_MD)  # back to rank-major
+        y_back_ND = all_to_all_single_autograd(y_recv_MD, send_splits, recv_splits, self.group)
+        # dropped assignments were never sent: their rows stay zero (and their weights are zero too)
+        y_TKD = y_back_ND.new_zeros(T * K, y_back_ND.shape[-1]).index_copy(0, order_N, y_back_ND)
+        return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
+
+
+def shard_experts(experts: nn.Module, ep_rank: int, ep: int) -> None:
+    """Keep experts [ep_rank * X, (ep_rank + 1) * X) of a stacked-experts module built on the meta device:
+    every parameter's dim 0 is the expert. `expert_offset` tells init_weights which global experts these are."""
+    E = experts.num_experts
+    if E % ep:
+        raise ValueError(f"moelab.parallel.expert_parallel: {E} experts cannot be split over ep={ep} ranks")
+    X = E // ep
+    for name, p in list(experts.named_parameters(recurse=False)):
+        if p.shape[0] != E:
+            raise ValueError(f"moelab.parallel.expert_parallel: {name} has dim 0 = {p.shape[0]}, expected the "
+                             f"expert dimension {E}")
+        local = torch.empty((X,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device)
+        setattr(experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
+    experts.num_experts = X
+    experts.expert_offset = ep_rank * X

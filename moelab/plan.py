@@ -1,0 +1,399 @@
+"""The analytic planner: parameters, FLOPs, memory per GPU, communication and a fits/does-not-fit verdict for a
+config on a number of GPUs, from arithmetic alone (no torch.distributed, no GPU: plans a 671B model on a laptop).
+
+    p = plan(load_config("qwen3-moe-30b-a3b"), gpus=8)
+    print(p)                       # a text table; in Jupyter the object renders as an HTML table
+    p.to_dict()["memory_per_gpu_bytes"]
+
+What it assumes (also listed in ``Plan.assumptions`` so that every printed plan says it):
+- Parameter counts and FLOPs come from moelab.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
+- Training state per parameter: fp32 master weights (4 B; under FSDP2 mixed precision the sharded fp32
+  parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B).
+  With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
+  prefetched), a single unsharded rank keeps autocast's bf16 copy of every weight.
+- Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
+  expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages split evenly (earlier stages take
+  the remainder), the embedding on the first stage, the final norm and LM head on the last.
+- Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
+  norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
+  dtype; "full" checkpointing keeps each block's input and recomputes one block at a time; "selective"
+  recomputes attention only (moelab.parallel.apply_activation_checkpointing).
+- Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up
+  (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m.
+- The peak is the sum of every term: gradients are counted at full size next to the activations, as they are
+  from the second micro batch of a step on, so with one micro batch per step it is an upper bound.
+- The verdict keeps 5% of the GPU's memory for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+from dataclasses import dataclass, field
+
+from moelab.config import Config, ConfigError, check_layout
+from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token
+from moelab.model_shapes import layer_window
+
+GiB = 2**30
+DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
+RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
+
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "activations", "logits", "dispatcher")
+_TERM_HELP = {
+    "parameters": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
+    "gradients": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
+    "optimizer": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
+    "gathered_params": "a larger parallel.ep (fewer local experts gathered per layer) or more layers per stage",
+    "activations": "set train.activation_checkpointing=full, lower train.micro_batch_size or train.seq_len, "
+                   "or use parallel.cp",
+    "logits": "lower train.micro_batch_size or train.seq_len (logits are micro batch x sequence x vocabulary), "
+              "or use parallel.cp",
+    "dispatcher": "lower train.micro_batch_size (the all-to-all buffers hold tokens x top_k rows)",
+}
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one config on one layout. Byte figures are per GPU, for the pipeline rank that
+    needs the most memory (``stage``); ``memory`` is the breakdown of ``memory_per_gpu_bytes``."""
+    name: str
+    gpus: int
+    layout: dict
+    dtype: str
+    activation_checkpointing: str
+    seq_len: int
+    micro_batch_size: int
+    global_batch_size: int
+    micro_batches_per_step: int
+    total_params: int
+    activated_params: int
+    flops_per_token: float
+    flops_convention: str
+    params_per_gpu: int
+    stage: int
+    stage_layers: list
+    memory: dict
+    memory_per_gpu_bytes: int
+    activations_per_micro_batch: dict
+    activation_bytes_per_token_per_layer: dict
+    comm: dict
+    pipeline: dict
+    gpu_memory_gb: float
+    gpu_memory_source: str
+    fits: bool
+    biggest_term: str
+    verdict: str
+    assumptions: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ views
+    def _rows(self) -> list[tuple[str, str]]:
+        L = self.layout
+        rows = [
+            ("config", self.name),
+            ("GPUs / layout", f"{self.gpus}  [TP {L['tp']}, PP {L['pp']}, CP {L['cp']}, EP {L['ep']}, VP {L['vp']}, "
+                              f"FSDP {L['fsdp']}]  expert-FSDP {L['efsdp']}"),
+            ("parameters", f"{_num(self.total_params)} total, {_num(self.activated_params)} activated per token"),
+            ("FLOPs per token", f"{self.flops_per_token / 1e9:,.2f} GFLOP (seq {self.seq_len}; {self.flops_convention})"),
+            ("batch", f"global {self.global_batch_size} x seq {self.seq_len}, micro batch {self.micro_batch_size}, "
+                      f"{self.micro_batches_per_step} micro batches per rank per step"),
+            ("params per GPU", f"{_num(self.params_per_gpu)} (pipeline rank {self.stage})"),
+        ]
+        for term in MEMORY_TERMS:
+            rows.append((f"  {term}", _gib(self.memory[term])))
+        rows.append(("memory per GPU", f"{_gib(self.memory_per_gpu_bytes)} of {self.gpu_memory_gb:.1f} GiB "
+                                       f"({self.gpu_memory_source})"))
+        a = self.activations_per_micro_batch
+        rows.append(("activations / micro batch", f"none {_gib(a['none'])}, selective {_gib(a['selective'])}, "
+                                                  f"full {_gib(a['full'])} (using: {self.activation_checkpointing})"))
+        c = self.comm
+        rows += [
+            ("all-to-all per MoE layer", f"{_gib(c['all_to_all_bytes_per_moe_layer'])} fwd+bwd per micro batch"),
+            ("comm per step per GPU", f"all-to-all {_gib(c['all_to_all_bytes_per_step'])}, FSDP all-gather "
+                                      f"{_gib(c['fsdp_all_gather_bytes_per_step'])}, reduce-scatter "
+                                      f"{_gib(c['fsdp_reduce_scatter_bytes_per_step'])}, pipeline "
+                                      f"{_gib(c['pipeline_send_bytes_per_step'])}, cp {_gib(c['cp_bytes_per_step'])}"),
+        ]
+        if self.layout["pp"] > 1:
+            rows.append(("pipeline", f"{self.pipeline['schedule']}, bubble {100 * self.pipeline['bubble_fraction']:.1f}%, "
+                                     f"{self.pipeline['in_flight_micro_batches']:g} micro batches in flight on rank "
+                                     f"{self.stage}"))
+        rows.append(("verdict", self.verdict))
+        return rows
+
+    def __str__(self) -> str:
+        rows = self._rows()
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def _repr_html_(self) -> str:
+        color = "#1a7f37" if self.fits else "#cf222e"
+        body = "".join(
+            f"<tr><td style='text-align:left;padding:1px 8px'>{html.escape(k.strip())}</td>"
+            f"<td style='text-align:left;padding:1px 8px" + (f";color:{color};font-weight:bold" if k == "verdict" else "")
+            + f"'>{html.escape(v)}</td></tr>"
+            for k, v in self._rows())
+        return f"<table style='font-size:12px'>{body}</table>"
+
+
+def _num(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f}{unit}"
+    return f"{n:,.0f}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+# ---------------------------------------------------------------------- inputs
+def default_world(cfg: Config) -> int:
+    """The smallest world the layout names: tp*pp*cp*fsdp, with fsdp=-1 read as the least that holds ep."""
+    p = cfg.parallel
+    fsdp = p.fsdp if p.fsdp != -1 else p.ep // math.gcd(p.ep, p.cp * p.tp)
+    return p.tp * p.pp * p.cp * fsdp
+
+
+def gpu_memory(gpu_memory_gb: float | None) -> tuple[float, str]:
+    """(GiB, where the figure came from): given, else the current CUDA device, else an 80 GB H100."""
+    if gpu_memory_gb is not None:
+        if gpu_memory_gb <= 0:
+            raise ConfigError(f"gpu_memory_gb={gpu_memory_gb!r}: must be > 0")
+        return float(gpu_memory_gb), "given"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            return props.total_memory / GiB, f"the current CUDA device, {props.name}"
+    except Exception:  # no usable CUDA: plan for the reference GPU
+        pass
+    return DEFAULT_GPU_MEMORY_GB, "default: an 80 GB H100, the reference table's GPU; no CUDA device here"
+
+
+# ---------------------------------------------------------------------- model pieces (all from count_params)
+@dataclass
+class _Pieces:
+    embedding: int  # the token embedding
+    head: int  # final norm + LM head (0 head params when tied)
+    dense_layer: int  # a dense block, all parameters
+    moe_layer: int  # a MoE block, all parameters
+    moe_experts: int  # the routed experts of a MoE block
+
+
+def _pieces(m) -> _Pieces:
+    """Per-block parameter counts, by differencing moelab.flops.count_params on 0- and 1-layer models."""
+    none = count_params(dataclasses.replace(m, num_layers=0, num_dense_layers=0))
+    dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
+    moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
+    return _Pieces(embedding=none.embedding, head=none.total - none.embedding,
+                   dense_layer=dense.total - none.total, moe_layer=moe.total - none.total,
+                   moe_experts=moe.experts_total)
+
+
+def split_layers(num_layers: int, pp: int, vp: int) -> list[list[int]]:
+    """Layer indices held by each pipeline rank: pp*vp virtual stages split evenly (earlier stages take the
+    remainder), virtual stage v on rank v % pp."""
+    stages = pp * vp
+    base, extra = divmod(num_layers, stages)
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    start = 0
+    for v in range(stages):
+        n = base + (1 if v < extra else 0)
+        ranks[v % pp].extend(range(start, start + n))
+        start += n
+    return ranks
+
+
+def _act_bytes_per_token(cfg: Config, moe: bool, a: int, eager: bool = False) -> dict:
+    """Bytes autograd saves per token in one block, by part (compute dtype `a` bytes per element); `eager`:
+    attention through moelab's eager path (backend eager, or a sliding window / sinks outside flex)."""
+    m, k = cfg.model, cfg.model.moe
+    D, H = m.hidden_size, m.num_heads
+    norm = D * (4 + 2 * a)  # fp32 input, normalised value, output (input of the next matmul)
+    if m.attention == "mla":
+        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        lora = (m.q_lora_rank * (4 + 2 * a) if m.q_lora_rank else 0) + m.kv_lora_rank * (4 + 2 * a)
+        attn = norm + lora + a * H * (m.qk_nope_head_dim + d_v) + a * H * (2 * d_qk + d_v) + 2 * a * H * d_v + 4 * H
+    else:
+        G, Dh = m.num_kv_heads, m.head_dim
+        d_qk = d_v = Dh
+        qk_norm = (H + G) * Dh * (4 + a) if m.qk_norm else 0
+        attn = norm + qk_norm + a * Dh * (H + 2 * G) + 2 * a * H * Dh + 4 * H
+    if eager:  # the eager path materialises scores: fp32 probabilities and their compute-dtype copy, per key
+        attn += H * cfg.train.seq_len // cfg.parallel.cp * (4 + a)
+        if m.attention != "mla":  # and repeats k and v to every query head
+            attn += 2 * a * (H - m.num_kv_heads) * d_qk
+    if moe:
+        K, F, E = k.top_k, k.expert_ffn_size, k.num_experts
+        router = (4 * D if a < 4 else 0) + 4 * E + 16 * K  # fp32 input copy, fp32 scores, indices
+        experts = K * (a * (2 * D + 4 * F) + 16)  # routed rows, gate|up, silu, product, expert output
+        shared = 4 * a * F * k.num_shared_experts
+        ffn = norm + router + experts + shared
+    else:
+        ffn = norm + 4 * a * m.dense_ffn_size
+    return {"attention": attn, "ffn": ffn, "input": a * D}
+
+
+def _in_flight(p, rank: int, m: int) -> float:
+    """Micro batches (in units of the rank's whole layer set) whose activations a pipeline rank holds at once."""
+    if p.pp == 1:
+        return 1.0
+    if p.pp_schedule == "gpipe":
+        return float(m)
+    if p.pp_schedule == "interleaved_1f1b" and p.vp > 1:
+        chunks = min(2 * (p.pp - rank - 1) + (p.vp - 1) * p.pp + 1, m * p.vp)
+        return chunks / p.vp
+    return float(min(m, p.pp - rank))
+
+
+# ---------------------------------------------------------------------- the plan
+def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None) -> Plan:
+    """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU.
+
+        plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
+        plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
+    """
+    if not isinstance(cfg, Config):
+        from moelab.config import load_config
+
+        cfg = load_config(cfg)
+    world = gpus if gpus is not None else default_world(cfg)
+    if world < 1:
+        raise ConfigError(f"gpus={world!r}: must be >= 1")
+    p = check_layout(cfg, world)
+    mdl, t, moe_cfg = cfg.model, cfg.train, cfg.model.moe
+    shard = p.fsdp * p.cp * p.tp  # ranks sharing one pipeline stage
+    efsdp = shard // p.ep
+    m = t.global_batch_size // (t.micro_batch_size * p.fsdp)  # micro batches per rank per step
+    a = 2 if t.dtype == "bfloat16" else 4  # compute dtype bytes
+    T = t.micro_batch_size * t.seq_len // p.cp  # tokens of one micro batch on one rank
+    pieces = _pieces(mdl)
+    counts = count_params(mdl)
+    fpt = flops_per_token(mdl, t.seq_len)
+    ranks = split_layers(mdl.num_layers, p.pp, p.vp)
+    is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
+    def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
+        b = cfg.backend.attention
+        return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
+
+    acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
+    act_moe, act_dense = _act_bytes_per_token(cfg, True, a), _act_bytes_per_token(cfg, False, a)
+
+    per_rank = []
+    for r, layers in enumerate(ranks):
+        n_moe = sum(is_moe[i] for i in layers)
+        n_dense = len(layers) - n_moe
+        experts = n_moe * pieces.moe_experts
+        dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
+                 + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
+        local = math.ceil(dense / shard) + math.ceil(experts / (p.ep * efsdp))
+        # the largest unit FSDP gathers at once: a block (its dense part whole, its experts per EP rank)
+        units = [pieces.moe_layer - pieces.moe_experts + pieces.moe_experts // p.ep if is_moe[i]
+                 else pieces.dense_layer for i in layers]
+        units += [pieces.embedding] if r == 0 else []
+        units += [pieces.head] if r == p.pp - 1 else []
+        biggest_unit = max(units) if units else 0
+        if shard > 1:
+            gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
+        else:
+            gathered = local * 2 if a == 2 else 0  # autocast's bf16 copy of every weight
+        per_layer = [acts[i] for i in layers]
+        act = {
+            "none": T * sum(x["attention"] + x["ffn"] for x in per_layer),
+            "selective": T * sum(x["input"] + x["ffn"] for x in per_layer)
+            + T * max((x["attention"] for x in per_layer), default=0),
+            "full": T * sum(x["input"] for x in per_layer)
+            + T * max((x["attention"] + x["ffn"] for x in per_layer), default=0),
+        }
+        if r == p.pp - 1:  # the final norm before the LM head is never checkpointed
+            for key in act:
+                act[key] += T * mdl.hidden_size * (4 + 2 * a)
+        flight = _in_flight(p, r, m)
+        mem = {
+            "parameters": local * 4,
+            "gradients": local * 4,
+            "optimizer": local * 8,
+            "gathered_params": gathered,
+            "activations": int(flight * act[t.activation_checkpointing]),
+            "logits": T * mdl.vocab_size * (a + 12) if r == p.pp - 1 else 0,
+            "dispatcher": 2 * T * moe_cfg.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
+        }
+        per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
+                             act=act, flight=flight, mem=mem, total=sum(mem.values())))
+    worst = max(per_rank, key=lambda x: x["total"])
+
+    # ------------------------------------------------------------------ communication (bytes sent per GPU)
+    frac = lambda n: (n - 1) / n if n > 1 else 0.0
+    a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
+    a2a_layer = int(a2a_passes * T * moe_cfg.top_k * mdl.hidden_size * a * frac(p.ep))
+    dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
+    ag = int(2 * m * a * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
+    rs = int(m * 4 * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
+    pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
+    if mdl.attention == "mla":
+        kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
+    else:
+        kv_tok = 2 * mdl.num_kv_heads * mdl.head_dim * a
+    cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
+    comm = {"all_to_all_bytes_per_moe_layer": a2a_layer,
+            "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
+            "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
+            "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes}
+    bubble = (p.pp - 1) / (p.vp * m + p.pp - 1) if p.pp > 1 else 0.0
+
+    # ------------------------------------------------------------------ verdict
+    capacity_gb, source = gpu_memory(gpu_memory_gb)
+    usable = capacity_gb * GiB * (1 - RESERVE)
+    total = worst["total"]
+    biggest = max(MEMORY_TERMS, key=lambda k: worst["mem"][k])
+    fits = total <= usable
+    if fits:
+        verdict = (f"fits: {_gib(total)} of {capacity_gb:.1f} GiB per GPU "
+                   f"({100 * total / (capacity_gb * GiB):.0f}%; the biggest term is {biggest}, {_gib(worst['mem'][biggest])})")
+    else:
+        verdict = (f"does not fit: needs {_gib(total)} per GPU but {capacity_gb:.1f} GiB x {1 - RESERVE:.2f} = "
+                   f"{_gib(usable)} is usable; the biggest term is {biggest} ({_gib(worst['mem'][biggest])}): "
+                   f"{_TERM_HELP[biggest]}")
+        if biggest == "activations" and t.activation_checkpointing != "full":
+            alt = int(worst["flight"] * worst["act"]["full"])
+            verdict += f" (full checkpointing: activations {_gib(alt)})"
+
+    per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
+               "block_input": act_moe["input"], "logits": mdl.vocab_size * (a + 12)}
+    return Plan(
+        name=cfg.name, gpus=world, layout={**{k: getattr(p, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                                          "efsdp": efsdp},
+        dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, micro_batches_per_step=m,
+        total_params=counts.total, activated_params=counts.activated, flops_per_token=fpt,
+        flops_convention=FLOPS_CONVENTION, params_per_gpu=worst["local"], stage=worst["rank"],
+        stage_layers=[list(x) for x in ranks], memory=dict(worst["mem"]), memory_per_gpu_bytes=total,
+        activations_per_micro_batch=dict(worst["act"]), activation_bytes_per_token_per_layer=per_tok,
+        comm=comm, pipeline={"schedule": p.pp_schedule if p.pp > 1 else "none", "stages": p.pp * p.vp,
+                             "bubble_fraction": bubble, "in_flight_micro_batches": worst["flight"]},
+        gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
+        assumptions=_assumptions(cfg, p, shard, efsdp))
+
+
+def _assumptions(cfg: Config, p, shard: int, efsdp: int) -> list[str]:
+    t = cfg.train
+    out = [
+        "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B",
+        (f"compute dtype bf16: FSDP2 mixed precision gathers one block (+1 prefetched) in bf16"
+         if shard > 1 else "compute dtype bf16: autocast keeps a bf16 copy of every weight")
+        if t.dtype == "bfloat16" else "compute dtype fp32",
+        f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
+        f"expert-FSDP = {efsdp}",
+        f"activation checkpointing: {t.activation_checkpointing}",
+        "peak = sum of all terms (gradients counted next to activations)",
+        f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
+        "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
+    ]
+    if p.ep > 1:
+        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank)")
+    return out

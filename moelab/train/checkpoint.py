@@ -1,0 +1,410 @@
+"""Checkpoints: sharded with torch.distributed.checkpoint (DCP), loadable into another layout.
+
+A checkpoint is a folder of the run folder, written by every rank together:
+
+    checkpoints/step_000010/
+        .metadata, __<rank>_<n>.distcp   DCP: model and optimizer state, saved as GLOBAL tensors (FSDP2 and EP
+                                         DTensors are saved by shard; any layout can load any other's shards)
+        rng/rank_00000.json              each rank's RNG states (torch, cuda, python, numpy), as JSON
+        metadata.json                    step, config identity and hash, world size, layout, and every file's
+                                         size and crc32: written last, so its presence means "complete"
+    checkpoints/.step_000010.tmp/        a save in progress; renamed to step_000010 when complete (atomic)
+
+What makes a resume exact: the model state dict holds the parameters and the Router's persistent buffers
+(expert_bias, capacity_factor, load_history, history_len); the optimizer state dict holds AdamW's moments and
+step counts; the data is indexed by (seed, step, sample), so the step IS the data position; the learning rate is
+a function of the step. Nothing else carries over between steps.
+
+A folder that fails verification (no metadata.json, a missing, truncated or corrupt file, a step that does not
+match its name) is never loaded: `restore` reports it in a warning, renames it to `step_N.corrupt-<time>` and
+falls back to the previous complete checkpoint, or raises CheckpointError when there is none. The run folder is
+assumed to be on a file system every rank sees (as SLURM clusters provide).
+
+    ckpt = Checkpointer(run_dir, cfg, env, layout)   # refuses checkpoints of another config (ConfigError)
+    ckpt.save(10, model, optimizer)                   # collective: every rank calls it
+    restored = ckpt.restore(model, optimizer, run_dir / "metrics.jsonl")   # restored.step == 10
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moelab.config import Config, ConfigError
+from moelab.train.metrics import parse_line
+
+FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+# Config fields that may change between a checkpoint and its resume: the length of the run, checkpointing and
+# failure policy, and everything about placement (layout, kernels, device) that does not change the maths.
+RESUMABLE_FIELDS = ("name", "parallel", "backend", "train.steps", "train.checkpoint_every",
+                    "train.keep_checkpoints", "train.collective_timeout_s", "train.on_nan", "train.device",
+                    "train.activation_checkpointing", "train.compile", "train.micro_batch_size")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the folder and what is wrong with it."""
+
+
+@dataclass
+class Restored:
+    """What `Checkpointer.restore` did: the step to continue after (0 = fresh start), the folder it loaded,
+    warnings for the stream (skipped corrupt checkpoints, a changed layout, a cut metrics line), and the step
+    events the stream keeps from before (for the run's summary)."""
+    step: int = 0
+    path: Path | None = None
+    warnings: list[dict] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- the folder, read-only
+def checkpoint_dir(run_dir: "str | Path") -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: "str | Path") -> list[Path]:
+    """Checkpoint folders of a run (complete or not), oldest first; temp and quarantined folders excluded."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def read_metadata(path: "str | Path") -> dict:
+    """A checkpoint's metadata.json; CheckpointError if it is missing or unreadable."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no metadata.json (the save did not finish)") from None
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: metadata.json is unreadable ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
+        raise CheckpointError(f"{path}: metadata.json lacks 'step' or 'files'")
+    if meta["step"] != int(path.name[5:]):
+        raise CheckpointError(f"{path}: metadata.json says step {meta['step']}, the folder name another")
+    if meta.get("format", FORMAT) > FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta['format']} is newer than this moelab reads")
+    return meta
+
+
+def verify_files(path: Path, files: dict, names: "list[str] | None" = None) -> list[str]:
+    """Problems (missing, truncated, corrupt) of the listed files, or of `names` among them."""
+    problems = []
+    for name in names if names is not None else sorted(files):
+        want, f = files[name], path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != want["size"]:
+            problems.append(f"{name} is {f.stat().st_size} bytes, expected {want['size']} (truncated)")
+        elif _crc32(f) != want["crc32"]:
+            problems.append(f"{name} fails its crc32 check (corrupt)")
+    return problems
+
+
+def verify(path: "str | Path") -> list[str]:
+    """Everything wrong with one checkpoint folder (empty = complete and intact), from one process."""
+    try:
+        meta = read_metadata(path)
+    except CheckpointError as e:
+        return [str(e)]
+    return [f"{path}: {p}" for p in verify_files(Path(path), meta["files"])]
+
+
+def latest_checkpoint(run_dir: "str | Path") -> Path | None:
+    """The newest complete, intact checkpoint of a run (None if there is none)."""
+    for path in reversed(list_checkpoints(run_dir)):
+        if not verify(path):
+            return path
+    return None
+
+
+def config_identity(cfg: Config) -> dict:
+    """The config with RESUMABLE_FIELDS removed: what must match for a checkpoint to be resumed."""
+    d = cfg.to_dict()
+    for dotted in RESUMABLE_FIELDS:
+        *parents, last = dotted.split(".")
+        node = d
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(last, None)
+    return d
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(config_identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
+
+
+# ---------------------------------------------------------------------- save and restore (collective)
+class Checkpointer:
+    """Saves and restores one run's checkpoints; every rank makes the same calls (they are collectives)."""
+
+    def __init__(self, run_dir: "str | Path", cfg: Config, env, layout):
+        self.run_dir, self.root = Path(run_dir), checkpoint_dir(run_dir)
+        self.cfg, self.env, self.layout = cfg, env, layout
+        self.check_config()
+
+    # ------------------------------------------------------------------ collectives (trivial on one process)
+    @property
+    def _dist(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if self._dist else 0
+
+    @property
+    def _world(self) -> int:
+        return dist.get_world_size() if self._dist else 1
+
+    def _broadcast(self, obj):
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        if not self._dist:
+            return [obj]
+        out = [None] * self._world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _barrier(self) -> None:
+        if self._dist:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ config check
+    def check_config(self) -> None:
+        """Refuse (ConfigError) to resume checkpoints written by a different model, data or optimizer config."""
+        for path in reversed(list_checkpoints(self.run_dir)):
+            try:
+                meta = read_metadata(path)
+            except CheckpointError:
+                continue
+            if meta.get("config_hash") != config_hash(self.cfg):
+                changes = _diff(meta.get("config", {}), config_identity(self.cfg))
+                raise ConfigError(
+                    f"run folder {self.run_dir} has checkpoints of a different config ({'; '.join(changes[:6])}). "
+                    f"Resume with its own config ({self.run_dir / 'config.yaml'}) or use a new run folder")
+            return
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+        """Write checkpoints/step_<step> (collective); keep the newest `train.keep_checkpoints`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        name = step_dir_name(step)
+        final, tmp = self.root / name, self.root / f".{name}.tmp"
+        if self._rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+            (tmp / "rng").mkdir(parents=True)
+        self._barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not self._dist)
+        rng_name = f"rng/rank_{self._rank:05d}.json"
+        (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
+        # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
+        mine = [f for f in _files(tmp) if f.startswith(f"__{self._rank}_") or f == rng_name]
+        files = {}
+        for part in self._gather({f: _file_record(tmp / f) for f in mine}):
+            files.update(part)
+        if self._rank == 0:
+            for f in _files(tmp):
+                files.setdefault(f, _file_record(tmp / f))
+            meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
+                    "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
+                    "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
+            _write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
+            if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        self._barrier()
+        return final
+
+    def _prune(self) -> None:
+        complete = [p for p in list_checkpoints(self.run_dir) if (p / "metadata.json").is_file()]
+        for old in complete[: -self.cfg.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                metrics_path: "str | Path | None" = None) -> Restored:
+        """Load the newest intact checkpoint into model and optimizer (collective), and rewind the metrics
+        stream to it (rank 0). Corrupt folders are reported and skipped; CheckpointError if all are."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import torch.distributed.checkpoint as dcp
+
+        out = Restored()
+        names = self._broadcast([p.name for p in reversed(list_checkpoints(self.run_dir))]
+                                if self._rank == 0 else None)
+        bad = []
+        for name in names:
+            path = self.root / name
+            problems = self._verify_collectively(path)
+            if not problems:
+                out.path = path
+                break
+            bad.append(f"{name}: {'; '.join(problems)}")
+            out.warnings.append({"kind": "corrupt_checkpoint", "message": (
+                f"checkpoint {path} is not usable and was not loaded ({'; '.join(problems)}); renamed to "
+                f"{name}.corrupt-*, falling back to an older one")})
+            if self._rank == 0:
+                os.rename(path, path.with_name(f"{name}.corrupt-{int(time.time())}"))
+        if names and out.path is None:
+            raise CheckpointError(f"{self.root}: no usable checkpoint ({' | '.join(bad)}). The run cannot resume; "
+                                  f"move the checkpoints folder away to start again from step 0")
+        if out.path is not None:
+            meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
+            out.step = meta["step"]
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            try:
+                dcp.load(state, checkpoint_id=out.path, no_dist=not self._dist)
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            except Exception as e:
+                raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
+                                      f"{type(e).__name__}: {e}") from e
+            rng = out.path / f"rng/rank_{self._rank:05d}.json"
+            _set_rng_state(json.loads((rng if rng.is_file() else out.path / "rng/rank_00000.json").read_text()),
+                           self.env.device)
+            now = {"world_size": self._world, "layout": dataclasses.asdict(self.layout)}
+            if (meta["world_size"], meta["layout"]) != (now["world_size"], now["layout"]):
+                out.warnings.append({"kind": "layout_changed", "message": (
+                    f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
+                    f"onto {now['world_size']} ranks with layout {now['layout']}")})
+        if self._rank == 0 and metrics_path is not None:
+            out.records, cut = rewind_metrics(metrics_path, out.step)
+            if cut:
+                out.warnings.append({"kind": "truncated_metrics_line", "message": cut})
+        for w in out.warnings:
+            w["step"] = out.step
+        self._barrier()
+        return out
+
+    def _verify_collectively(self, path: Path) -> list[str]:
+        """Rank 0 reads metadata.json; the files are then checked by all ranks, file i by rank i % world."""
+        head = None
+        if self._rank == 0:
+            try:
+                head = {"files": read_metadata(path)["files"], "problems": []}
+            except CheckpointError as e:
+                head = {"files": {}, "problems": [str(e)]}
+        head = self._broadcast(head)
+        if head["problems"]:
+            return head["problems"]
+        names = sorted(head["files"])[self._rank::self._world]
+        return [p for part in self._gather(verify_files(path, head["files"], names)) for p in part]
+
+
+# ---------------------------------------------------------------------- the metrics stream on resume
+def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], str]:
+    """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
+    writes them again, so every step appears exactly once. Returns the kept step events and, if the last line
+    was cut by a kill mid-write, a message saying it was dropped. A corrupt complete line raises MetricsError."""
+    path = Path(path)
+    if not path.exists():
+        return [], ""
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()
+    kept, records = [], []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        event = parse_line(line, f"{path}:{i}")
+        if event["event"] in ("step", "checkpoint") and event.get("step", 0) > step:
+            continue
+        kept.append(line)
+        if event["event"] == "step":
+            records.append(event)
+    tmp = path.with_name(path.name + ".rewind")
+    _write_durably(tmp, b"".join(line + b"\n" for line in kept))
+    os.replace(tmp, path)
+    cut = f"{path}:{len(lines) + 1}: dropped a half-written last line ({len(tail)} bytes)" if tail.strip() else ""
+    return records, cut
+
+
+# ---------------------------------------------------------------------- helpers
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_record(path: Path) -> dict:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _write_durably(path: Path, data: "str | bytes") -> None:
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state(device: str) -> dict:
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state().tolist(), "python": _listify(random.getstate()),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if str(device).startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def _set_rng_state(state: dict, device: str) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    random.setstate(_tuplify(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and str(device).startswith("cuda"):
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x

@@ -1,0 +1,102 @@
+"""Per-expert learning rates by utilisation: under-used experts learn faster.
+
+    scale_e = clip(((1 / E) / share_e) ** model.moe.expert_lr_power, 1, model.moe.expert_lr_max_scale)
+
+where share_e is expert e's share of the step's routed tokens (global counts, after dropping: the tokens the
+expert actually learned from). An expert at or above its fair share 1/E keeps the base rate; a starved one gets
+up to expert_lr_max_scale times it.
+
+Shapes: L MoE layers, E experts (global), R rows of a stacked expert tensor held here (E, or a slice under EP).
+
+Why not param groups: the experts of a layer are one stacked [E, ...] tensor, so one expert cannot be a param
+group, and Adam's update does not change when its gradient is scaled. So the UPDATE is scaled instead: a
+pre-step hook on the optimizer snapshots the expert tensors, and ``apply`` (after the step) sets
+w_e = w_e_before + scale_e * (w_e_after - w_e_before). For AdamW (decoupled weight decay included) this is
+exactly a step with learning rate lr * scale_e for expert e; the moments are not touched, as they do not depend on
+the learning rate. Cost: one copy of this rank's expert weights, alive only during the optimizer step.
+
+    scaler = ExpertLR.attach(optimizer, model.moe_layers(), cfg)   # None when expert_lr_power == 0
+    optimizer.step(); scaler.apply(counts_LE)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from moelab.config import Config
+
+
+def expert_lr_scales(counts_LE: torch.Tensor, power: float, max_scale: float) -> torch.Tensor:
+    """Learning-rate multipliers [L, E] from tokens per expert [L, E] (a layer with no tokens keeps 1)."""
+    counts_LE = counts_LE.float()
+    E = counts_LE.shape[-1]
+    total_L1 = counts_LE.sum(-1, keepdim=True)
+    share_LE = counts_LE / total_L1.clamp(min=1e-30)
+    scale_LE = ((1.0 / E) / share_LE).pow(power)  # share 0 -> inf -> clipped to max_scale
+    scale_LE = scale_LE.clamp(min=1.0, max=max_scale)
+    return torch.where(total_L1 > 0, scale_LE, torch.ones_like(scale_LE))
+
+
+def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows of a stacked expert parameter held on this rank, and the index of the first one among the
+    parameter's rows (non-zero when FSDP2 shards a DTensor along the expert dimension)."""
+    if not hasattr(p, "to_local"):
+        return p.data, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), int(offset[0]) if offset else 0
+
+
+class ExpertLR:
+    """Scales each expert's optimizer update by its utilisation (see the module docstring).
+
+    `moe_layers` has one entry per MoE layer of the whole model (None where another pipeline stage holds it),
+    in the order of the counts given to ``apply``. `first_expert(layer_index) -> int` gives the global id of this
+    rank's first expert of that layer (0 without expert parallelism; under EP, the offset of this rank's slice).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, moe_layers: Sequence, power: float, max_scale: float,
+                 first_expert: Callable[[int], int] = lambda layer: 0):
+        self.power, self.max_scale = power, max_scale
+        # (layer index, parameter) for every stacked expert tensor held here
+        self.params = [(i, p) for i, moe in enumerate(moe_layers) if moe is not None
+                       for p in (moe.experts.w_gate_up_EDF2, moe.experts.w_down_EFD)]
+        self.first_expert = first_expert
+        self._before: list[torch.Tensor] | None = None
+        self._hook = optimizer.register_step_pre_hook(self._snapshot)
+
+    @classmethod
+    def attach(cls, optimizer: torch.optim.Optimizer, moe_layers: Sequence, cfg: Config,
+               first_expert: Callable[[int], int] = lambda layer: 0) -> "ExpertLR | None":
+        """An ExpertLR hooked on `optimizer`, or None when the config leaves it off (expert_lr_power == 0)."""
+        moe = cfg.model.moe
+        if moe.expert_lr_power <= 0:
+            return None
+        return cls(optimizer, moe_layers, moe.expert_lr_power, moe.expert_lr_max_scale, first_expert)
+
+    @torch.no_grad()
+    def _snapshot(self, optimizer, args, kwargs) -> None:
+        self._before = [_local_rows(p)[0].clone() for _, p in self.params]
+
+    @torch.no_grad()
+    def apply(self, counts_LE: torch.Tensor) -> torch.Tensor:
+        """After optimizer.step(): rescale this step's expert updates. counts_LE: the step's global tokens per
+        expert [L, E]. Returns the scales [L, E] (device tensor; nothing is synchronised)."""
+        if self._before is None:
+            raise RuntimeError("ExpertLR.apply needs an optimizer.step() since the last apply")
+        scale_LE = expert_lr_scales(counts_LE, self.power, self.max_scale)
+        for (layer, p), before_R in zip(self.params, self._before):
+            after_R, row0 = _local_rows(p)
+            start = self.first_expert(layer) + row0
+            s_R = scale_LE[layer, start:start + after_R.shape[0]].to(after_R.dtype)
+            s_R = s_R.view(-1, *([1] * (after_R.dim() - 1)))
+            # before + s * (after - before); lerp computes it from `after` for s >= 0.5, so s = 1 is exact
+            after_R.copy_(before_R.lerp_(after_R, s_R))
+        self._before = None  # free the snapshot before the next forward
+        return scale_LE
+
+    def remove(self) -> None:
+        """Unhook from the optimizer."""
+        self._hook.remove()

@@ -1,0 +1,55 @@
+"""Stop signals: SIGTERM, SIGUSR1 and submitit's preemption signal (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says
+otherwise) become a flag that the training loop reads at the next step boundary, never an exception in the
+middle of a step. The loop then saves a checkpoint, ends the run with status PREEMPTED, and hands each signal to
+the handler that was installed before (submitit's, which requeues the job), so requeueing sees a finished
+checkpoint.
+
+    stop = StopSignals().install()   # in the main thread; a no-op elsewhere (a notebook's worker thread)
+    ... if stop.requested: save, end the loop ...
+    stop.restore(); stop.chain()     # after the run's last event is written
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+
+class StopSignals:
+    def __init__(self):
+        names = ["SIGTERM", "SIGUSR1", "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+        self.signals = [getattr(signal, n) for n in dict.fromkeys(names) if hasattr(signal, n)]
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}  # while installed
+        self._chain_to: dict[int, object] = {}  # after restore(): the handlers chain() calls
+
+    def install(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    @property
+    def names(self) -> list[str]:
+        return [signal.Signals(s).name for s in dict.fromkeys(self.received)]
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before install()."""
+        for s, previous in self._previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._chain_to, self._previous = self._previous, {}
+
+    def chain(self) -> None:
+        """Give each received signal to the handler installed before ours, if that was a Python function
+        (submitit's checkpoint-and-requeue handler, which may exit the process)."""
+        for s in dict.fromkeys(self.received):
+            previous = self._chain_to.get(s)
+            if callable(previous):
+                previous(s, None)

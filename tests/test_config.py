@@ -1,0 +1,69 @@
+"""Config errors name the field, the value and the fix; YAML round trips; dotted overrides."""
+import pytest
+
+from moelab.config import ConfigError, check_layout, load_config, save_config
+
+
+def test_yaml_round_trip_is_equal(tmp_path):
+    cfg = load_config("tiny", ["model.moe.num_experts=8", "train.lr=0.01"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def test_overrides_from_cli_strings_and_dicts():
+    cfg = load_config("tiny", ["model.moe.num_experts=32", "backend.fake_balanced_gate=true"])
+    assert cfg.model.moe.num_experts == 32 and cfg.backend.fake_balanced_gate is True
+    assert load_config("tiny", {"train.steps": 7}).train.steps == 7
+    assert cfg.replace(**{"train.seed": 3}).train.seed == 3
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["model.moe.top_k=32"], "model.moe.top_k=32", "num_experts"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads=3", "num_heads"),
+    (["model.moe.num_experst=4"], "model.moe.num_experst", "did you mean 'model.moe.num_experts'"),
+    (["modle.hidden_size=4"], "modle.hidden_size", "did you mean 'model'"),
+    (["train.lr=fast"], "train.lr='fast'", "expected a number"),
+    (["model.moe.score_func=softmx"], "model.moe.score_func='softmx'", "did you mean 'softmax'"),
+    (["parallel.ep=3"], "parallel.ep=3", "must divide model.moe.num_experts=16"),
+    (["train.global_batch_size=7"], "train.global_batch_size=7", "multiple of train.micro_batch_size"),
+    (["parallel.tp=2"], "parallel.tp=2", "not supported"),
+    (["model.num_layers=0"], "model.num_layers=0", ">= 1"),
+])
+def test_invalid_values_name_field_value_and_fix(overrides, field, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert field in str(e.value) and words in str(e.value)
+
+
+def test_wrong_types_from_yaml_are_rejected(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  moe:\n    num_experts: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=\[1, 2\]: expected an integer"):
+        load_config(p)
+    p.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="model=3: expected a mapping"):
+        load_config(p)
+
+
+def test_yaml_may_start_from_a_preset(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("base: tiny\nmodel:\n  moe:\n    top_k: 4\n")
+    cfg = load_config(p)
+    assert cfg.model.moe.top_k == 4 and cfg.model.moe.num_experts == 16 and cfg.name == "mine"
+
+
+def test_missing_file_and_unknown_preset_messages():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("nope/missing.yaml")
+    with pytest.raises(ConfigError, match="Did you mean 'tiny'.*Presets:"):
+        load_config("tinny")
+
+
+def test_layout_must_multiply_to_the_world_size():
+    cfg = load_config("tiny", ["parallel.fsdp=2", "parallel.ep=2"])
+    assert check_layout(cfg, 2).fsdp == 2
+    with pytest.raises(ConfigError, match="parallel.fsdp=2: tp\\*pp\\*cp\\*fsdp = 2 but the world size is 4"):
+        check_layout(cfg, 4)
+    with pytest.raises(ConfigError, match="parallel.ep=4: must divide fsdp\\*cp\\*tp=2"):
+        check_layout(load_config("tiny", ["parallel.ep=4"]), 2)
+    assert check_layout(load_config("tiny", ["train.micro_batch_size=2"]), 4).fsdp == 4  # -1 fills the world
