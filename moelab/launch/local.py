@@ -124,7 +124,9 @@ def run_local_processes(cfg: Config, run_dir: "str | Path", nproc: int, entry: s
     `entry` is the module each rank runs as ``python -m ENTRY RUN_DIR`` (tests use their own); `env` adds
     environment variables to every rank."""
     run_dir = Path(run_dir)
-    cfg.resolved_parallel(nproc)  # an impossible layout fails here, before any process starts
+    from moelab.parallel.mesh import check_supported
+
+    check_supported(cfg.resolved_parallel(nproc))  # an impossible layout fails here, before any process starts
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     launch([sys.executable, "-m", entry, str(run_dir)], nproc, run_dir / "logs", env, grace_s,

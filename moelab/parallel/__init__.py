@@ -22,6 +22,9 @@ class Parallelized:
         self.dp_rank, self.dp_size = 0, 1
         # Parameters already in the compute dtype (FSDP2 mixed precision, or a bf16 model): no autocast needed.
         self.casts_params = False
+        # Pipeline parallel: a moelab.parallel.pipeline.PipelineRunner that runs the step's micro batches
+        # through its schedule (the trainer hands it the batch instead of looping itself).
+        self.pipeline = None
 
     # which MoE layers exist here: `moe_layers` are this rank's; `moe_layers_all` has one entry per MoE layer
     # of the whole model, None where another pipeline stage holds it
@@ -64,19 +67,28 @@ class Parallelized:
 
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig) -> Parallelized:
     """Place `model` (built on the meta device) for this rank, initialise it, and return the Parallelized."""
+    from moelab.backends import apply_backends
+
+    apply_backends(model, cfg, env.device, env.world_size)  # the switchboard's packages, checked and swapped in
     if env.world_size > 1:
         from moelab.parallel.distributed import parallelize_distributed
 
         return parallelize_distributed(model, cfg, env, layout)
     materialize(model, cfg, env.device)
     apply_activation_checkpointing(model, cfg)
-    return Parallelized(model, cfg, env, layout)
+    apply_compile(model, cfg)
+    par = Parallelized(model, cfg, env, layout)
+    par.casts_params = cfg.train.param_dtype == "bfloat16"  # bf16 parameters: no autocast needed
+    return par
 
 
 def materialize(model: nn.Module, cfg: Config, device) -> None:
     """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
     model.to_empty(device=device)
     model.init_weights(cfg.train.seed)
+    if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
@@ -91,3 +103,11 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
             block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, cfg: Config) -> None:
+    """torch.compile each block in place (train.compile): fuses norms, rotary, SwiGLU and the router's
+    elementwise work; blocks share one compiled graph (parameters are graph inputs)."""
+    if cfg.train.compile:
+        for block in model.layers.values():
+            block.compile()

@@ -1,16 +1,19 @@
-"""Many ranks: the device meshes, expert parallelism and FSDP2 applied to a model built on the meta device.
+"""Many ranks: device meshes, expert, context and pipeline parallelism and FSDP2, applied to a model built on the
+meta device.
 
     par = parallelize_distributed(model_on_meta, cfg, env, layout)   # called by moelab.parallel.parallelize
 
-Order (torchtitan's): (1) keep only this rank's experts and install the EP dispatcher, (2) materialise and
-initialise what is left (moelab.model seeds every parameter by name, and stacked experts per expert, so the
-weights equal the single-process ones), (3) activation checkpointing, (4) FSDP2: experts over the expert-FSDP
-mesh, then every block and the root over the dense (dp*cp) mesh. On a GPU with train.dtype=bfloat16 FSDP2 keeps
-fp32 master weights and computes in bf16 (MixedPrecisionPolicy, fp32 gradient reduction).
+Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
+install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
+name, and stacked experts per expert, so the weights equal the single-process ones), (3) context parallelism
+(moelab.parallel.context), (4) activation checkpointing, (5) FSDP2: experts over the expert-FSDP mesh, then
+every block and the root over the dense (dp*cp) mesh. With train.dtype=bfloat16 FSDP2 keeps fp32 master weights
+and computes in bf16 (MixedPrecisionPolicy, fp32 gradient reduction). Pipeline stages: moelab.parallel.pipeline.
 
 The weights of the trainer's statistics sum (``DistributedParallelized``) follow from who holds what: every rank
 of a pipeline stage routes its own tokens (so routing counts add up to global counts), the loss lives on the last
-stage, and no gradient is replicated (tp = 1), so squared gradient norms add up over all ranks.
+stage (CP ranks each hold an equal share of it), and no gradient is replicated (tp = 1), so squared gradient norms
+add up over all ranks.
 """
 from __future__ import annotations
 
@@ -23,18 +26,32 @@ from torch.distributed.tensor import DTensor
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.launch.env import DistEnv
 from moelab.parallel import Parallelized, apply_activation_checkpointing, materialize
-from moelab.parallel.expert_parallel import AllToAllDispatcher, shard_experts
-from moelab.parallel.mesh import Meshes, build_meshes
+from moelab.parallel.context import ContextParallel
+from moelab.parallel.expert_parallel import AllToAllDispatcher, scale_expert_gradients, shard_experts
+from moelab.parallel.mesh import Meshes, build_meshes, check_supported
 
 
 class DistributedParallelized(Parallelized):
     """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized)."""
 
-    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig, meshes: Meshes):
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig, meshes: Meshes,
+                 cp: ContextParallel | None = None):
         super().__init__(model, cfg, env, layout)
-        self.meshes = meshes
+        self.meshes, self.cp = meshes, cp
         self.dp_rank, self.dp_size = meshes.coords.dp, layout.fsdp
         self.casts_params = mixed_precision(cfg) is not None
+
+    def shard_sequence(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        return self.cp.shard(tokens_BL) if self.cp is not None else tokens_BL
+
+    def positions(self, seq_len: int, device) -> torch.Tensor | None:
+        return self.cp.positions(seq_len, device) if self.cp is not None else None
+
+    @property
+    def moe_layers_all(self) -> list:
+        """One entry per MoE layer of the whole model; None where another pipeline stage holds it."""
+        held = {int(key): block.ffn for key, block in self.model.layers.items() if block.is_moe}
+        return [held.get(i) for i in range(self.cfg.model.num_dense_layers, self.cfg.model.num_layers)]
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global gradient norm (and clipping by it), equal to one process's clip_grad_norm_.
@@ -44,8 +61,9 @@ class DistributedParallelized(Parallelized):
         them (every gradient element lives on exactly one rank)."""
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in model.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(local) if local else []
-        sq = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros((), device=self.env.device)
+        sq = torch.zeros((), device=self.env.device)
+        if local:
+            sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
         dist.all_reduce(sq)
         total = sq.sqrt()
         if max_norm > 0 and local:
@@ -54,7 +72,7 @@ class DistributedParallelized(Parallelized):
         return total
 
     def loss_contribution(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        return loss_sum.reshape(1)
+        return loss_sum.reshape(1) / self.layout.cp  # CP ranks hold equal shares of the same sequences
 
     def grad_norm_weight(self) -> float:
         return 1.0 / self.env.world_size  # every rank holds the same global norm
@@ -74,7 +92,7 @@ def mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def build_dispatcher(kind: str, group):
+def build_dispatcher(kind: str, group, hidden: int):
     """The EP token dispatcher named by backend.dispatcher (the switchboard has checked its package)."""
     if kind == "all_to_all":
         return AllToAllDispatcher(group)
@@ -84,7 +102,7 @@ def build_dispatcher(kind: str, group):
         except ImportError as e:
             raise ConfigError(f"backend.dispatcher='deepep': moelab.backends.deepep is not available ({e}); "
                               f"set backend.dispatcher=all_to_all") from e
-        return DeepEPDispatcher(group)
+        return DeepEPDispatcher(group, hidden=hidden)
     raise ConfigError(f"backend.dispatcher={kind!r}: choose all_to_all or deepep")
 
 
@@ -96,7 +114,8 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     kind = getattr(model, "backends", {}).get("dispatcher", cfg.backend.dispatcher)
     for moe in model.moe_layers():
         shard_experts(moe.experts, meshes.coords.ep, ep)
-        moe.dispatcher = build_dispatcher(kind, meshes.ep_group)
+        scale_expert_gradients(moe.experts, ep)
+        moe.dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size)
 
 
 def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
@@ -113,18 +132,47 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
 
 
 def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig) -> Parallelized:
+    check_supported(layout)
     meshes = build_meshes(layout, env.world_size, env.rank, "cuda" if env.is_cuda else "cpu")
+    if layout.pp > 1:
+        return parallelize_pipeline(model, cfg, env, layout, meshes)
+    cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
+    place_stage(model, cfg, env, meshes, cp)
+    return DistributedParallelized(model, cfg, env, layout, meshes, cp)
+
+
+def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp: ContextParallel | None = None):
+    """EP, materialisation with the single-process weights, CP, activation checkpointing and FSDP2, in order."""
     apply_expert_parallel(model, cfg, meshes)
     materialize(model, cfg, env.device)
+    if cp is not None:
+        cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
     apply_fsdp(model, cfg, meshes)
-    return DistributedParallelized(model, cfg, env, layout, meshes)
+
+
+def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig,
+                         meshes: Meshes) -> Parallelized:
+    """Cut the model into pp * vp stages; place this rank's stages (r, r + pp, ...) like a whole model."""
+    from moelab.parallel.pipeline import PipelineModel, PipelineRunner, build_stage_modules, stage_layers
+
+    num_stages = layout.pp * layout.vp
+    stage_ids = [meshes.coords.pp + k * layout.pp for k in range(layout.vp)]
+    stages = build_stage_modules(model, stage_layers(cfg.model, num_stages), stage_ids)
+    for stage in stages:
+        place_stage(stage, cfg, env, meshes)
+    t = cfg.train
+    n_micro = t.global_batch_size // (t.micro_batch_size * layout.fsdp)
+    par = DistributedParallelized(PipelineModel(stages, cfg.model.num_layers), cfg, env, layout, meshes)
+    par.pipeline = PipelineRunner(stages, stage_ids, num_stages, meshes.pp_group, env.device, cfg, n_micro)
+    par.pipeline.infer_shapes(par.model, n_micro * t.micro_batch_size, t.seq_len, env.device)
+    return par
 
 
 @torch.no_grad()
 def full_state_dict(par: DistributedParallelized) -> dict[str, torch.Tensor]:
-    """Every parameter as a full (unsharded, all experts) CPU tensor, on every rank (collective; for tests and
-    small exports: it holds the whole model in host memory)."""
+    """Every parameter as a full (unsharded, all experts, all pipeline stages) CPU tensor, on every rank
+    (collective; for tests and small exports: it holds the whole model in host memory)."""
     ep_group = par.meshes.ep_group
     out = {}
     for name, p in par.model.named_parameters():
@@ -135,4 +183,8 @@ def full_state_dict(par: DistributedParallelized) -> dict[str, torch.Tensor]:
             dist.all_gather(parts, t.contiguous(), group=ep_group)
             t = torch.cat(parts)
         out[name] = t.float().cpu()
+    if par.layout.pp > 1:  # every stage contributes its layers
+        parts = [None] * par.layout.pp
+        dist.all_gather_object(parts, out, group=par.meshes.pp_group)
+        out = {k: v for part in parts for k, v in part.items()}
     return out

@@ -5,13 +5,14 @@ N rows this rank sends (kept assignments), M rows it receives.
 
     moe.dispatcher = AllToAllDispatcher(ep_group)     # moelab.parallel.distributed installs it per MoE layer
     shard_experts(moe.experts, ep_rank, ep)           # keep only this rank's experts (on the meta device)
+    scale_expert_gradients(moe.experts, ep)           # the data-parallel mean of their gradients (see below)
 
 One MoE layer's forward, implementing the dispatcher interface of moelab.model.moe (LocalDispatcher):
   1. sort the T*K assignments by expert (dropped ones, when capacity is on, sort last and are not sent);
   2. exchange the per-expert counts with an all-to-all of a tiny [R, X] tensor;
   3. ONE device-to-host copy per layer: the split sizes of the uneven exchange (and the received counts) are
      needed as Python ints by ``all_to_all_single``; this is the layer's only host synchronisation;
-  4. an autograd-aware uneven ``all_to_all_single`` (torch's functional collective) sends the rows;
+  4. an autograd-aware uneven ``all_to_all_single`` (``_AllToAll``) sends the rows;
   5. the rows arrive rank-major ([from rank 0: its rows for my experts 0..X-1], [from rank 1: ...]) and are
      permuted to local-expert-major for the grouped GEMM;
   6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights.
@@ -19,17 +20,16 @@ The backward pass of 4 is the mirrored all-to-all, so gradients take the same ro
 
 Gradient scale of the experts: each rank's loss is a mean over its own tokens, and an expert's gradient is the
 sum over every EP peer's tokens routed to it; FSDP then averages over the expert-FSDP mesh ((dp*cp)/ep ranks).
-The data-parallel mean needs 1/(dp*cp), i.e. another 1/ep. ``_ScaleGrad`` applies it inside the dispatcher
-(gradient into the experts x 1/ep, gradient out of them x ep), which is exact for powers of two and does not
-depend on FSDP's custom divide factors (gloo has no PREMUL_SUM, and the factor's handling on one-rank meshes
-changed between torch releases).
+The data-parallel mean needs 1/(dp*cp), i.e. another 1/ep. ``scale_expert_gradients`` applies it around the
+experts module, whatever the dispatcher (gradient into the experts x 1/ep, gradient out of them x ep): exact
+for powers of two, and independent of FSDP's custom divide factors (gloo has no PREMUL_SUM, and the factor's
+handling on one-rank meshes changed between torch releases).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -43,6 +43,28 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all_to_all_single whose backward is the mirrored exchange (output splits <-> input splits)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        y_MD = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
+        dist.all_to_all_single(y_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return y_MD
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        out_splits, in_splits = ctx.splits
+        grad_ND = grad_MD.new_empty((sum(in_splits),) + tuple(grad_MD.shape[1:]))
+        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_ND, None, None, None
+
+
+def all_to_all(x_ND, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
 
 
 class AllToAllDispatcher:
@@ -71,20 +93,18 @@ class AllToAllDispatcher:
         N, M = sum(send_splits), sum(recv_splits)
         order_N = order_TK[:N]
         x_send_ND = x_TD[order_N // K]
-        x_recv_MD = all_to_all_single_autograd(x_send_ND, recv_splits, send_splits, self.group)
+        x_recv_MD = all_to_all(x_send_ND, recv_splits, send_splits, self.group)
         # rank-major -> local-expert-major: a stable sort of the received rows by their local expert
         expert_of_row_M = torch.repeat_interleave(torch.arange(R * X, device=x_TD.device) % X,
                                                   recv_RX.reshape(-1), output_size=M)
         perm_M = torch.argsort(expert_of_row_M, stable=True)
-        x_MD = _ScaleGrad.apply(x_recv_MD[perm_M], float(R))
         ctx = (order_N, perm_M, send_splits, recv_splits, T, K)
-        return x_MD, recv_RX.sum(0), ctx
+        return x_recv_MD[perm_M], recv_RX.sum(0), ctx
 
     def combine(self, y_MD, ctx, weights_TK, keep_TK, counts_X):
         order_N, perm_M, send_splits, recv_splits, T, K = ctx
-        y_MD = _ScaleGrad.apply(y_MD, 1.0 / self.ep)
         y_recv_MD = torch.empty_like(y_MD).index_copy(0, perm_M, y_MD)  # back to rank-major
-        y_back_ND = all_to_all_single_autograd(y_recv_MD, send_splits, recv_splits, self.group)
+        y_back_ND = all_to_all(y_recv_MD, send_splits, recv_splits, self.group)
         # dropped assignments were never sent: their rows stay zero (and their weights are zero too)
         y_TKD = y_back_ND.new_zeros(T * K, y_back_ND.shape[-1]).index_copy(0, order_N, y_back_ND)
         return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
@@ -105,3 +125,17 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep: int) -> None:
         setattr(experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
     experts.num_experts = X
     experts.expert_offset = ep_rank * X
+
+
+def scale_expert_gradients(experts: nn.Module, ep: int) -> None:
+    """Identity in the forward pass; in backward, the experts' weights get 1/ep of their gradient and the rows
+    leaving them get it back (x ep), so only the expert parameters are scaled (see the module docstring)."""
+
+    def pre_hook(module, args):
+        return (_ScaleGrad.apply(args[0], float(ep)),) + tuple(args[1:])
+
+    def post_hook(module, args, output):
+        return _ScaleGrad.apply(output, 1.0 / ep)
+
+    experts.register_forward_pre_hook(pre_hook)
+    experts.register_forward_hook(post_hook)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from moelab.config import ParallelConfig
+from moelab.config import ConfigError, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,16 @@ class Meshes:
     @property
     def pp_group(self):
         return self.world.get_group("pp") if self.layout.pp > 1 else None
+
+
+def check_supported(layout: ParallelConfig) -> None:
+    """Raise ConfigError for a valid layout that moelab cannot run yet (the planner may still plan it)."""
+    if layout.vp > 1 and layout.pp_schedule != "interleaved_1f1b":
+        raise ConfigError(f"parallel.pp_schedule={layout.pp_schedule!r}: runs one stage per rank; with "
+                          f"parallel.vp={layout.vp} virtual stages use interleaved_1f1b")
+    if layout.cp > 1 and layout.pp > 1:
+        raise ConfigError(f"parallel.cp={layout.cp} with parallel.pp={layout.pp}: context parallelism does not "
+                          f"compose with pipeline stages yet; use one of them")
 
 
 def build_meshes(layout: ParallelConfig, world_size: int, rank: int, device_type: str) -> Meshes:

@@ -1,0 +1,150 @@
+"""Pipeline parallelism on torch.distributed.pipelining: stages by layers, 1F1B or interleaved 1F1B schedules.
+
+    split = stage_layers(model_cfg, num_stages=4)      # [[0], [1], [2], [3]]: layer indices of every stage
+    stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
+    runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches)
+    runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
+    loss_sum = runner.forward_backward(inputs_BL, targets_BL)   # trainer hook: the schedule runs the micro batches
+
+A stage is the same MoETransformer with the parts it does not own removed (moelab.model's ModuleDict layout):
+the first stage keeps the embedding, the last the final norm and the head. There are pp * vp stages; rank r
+holds stages r, r + pp, r + 2pp, ... (the looped placement the interleaved schedule expects). Layers are split
+into contiguous stages balancing the matmul cost (activated parameters per layer, the LM head counted on the
+last stage), so a dense layer weighs less than a MoE layer.
+
+The loss of a micro batch is divided by the number of micro batches inside the loss function (scale_grads off),
+so gradients, and the router losses attached with MoE.loss_scale, have the same scale as the single-process
+gradient accumulation. ``PipelineModel`` presents this rank's stages as one module with the single-process
+parameter names (for the optimizer, checkpoints and statistics).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from moelab.config import Config, ModelConfig
+from moelab.flops import attention_params, count_params
+from moelab.train.loss import cross_entropy
+
+
+def layer_costs(m: ModelConfig) -> list[float]:
+    """Matmul cost per layer (activated parameters): dense layers and MoE layers differ."""
+    pc = count_params(m)
+    dense = attention_params(m) + 3 * m.hidden_size * m.dense_ffn_size
+    n_moe = m.num_layers - m.num_dense_layers
+    moe = (pc.activated - m.vocab_size * m.hidden_size - m.num_dense_layers * dense) / max(n_moe, 1)
+    return [dense if i < m.num_dense_layers else moe for i in range(m.num_layers)]
+
+
+def stage_layers(m: ModelConfig, num_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges, one per stage, minimising the most expensive stage (the LM head counts on the
+    last one). Every stage gets at least one layer."""
+    costs = layer_costs(m)
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(f"moelab.parallel.pipeline: {num_stages} stages need at least as many layers (have {n})")
+    costs[-1] += m.vocab_size * m.hidden_size
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the smallest maximum stage cost splitting the first i layers into s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], prefix[i] - prefix[j])
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    bounds, i = [], n
+    for s in range(num_stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return [list(range(a, b)) for a, b in reversed(bounds)]
+
+
+def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: list[int]) -> list[nn.Module]:
+    """One pruned copy of `model` (on the meta device) per stage id: its layers, plus the embedding on the
+    first stage and the final norm and head on the last."""
+    stages = []
+    for k, s in enumerate(stage_ids):
+        stage = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
+        keep = {str(i) for i in split[s]}
+        for key in [key for key in stage.layers if key not in keep]:
+            del stage.layers[key]
+        if s != 0:
+            stage.tok_embeddings = None
+        if s != len(split) - 1:
+            stage.norm = stage.output = None
+        stages.append(stage)
+    return stages
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages as one module, with the single-process parameter names ("layers.5.ffn...").
+    It only holds the parameters; the schedule runs the stages."""
+
+    def __init__(self, stages: list[nn.Module], num_layers: int):
+        super().__init__()
+        held = {key: block for stage in stages for key, block in stage.layers.items()}
+        self.layers = nn.ModuleDict({key: held[key] for key in sorted(held, key=int)})
+        firsts = [s.tok_embeddings for s in stages if s.tok_embeddings is not None]
+        lasts = [s for s in stages if s.output is not None]
+        self.tok_embeddings = firsts[0] if firsts else None
+        self.norm = lasts[0].norm if lasts else None
+        self.output = lasts[0].output if lasts else None
+        self.num_layers = num_layers
+
+    def moe_layers(self) -> list:
+        return [b.ffn for b in self.layers.values() if b.is_moe]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (PipelineRunner), not forward()")
+
+
+class PipelineRunner:
+    """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches."""
+
+    def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device,
+                 cfg: Config, n_microbatches: int):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.n_microbatches, self.compiled = n_microbatches, cfg.train.compile
+        self.holds_last = num_stages - 1 in stage_ids
+        pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
+                       for m, s in zip(stages, stage_ids)]
+        kind = cfg.parallel.pp_schedule
+        if len(pipe_stages) > 1:  # vp > 1: interleaved 1F1B (moelab.parallel.mesh.check_supported)
+            self.schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches, loss_fn=self.loss_fn,
+                                                    scale_grads=False)
+        else:
+            cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+            self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+
+    def infer_shapes(self, model: nn.Module, batch_size: int, seq_len: int, device) -> None:
+        """Run one step on zeros and discard its effects. torch.distributed.pipelining learns the shapes passed
+        between stages by running the stages on its first step (how, depends on the torch release); that extra
+        forward would add to the routers' statistics of the first training step. Afterwards: no gradients, and
+        every router's statistics reset."""
+        zeros_BL = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+        self.forward_backward(zeros_BL, zeros_BL)
+        model.zero_grad(set_to_none=True)
+        for moe in model.moe_layers():
+            moe.router.pop_stats()
+
+    def loss_fn(self, logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+        """One micro batch's loss, pre-divided by the number of micro batches (gradient accumulation)."""
+        return cross_entropy(logits_BLV, targets_BL, compiled=self.compiled) / self.n_microbatches
+
+    def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+        """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
+        the summed micro-batch losses on the rank holding the last stage, zero elsewhere."""
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs_BL, target=targets_BL, losses=losses)
+        if not self.holds_last:
+            return torch.zeros((), device=inputs_BL.device)
+        return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches
