@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.config import BackendConfig, ModelConfig
+from moelab.config import BackendConfig, ConfigError, ModelConfig
 from moelab.model.layers import RMSNorm, apply_rope
 
 
@@ -86,11 +86,20 @@ def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=
     from torch.nn.attention.flex_attention import flex_attention
 
     L, S = q_BHLD.shape[2], k_BGLD.shape[2]
+    if not q_BHLD.is_cuda and torch.is_grad_enabled() and q_BHLD.requires_grad:
+        raise ConfigError("backend.attention='flex': torch has no FlexAttention backward on CPU; train on a GPU or "
+                          "set backend.attention=eager (same results, sinks and windows included)")
     if block_mask is None:
         block_mask = flex_block_mask(L, S, window, q_BHLD.device)
     fn = _compiled_flex_attention() if q_BHLD.is_cuda else flex_attention
-    o_BHLD, lse_BHL = fn(q_BHLD, k_BGLD, v_BGLD, block_mask=block_mask, scale=scale,
-                         enable_gqa=q_BHLD.shape[1] != k_BGLD.shape[1], return_lse=True)
+    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=q_BHLD.shape[1] != k_BGLD.shape[1])
+    try:  # torch >= 2.9 returns the LSE through an AuxRequest and deprecates return_lse
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        o_BHLD, aux = fn(q_BHLD, k_BGLD, v_BGLD, **kw, return_aux=AuxRequest(lse=True))
+        lse_BHL = aux.lse
+    except ImportError:
+        o_BHLD, lse_BHL = fn(q_BHLD, k_BGLD, v_BGLD, **kw, return_lse=True)
     if sinks_H is not None:
         o_BHLD = o_BHLD * torch.sigmoid(lse_BHL.float() - sinks_H.float()[None, :, None])[..., None].to(o_BHLD.dtype)
     return o_BHLD

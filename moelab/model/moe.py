@@ -45,7 +45,13 @@ class LocalDispatcher:
             flat_N = torch.where(keep_TK.reshape(-1), flat_N, num_experts)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts]
-        return x_TD[order_N // K], counts_E, order_N
+        x_ND = x_TD[order_N // K]
+        if keep_TK is not None:
+            # The grouped GEMM leaves the rows past the kept ones undefined in its output AND in its input
+            # gradient; masking them here keeps that garbage out of the dropped tokens' gradients.
+            valid_N = torch.arange(x_ND.shape[0], device=x_ND.device) < counts_E.sum()
+            x_ND = torch.where(valid_N[:, None], x_ND, 0.0)
+        return x_ND, counts_E, order_N
 
     def combine(self, y_ND, order_N, weights_TK, keep_TK, counts_E):
         T, K = weights_TK.shape

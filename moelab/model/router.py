@@ -22,6 +22,9 @@ class Router(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.fake_balanced_gate, self.fake_gate_noise = fake_balanced_gate, fake_gate_noise
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+        # Means over the tokens of a batch that other ranks share (context parallelism sets an autograd-aware
+        # mean over its ranks, moelab.parallel.context); None: this rank holds whole sequences.
+        self.token_mean = None
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -46,6 +49,8 @@ class Router(nn.Module):
         for name, buf in self.named_buffers():
             buf.zero_()
         self.capacity_factor.fill_(float(self.cfg.capacity_factor))
+        if self.cfg.init_bias_skew:  # a skewed router for routing experiments (MoEConfig.init_bias_skew)
+            self.expert_bias.copy_(self.cfg.init_bias_skew * torch.linspace(1, -1, self.num_experts))
 
     def forward(self, x_BLD: torch.Tensor):
         """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient."""
@@ -132,12 +137,13 @@ class Router(nn.Module):
         E, K = self.num_experts, self.top_k
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if self.cfg.score_func == "sigmoid" else scores_TE
         onehot_TE = torch.zeros_like(probs_TE).scatter_(1, experts_TK, 1.0)
+        mean = self.token_mean or (lambda x: x)
         if self.cfg.aux_loss_type == "sequence":
-            f_BE = onehot_TE.view(B, L, E).sum(1) / (L * K)
-            p_BE = probs_TE.view(B, L, E).mean(1)
+            f_BE = mean(onehot_TE.view(B, L, E).sum(1) / (L * K))
+            p_BE = mean(probs_TE.view(B, L, E).mean(1))
             return (E * (f_BE * p_BE).sum(-1)).mean()
-        f_E = onehot_TE.sum(0) / (B * L * K)
-        return E * (f_E * probs_TE.mean(0)).sum()
+        f_E = mean(onehot_TE.sum(0) / (B * L * K))
+        return E * (f_E * mean(probs_TE.mean(0))).sum()
 
     # ------------------------------------------------------------------ statistics
     def _record(self, experts_TK, keep_TK, scores_TE, logits_TE):
@@ -161,8 +167,8 @@ class Router(nn.Module):
                "aux_loss": self.stat_aux_loss / calls, "z_loss": self.stat_z_loss / calls,
                "entropy": self.stat_entropy / calls, "logit_norm": self.stat_logit_norm / calls,
                "capacity_factor": self.capacity_factor.clone()}
-        for name in ("stat_tokens_per_expert", "stat_routed_per_expert", "stat_dropped", "stat_aux_loss", "stat_z_loss", "stat_entropy",
-                     "stat_logit_norm", "stat_calls"):
+        for name in ("stat_tokens_per_expert", "stat_routed_per_expert", "stat_dropped", "stat_aux_loss",
+                     "stat_z_loss", "stat_entropy", "stat_logit_norm", "stat_calls"):
             getattr(self, name).zero_()
         return out
 
