@@ -13,7 +13,6 @@ result says "not run here" and why.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
@@ -105,6 +104,8 @@ class Entry:
 
 def load_entries(root: "str | Path | None" = None) -> list[Entry]:
     root = Path(root) if root else default_root()
+    if not (root / "entries").is_dir():
+        raise GalleryError(f"{root} is not a gallery folder: it has no entries/ folder of *.yaml entries")
     entries = [Entry.from_yaml(p) for p in sorted((root / "entries").glob("*.yaml"))]
     names = [e.name for e in entries]
     dup = {n for n in names if names.count(n) > 1}
@@ -152,48 +153,41 @@ def hardware_check(entry: Entry) -> str | None:
         n, have = 0, "no CUDA"
     if n < entry.gpus:
         hw = f" ({entry.hardware})" if entry.hardware else ""
+        hint = ("run a one-GPU proxy entry instead (`moelab gallery list` shows them)" if not entry.proxy_of
+                else "`moelab gallery list` shows what else there is")
         return (f"gallery entry {entry.name!r} needs {entry.gpus} CUDA GPU(s){hw}; this machine has {have}. "
-                f"Run it on a machine with {entry.gpus}+ GPUs, or run a proxy entry "
-                f"(`moelab gallery list` shows them).")
+                f"Run it on a machine with {entry.gpus}+ GPUs, or {hint}.")
     return None
 
 
-def git_commit(repo: "str | Path | None" = None) -> str:
-    """`git rev-parse HEAD`, with "-dirty" when tracked files differ from it; "unknown" outside a checkout."""
-    repo = Path(repo) if repo else Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
-
-
-def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path) -> tuple[dict, str]:
-    """Run the benchmark path and return (figures, method). One GPU or CPU: moelab.bench.bench when it exists,
-    else the trainer's summary; several GPUs: torchrun over moelab.launch.entry (the trainer's summary)."""
-    if gpus == 1:
-        try:
-            from moelab.bench import bench
-        except ImportError:
-            bench = None
-        if bench is not None:
-            return dict(bench(cfg, steps=steps, warmup=warmup)), "moelab.bench"
-        from moelab.train.trainer import Trainer
-
-        return Trainer(cfg.replace(**{"train.steps": steps}), run_dir).run(), "trainer summary"
+def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, command: str) -> dict:
+    """Run the path of `moelab bench` (moelab.bench.bench) and return its record. Several GPUs: one process per
+    GPU through torchrun, each running ``python -m moelab.gallery RUN_DIR STEPS WARMUP`` (``_rank_main``)."""
     from moelab.config import save_config
 
+    if gpus == 1:
+        return _bench_here(cfg, steps, warmup, command)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg.replace(**{"train.steps": steps}), run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", "moelab.launch.entry", str(run_dir)]
+           "-m", "moelab.gallery", str(run_dir), str(steps), str(warmup), command]
     proc = subprocess.run(cmd)
     if proc.returncode:
-        raise GalleryError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {run_dir}/metrics.jsonl")
-    return json.loads((run_dir / "summary.json").read_text()), "trainer summary (torchrun)"
+        raise GalleryError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {run_dir}")
+    return json.loads((run_dir / "bench.json").read_text())
+
+
+def _bench_here(cfg: Config, steps: int, warmup: int, command: str) -> dict:
+    from moelab.bench import bench
+
+    return dict(bench(cfg, steps=steps, warmup=warmup, command=command))
+
+
+def _rank_main(run_dir: str, steps: str, warmup: str, command: str) -> None:
+    """One rank of a multi-GPU gallery run (under torchrun); rank 0 writes RUN_DIR/bench.json."""
+    record = _bench_here(load_config(Path(run_dir) / "config.yaml"), int(steps), int(warmup), command)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (Path(run_dir) / "bench.json").write_text(json.dumps(record, indent=1))
 
 
 def run_entry(name: str, steps: int = 20, warmup: int = 5, out: "str | Path | None" = None,
@@ -208,26 +202,21 @@ def run_entry(name: str, steps: int = 20, warmup: int = 5, out: "str | Path | No
     if problem:
         raise GalleryError(problem)
     cfg = entry.config()
+    if entry.device == "cuda":  # the planner's word before spending GPU time (an upper bound: warn, not refuse)
+        p = _planned(entry)
+        if not isinstance(p, str) and not p.fits:
+            print(f"moelab gallery: warning: the planner expects {entry.name} not to fit: {p.verdict}",
+                  file=sys.stderr)
     run_dir = Path(out) if out else Path("runs") / "gallery" / entry.name
-    import torch
-
-    from moelab.flops import FLOPS_CONVENTION
-
-    figures, method = _measure(cfg, entry.gpus, steps, warmup, run_dir)
-    gpu_name = (torch.cuda.get_device_name(0) if entry.device == "cuda" else
-                __import__("platform").processor() or "cpu")
-    result = {
-        "system": "moelab", "workload": entry.name, "gpus": entry.gpus, "gpu_name": gpu_name,
-        "tokens_per_s_per_gpu": figures.get("tokens_per_s_per_gpu"), "tflops_per_gpu": figures.get("tflops_per_gpu"),
-        "peak_memory_gb": figures.get("peak_memory_gb"), "mfu": figures.get("mfu"),
-        "flops_convention": figures.get("flops_convention", FLOPS_CONVENTION),
-        "command": command or f"moelab gallery run {entry.name} --steps {steps}",
-        "commit": git_commit(), "torch_version": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": method, "steps": steps, "warmup": warmup, "preset": entry.preset,
-        "layout": entry.layout, "global_batch_size": cfg.train.global_batch_size,
-        "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len, "dtype": cfg.train.dtype,
-    }
+    command = command or f"moelab gallery run {entry.name} --steps {steps} --warmup {warmup}"
+    record = _measure(cfg, entry.gpus, steps, warmup, run_dir, command)
+    # the bench record as it is, named after the entry; CPU runs have no allocator peak to report
+    result = {**record, "system": "moelab", "workload": entry.name, "preset": entry.preset, "command": command}
+    if entry.device == "cpu":
+        result["peak_memory_gb"] = None
+    missing = [k for k in RESULT_FIELDS if k not in result]
+    if missing:
+        raise GalleryError(f"the benchmark record lacks {missing}")
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{entry.name}--moelab.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -251,15 +240,56 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
         return str(e)
 
 
-def _moelab_result(results: list[dict], name: str) -> dict | None:
-    mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == name]
+_RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
+                     "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
+                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile"}
+_REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
+
+
+def _planned_for_result(r: dict, entries: dict):
+    """The plan of the config a result ran: its gallery entry, or its preset with the settings it records (a
+    record without batch, dtypes and layout, e.g. an in-place variant of a benchmark script, is not planned)."""
+    from moelab.plan import plan
+    from moelab.presets import preset_names
+
+    try:
+        if r["workload"] in entries:
+            cfg = entries[r["workload"]].config()
+        elif r.get("preset", r["workload"]) in preset_names() and all(k in r for k in _REBUILD_KEYS):
+            cfg = load_config(r.get("preset", r["workload"]))
+        else:
+            return None
+        over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
+        over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
+        return plan(cfg.replace(**over), gpus=int(r.get("gpus", 1)), gpu_memory_gb=_gpu_memory_of(r.get("gpu_name")))
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
+    """The latest moelab result of `entry`: one named after it, else a run of its preset on the same number of
+    GPUs whose recorded settings (batch, sequence, dtypes, checkpointing, compile, gate, EP) equal the entry's."""
+    mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.name]
+    if not mine:
+        try:
+            cfg = entry.config()
+        except ConfigError:
+            return None
+        t = cfg.train
+        want = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
+                "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype,
+                "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
+                "fake_balanced_gate": cfg.backend.fake_balanced_gate}
+        mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.preset
+                and r.get("gpus") == entry.gpus and all(r.get(k, v) == v for k, v in want.items())
+                and (r.get("layout") or {}).get("ep", entry.layout["ep"]) == entry.layout["ep"]]
     return max(mine, key=lambda r: str(r.get("date", ""))) if mine else None
 
 
 def _gpu_memory_of(gpu_name: str) -> float | None:
     """Memory of a GPU named in a result, for the planner's verdict (None: the planner's default)."""
     name = (gpu_name or "").upper()
-    for key, gb in (("H200", 139.8), ("H100", 79.6), ("A100", 79.2), ("B200", 178.4)):
+    for key, gb in (("H200", 140.0), ("H100", 79.2), ("A100", 79.2), ("B200", 178.4)):
         if key in name:
             return gb
     return None
@@ -282,14 +312,16 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
              "planned memory/GPU | status |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---:|---|"]
     for e in entries:
-        r = _moelab_result(results, e.name)
+        r = _moelab_result(results, e)
         pub = e.published or {}
-        p = _planned(e, _gpu_memory_of(r["gpu_name"]) if r else None)
-        planned = f"{p.memory_per_gpu_bytes / 2**30:,.1f} GiB" if not isinstance(p, str) else "preset not available"
+        p = _planned(e, _gpu_memory_of(r["gpu_name"] if r else e.hardware))
+        planned = "preset not available" if isinstance(p, str) else (
+            f"{p.memory_per_gpu_bytes / 2**30:,.1f} GiB"
+            + ("" if p.fits else f" (does not fit {p.gpu_memory_gb:.0f} GiB)"))
         gbs = e.global_batch_size or (p.global_batch_size if not isinstance(p, str) else "-")
         model = e.title + (f" (proxy of {by_name[e.proxy_of].title})" if e.proxy_of in by_name else "")
         if r:
-            status = f"measured {str(r.get('date', ''))[:10]}, {r.get('commit', '?')[:12]}"
+            status = f"measured {str(r.get('date', ''))[:10]}, commit {str(r.get('commit', '?'))[:12]}, {r['_file']}"
             measured = [_fmt(r.get("tflops_per_gpu"), 1), _fmt(r.get("tokens_per_s_per_gpu")),
                         f"{r.get('gpus')} x {r.get('gpu_name')}"]
         else:
@@ -298,7 +330,8 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
         lines.append(f"| {e.name} | {model} | {e.gpus} | {e.layout_text} | {gbs} | "
                      f"{e.optimizations or '-'} | {_fmt(pub.get('tflops_per_gpu'))} | "
                      f"{_fmt(pub.get('tokens_per_s_per_gpu'))} | {' | '.join(measured)} | {planned} | {status} |")
-    lines += ["", "Planned memory is `moelab plan` for the entry's layout (an upper bound: see moelab/plan.py); "
+    lines += ["", "Planned memory is `moelab plan` for the entry's layout (assumptions in moelab/plan.py; the "
+              "planned-vs-measured table below checks it against real runs); "
               "TFLOPs follow moelab's FLOPs convention (`moelab.flops.FLOPS_CONVENTION`), which counts the "
               "router that the published convention leaves out.", ""]
 
@@ -308,35 +341,42 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     if not peer_workloads:
         lines += ["No peer results yet (result files with a `system` other than \"moelab\").", ""]
     for w in peer_workloads:
-        lines += [f"### {w}", "", "| system | GPUs | GPU | tokens/s/GPU | TFLOPs/GPU | peak memory GB | torch | "
-                  "commit | command |", "|---|---:|---|---:|---:|---:|---|---|---|"]
-        rows = sorted((r for r in results if r["workload"] == w), key=lambda r: (r["system"] != "moelab",
-                                                                                   r["system"]))
+        lines += [f"### {w}", "", "| system | variant | GPUs | GPU | tokens/s/GPU | TFLOPs/GPU | peak memory GiB | "
+                  "torch | commit | command |", "|---|---|---:|---|---:|---:|---:|---|---|---|"]
+        rows = sorted((r for r in results if r["workload"] == w),
+                      key=lambda r: (r["system"] != "moelab", r["system"], str(r.get("variant", ""))))
         for r in rows:
-            lines.append(f"| {r['system']} | {r.get('gpus', '-')} | {r.get('gpu_name', '-')} | "
-                         f"{_fmt(r.get('tokens_per_s_per_gpu'))} | {_fmt(r.get('tflops_per_gpu'), 1)} | "
-                         f"{_fmt(r.get('peak_memory_gb'), 1)} | {r.get('torch_version', '-')} | "
+            lines.append(f"| {r['system']} | {r.get('variant', '-')} | {r.get('gpus', '-')} | "
+                         f"{r.get('gpu_name', '-')} | {_fmt(r.get('tokens_per_s_per_gpu'))} | "
+                         f"{_fmt(r.get('tflops_per_gpu'), 1)} | {_fmt(r.get('peak_memory_gb'), 1)} | {r.get('torch_version', '-')} | "
                          f"{str(r.get('commit', '-'))[:12]} | `{r.get('command', '-')}` |")
         lines.append("")
 
     # planned vs measured memory
     lines += ["## Planned vs measured memory per GPU", "",
-              "| entry | GPU | planned GiB | measured peak GiB | measured / planned | planner's biggest term |",
+              "Every moelab result with a measured peak (allocator peak, GiB) whose config can be rebuilt: a gallery "
+              "entry, or a preset with the batch, dtypes and layout the result records (`moelab bench` records "
+              "them; script variants that patch the model in place are left out).", "",
+              "| workload (result file) | GPUs | planned GiB | measured peak GiB | measured / planned | "
+              "planner's biggest term |",
               "|---|---|---:|---:|---:|---|"]
     mem_rows = []
-    for e in entries:
-        r = _moelab_result(results, e.name)
-        if not r or r.get("peak_memory_gb") is None:
+    for r in results:
+        if r.get("system") != "moelab" or not r.get("peak_memory_gb"):
             continue
-        p = _planned(e, _gpu_memory_of(r.get("gpu_name", "")))
-        if isinstance(p, str):
+        p = _planned_for_result(r, by_name)
+        if p is None:
             continue
         planned = p.memory_per_gpu_bytes / 2**30
-        mem_rows.append((e.name, planned, r["peak_memory_gb"]))
-        lines.append(f"| {e.name} | {r.get('gpu_name')} | {planned:,.2f} | {r['peak_memory_gb']:,.2f} | "
-                     f"{r['peak_memory_gb'] / planned:.2f} | {p.biggest_term} |")
+        label = f"{r['workload']} ({r['_file']})"
+        mem_rows.append((r["_file"].removesuffix(".json"), planned, r["peak_memory_gb"]))
+        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {planned:,.2f} | "
+                     f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {p.biggest_term} |")
     if not mem_rows:
         lines.append("| (no result with a measured peak memory yet) | | | | | |")
+    else:
+        ratios = [m / p for _, p, m in mem_rows]
+        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}."]
     lines.append("")
 
     if plots:
@@ -362,31 +402,39 @@ def _plots(root: Path, entries: list[Entry], results: list[dict], mem_rows: list
     import matplotlib.pyplot as plt
 
     out = []
-    names = [e.name for e in entries]
-    pub = [(e.published or {}).get("tflops_per_gpu") for e in entries]
-    meas = [(_moelab_result(results, n) or {}).get("tflops_per_gpu") for n in names]
-    if any(v is not None for v in pub + meas):
-        fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.5))
-        y = range(len(names))
-        ax.barh([i - 0.2 for i in y], [v or 0 for v in pub], height=0.4, label="published (H100)")
-        ax.barh([i + 0.2 for i in y], [v or 0 for v in meas], height=0.4, label="measured here")
-        ax.set_yticks(list(y), names, fontsize=8)
+    by_name = {e.name: e for e in entries}
+    pub = {e.name: (e.published or {}).get("tflops_per_gpu") for e in entries}
+    meas = {e.name: (_moelab_result(results, e) or {}).get("tflops_per_gpu") for e in entries}
+    # a proxy is drawn next to the published figure of the full model it stands for
+    parent = {e.name: pub.get(e.proxy_of) for e in entries if e.proxy_of in by_name}
+    names = [e.name for e in entries
+             if e.device == "cuda" and (pub[e.name] is not None or meas[e.name] is not None)]
+    if names:
+        fig, ax = plt.subplots(figsize=(11, 0.35 * len(names) + 1.5))
+        y = list(range(len(names)))
+        ax.barh([i - 0.2 for i in y], [pub[n] or 0 for n in names], height=0.4, label="published (H100)")
+        ax.barh([i + 0.2 for i in y], [meas[n] or 0 for n in names], height=0.4, label="measured here")
+        marks = [(parent[n], i) for i, n in enumerate(names) if parent.get(n)]
+        if marks:
+            ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="|", s=200, color="black",
+                       label="published, full model (for a proxy)")
+        ax.set_yticks(y, names, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlabel("TFLOPs/s per GPU (missing bar: no figure)")
-        ax.legend(fontsize=8)
+        ax.set_xlabel("TFLOPs/s per GPU (moelab's FLOPs convention for measured runs)")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
         fig.tight_layout()
         fig.savefig(root / "tflops.png", dpi=90)
         plt.close(fig)
         out += ["## Plots", "", "![TFLOPs per GPU](tflops.png)", ""]
     if mem_rows:
-        fig, ax = plt.subplots(figsize=(7, 0.4 * len(mem_rows) + 1.5))
+        fig, ax = plt.subplots(figsize=(11, 0.4 * len(mem_rows) + 1.5))
         y = range(len(mem_rows))
         ax.barh([i - 0.2 for i in y], [r[1] for r in mem_rows], height=0.4, label="planned")
         ax.barh([i + 0.2 for i in y], [r[2] for r in mem_rows], height=0.4, label="measured peak")
         ax.set_yticks(list(y), [r[0] for r in mem_rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("GiB per GPU")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
         fig.tight_layout()
         fig.savefig(root / "memory.png", dpi=90)
         plt.close(fig)
@@ -403,7 +451,7 @@ def add_arguments(p) -> None:
     q.add_argument("name")
     q.add_argument("--steps", type=int, default=20)
     q.add_argument("--warmup", type=int, default=5)
-    q.add_argument("--out", help="run folder (default runs/gallery/<name>)")
+    q.add_argument("--out", help="folder for a multi-GPU run's config and record (default runs/gallery/<name>)")
     q.add_argument("--dir", help="gallery folder (default: the checkout's gallery/)")
     q = sub.add_parser("report", help="render gallery/README.md and plots from entries and results")
     q.add_argument("--dir", help="gallery folder (default: the checkout's gallery/)")
@@ -415,14 +463,12 @@ def main(args) -> int:
         if args.gallery_command == "list":
             results = load_results(args.dir)
             for e in load_entries(args.dir):
-                r = _moelab_result(results, e.name)
+                r = _moelab_result(results, e)
                 state = (f"measured {_fmt(r.get('tokens_per_s_per_gpu'))} tok/s/GPU" if r
                          else hardware_need(e))
                 print(f"{e.name:34s} {e.gpus:5d} GPU  {e.layout_text:18s} {state}")
         elif args.gallery_command == "run":
-            cmd = " ".join(["moelab", "gallery", "run", args.name, "--steps", str(args.steps)])
-            r = run_entry(args.name, steps=args.steps, warmup=args.warmup, out=args.out, root=args.dir,
-                          command=cmd)
+            r = run_entry(args.name, steps=args.steps, warmup=args.warmup, out=args.out, root=args.dir)
             print(json.dumps(r, indent=1))
         elif args.gallery_command == "report":
             render_report(args.dir, plots=not args.no_plots)
@@ -431,3 +477,7 @@ def main(args) -> int:
     except GalleryError as e:
         print(f"moelab gallery: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:5])

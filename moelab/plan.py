@@ -8,9 +8,10 @@ config on a number of GPUs, from arithmetic alone (no torch.distributed, no GPU:
 What it assumes (also listed in ``Plan.assumptions`` so that every printed plan says it):
 - Parameter counts and FLOPs come from moelab.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
 - Training state per parameter: fp32 master weights (4 B; under FSDP2 mixed precision the sharded fp32
-  parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B).
+  parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B);
+  with train.param_dtype=bfloat16 all three are bf16 (2 + 2 + 4 B) and there is no fp32 master copy.
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
-  prefetched), a single unsharded rank keeps autocast's bf16 copy of every weight.
+  prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
   expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages split evenly (earlier stages take
   the remainder), the embedding on the first stage, the final norm and LM head on the last.
@@ -20,8 +21,9 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   recomputes attention only (moelab.parallel.apply_activation_checkpointing).
 - Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up
   (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m.
-- The peak is the sum of every term: gradients are counted at full size next to the activations, as they are
-  from the second micro batch of a step on, so with one micro batch per step it is an upper bound.
+- The peak is the sum of every term when a rank runs several micro batches per step (full gradients sit next
+  to the activations from the second one on); with one micro batch per step it is the other terms plus the
+  larger of gradients and activations + logits (gradients grow in backward as activations are freed).
 - The verdict keeps 5% of the GPU's memory for the CUDA context, NCCL buffers and allocator fragmentation.
 """
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Plan:
     params_per_gpu: int
     stage: int
     stage_layers: list
+    stage_params: list
     memory: dict
     memory_per_gpu_bytes: int
     activations_per_micro_batch: dict
@@ -97,7 +100,8 @@ class Plan:
             ("GPUs / layout", f"{self.gpus}  [TP {L['tp']}, PP {L['pp']}, CP {L['cp']}, EP {L['ep']}, VP {L['vp']}, "
                               f"FSDP {L['fsdp']}]  expert-FSDP {L['efsdp']}"),
             ("parameters", f"{_num(self.total_params)} total, {_num(self.activated_params)} activated per token"),
-            ("FLOPs per token", f"{self.flops_per_token / 1e9:,.2f} GFLOP (seq {self.seq_len}; {self.flops_convention})"),
+            ("FLOPs per token", f"{self.flops_per_token / 1e9:,.2f} GFLOP at seq {self.seq_len} "
+                                f"({self.flops_convention})"),
             ("batch", f"global {self.global_batch_size} x seq {self.seq_len}, micro batch {self.micro_batch_size}, "
                       f"{self.micro_batches_per_step} micro batches per rank per step"),
             ("params per GPU", f"{_num(self.params_per_gpu)} (pipeline rank {self.stage})"),
@@ -118,10 +122,12 @@ class Plan:
                                       f"{_gib(c['pipeline_send_bytes_per_step'])}, cp {_gib(c['cp_bytes_per_step'])}"),
         ]
         if self.layout["pp"] > 1:
-            rows.append(("pipeline", f"{self.pipeline['schedule']}, bubble {100 * self.pipeline['bubble_fraction']:.1f}%, "
+            pl = self.pipeline
+            rows.append(("pipeline", f"{pl['schedule']}, bubble {100 * pl['bubble_fraction']:.1f}%, "
                                      f"{self.pipeline['in_flight_micro_batches']:g} micro batches in flight on rank "
                                      f"{self.stage}"))
         rows.append(("verdict", self.verdict))
+        rows += [("assumes" if i == 0 else "", text) for i, text in enumerate(self.assumptions)]
         return rows
 
     def __str__(self) -> str:
@@ -133,7 +139,8 @@ class Plan:
         color = "#1a7f37" if self.fits else "#cf222e"
         body = "".join(
             f"<tr><td style='text-align:left;padding:1px 8px'>{html.escape(k.strip())}</td>"
-            f"<td style='text-align:left;padding:1px 8px" + (f";color:{color};font-weight:bold" if k == "verdict" else "")
+            f"<td style='text-align:left;padding:1px 8px"
+            + (f";color:{color};font-weight:bold" if k == "verdict" else "")
             + f"'>{html.escape(v)}</td></tr>"
             for k, v in self._rows())
         return f"<table style='font-size:12px'>{body}</table>"
@@ -239,6 +246,16 @@ def _act_bytes_per_token(cfg: Config, moe: bool, a: int, eager: bool = False) ->
     return {"attention": attn, "ffn": ffn, "input": a * D}
 
 
+def _peak(mem: dict, micro_batches: int) -> int:
+    """Peak bytes of one rank. From the second micro batch of a step on, full gradients sit next to a micro
+    batch's activations, so all terms add up; with one micro batch per step, gradients grow during backward
+    as activations are freed, so the peak is the larger of the two sides."""
+    if micro_batches > 1:
+        return sum(mem.values())
+    rest = sum(v for k, v in mem.items() if k not in ("gradients", "activations", "logits"))
+    return rest + max(mem["gradients"], mem["activations"] + mem["logits"])
+
+
 def _in_flight(p, rank: int, m: int) -> float:
     """Micro batches (in units of the rank's whole layer set) whose activations a pipeline rank holds at once."""
     if p.pp == 1:
@@ -271,6 +288,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     efsdp = shard // p.ep
     m = t.global_batch_size // (t.micro_batch_size * p.fsdp)  # micro batches per rank per step
     a = 2 if t.dtype == "bfloat16" else 4  # compute dtype bytes
+    pb = 2 if getattr(t, "param_dtype", "float32") == "bfloat16" else 4  # stored parameter (and state) bytes
     T = t.micro_batch_size * t.seq_len // p.cp  # tokens of one micro batch on one rank
     pieces = _pieces(mdl)
     counts = count_params(mdl)
@@ -282,6 +300,9 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
 
     acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
+    # per token at the loss (moelab.train.loss): eager keeps the logits, fp32 log-probabilities, and in backward
+    # their fp32 gradient and the gradient of the upcast; compiled on a GPU, logits and their gradient only
+    logit_bytes = mdl.vocab_size * (2 * a if t.compile else a + 12)
     act_moe, act_dense = _act_bytes_per_token(cfg, True, a), _act_bytes_per_token(cfg, False, a)
 
     per_rank = []
@@ -301,7 +322,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         if shard > 1:
             gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
         else:
-            gathered = local * 2 if a == 2 else 0  # autocast's bf16 copy of every weight
+            gathered = local * a if a < pb else 0  # autocast's bf16 copy of every fp32 weight
         per_layer = [acts[i] for i in layers]
         act = {
             "none": T * sum(x["attention"] + x["ffn"] for x in per_layer),
@@ -315,16 +336,16 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                 act[key] += T * mdl.hidden_size * (4 + 2 * a)
         flight = _in_flight(p, r, m)
         mem = {
-            "parameters": local * 4,
-            "gradients": local * 4,
-            "optimizer": local * 8,
+            "parameters": local * pb,
+            "gradients": local * pb,
+            "optimizer": local * 2 * pb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
-            "logits": T * mdl.vocab_size * (a + 12) if r == p.pp - 1 else 0,
+            "logits": T * logit_bytes if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * moe_cfg.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, total=sum(mem.values())))
+                             act=act, flight=flight, mem=mem, total=_peak(mem, m)))
     worst = max(per_rank, key=lambda x: x["total"])
 
     # ------------------------------------------------------------------ communication (bytes sent per GPU)
@@ -354,7 +375,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     fits = total <= usable
     if fits:
         verdict = (f"fits: {_gib(total)} of {capacity_gb:.1f} GiB per GPU "
-                   f"({100 * total / (capacity_gb * GiB):.0f}%; the biggest term is {biggest}, {_gib(worst['mem'][biggest])})")
+                   f"({100 * total / (capacity_gb * GiB):.0f}%; the biggest term is {biggest}, "
+                   f"{_gib(worst['mem'][biggest])})")
     else:
         verdict = (f"does not fit: needs {_gib(total)} per GPU but {capacity_gb:.1f} GiB x {1 - RESERVE:.2f} = "
                    f"{_gib(usable)} is usable; the biggest term is {biggest} ({_gib(worst['mem'][biggest])}): "
@@ -364,7 +386,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
             verdict += f" (full checkpointing: activations {_gib(alt)})"
 
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
-               "block_input": act_moe["input"], "logits": mdl.vocab_size * (a + 12)}
+               "block_input": act_moe["input"], "logits": logit_bytes}
     return Plan(
         name=cfg.name, gpus=world, layout={**{k: getattr(p, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
                                           "efsdp": efsdp},
@@ -372,25 +394,40 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, micro_batches_per_step=m,
         total_params=counts.total, activated_params=counts.activated, flops_per_token=fpt,
         flops_convention=FLOPS_CONVENTION, params_per_gpu=worst["local"], stage=worst["rank"],
-        stage_layers=[list(x) for x in ranks], memory=dict(worst["mem"]), memory_per_gpu_bytes=total,
+        stage_layers=[list(x) for x in ranks], stage_params=[x["dense"] + x["experts"] for x in per_rank],
+        memory=dict(worst["mem"]), memory_per_gpu_bytes=total,
         activations_per_micro_batch=dict(worst["act"]), activation_bytes_per_token_per_layer=per_tok,
         comm=comm, pipeline={"schedule": p.pp_schedule if p.pp > 1 else "none", "stages": p.pp * p.vp,
                              "bubble_fraction": bubble, "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, shard, efsdp))
+        assumptions=_assumptions(cfg, p, shard, efsdp, m))
 
 
-def _assumptions(cfg: Config, p, shard: int, efsdp: int) -> list[str]:
+def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     t = cfg.train
+    if getattr(t, "param_dtype", "float32") == "bfloat16":
+        states = "per parameter: bf16 weights 2 B + bf16 gradients 2 B + AdamW m and v in bf16 4 B (no fp32 master)"
+    else:
+        states = "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B"
+    if t.dtype != "bfloat16":
+        compute = "compute dtype fp32"
+    elif shard > 1:
+        compute = "compute dtype bf16: FSDP2 gathers one block (+1 prefetched) in bf16, reduces gradients in fp32"
+    elif getattr(t, "param_dtype", "float32") == "bfloat16":
+        compute = "compute dtype bf16 on bf16 parameters"
+    else:
+        compute = ("compute dtype bf16 by autocast over fp32 weights: a bf16 copy of every weight is kept, and the "
+                   "fp32 residual stream makes activations larger than counted here")
     out = [
-        "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B",
-        (f"compute dtype bf16: FSDP2 mixed precision gathers one block (+1 prefetched) in bf16"
-         if shard > 1 else "compute dtype bf16: autocast keeps a bf16 copy of every weight")
-        if t.dtype == "bfloat16" else "compute dtype fp32",
+        states,
+        compute,
         f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
         f"expert-FSDP = {efsdp}",
         f"activation checkpointing: {t.activation_checkpointing}",
-        "peak = sum of all terms (gradients counted next to activations)",
+        ("loss compiled (CUDA): logits and their gradient only" if t.compile else
+         "eager loss: logits, fp32 log-probabilities and fp32 gradients (compute-dtype bytes + 12 per logit)"),
+        ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
+         if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
         "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
     ]
