@@ -1,7 +1,8 @@
 """A Run: one training run in a folder, followed from any kernel while it runs and after it ends.
 
     run = Session("tiny", train={"steps": 50}).submit("local")
-    run.status            # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED or TIMEOUT
+    run.status            # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT or PREEMPTED
+    run.resume()          # a stopped run (PREEMPTED, TIMEOUT, FAILED, ...) continues from its last checkpoint
     run.metrics.tail()    # the step events so far (a pandas DataFrame where pandas is installed)
     run.wait().summary    # blocks until the run ends; never raises because the run failed: status tells
     run.error             # the failing rank's traceback
@@ -22,15 +23,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+# PREEMPTED: stopped by a signal after saving a checkpoint, and not requeued (a SLURM job that requeues itself
+# goes back to PENDING and RUNNING under the same job id); run.resume() continues it.
+STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED")
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED"})
 RUN_FILE = "run.json"
 SWEEP_FILE = "sweep.json"
 # SLURM job states (sacct) -> Run states; anything not listed is PENDING
 _SLURM_STATES = {"RUNNING": "RUNNING", "COMPLETING": "RUNNING", "SUSPENDED": "RUNNING", "STOPPED": "RUNNING",
                  "SIGNALING": "RUNNING", "STAGE_OUT": "RUNNING", "COMPLETED": "COMPLETED",
                  "CANCELLED": "CANCELLED", "TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT", "FAILED": "FAILED",
-                 "NODE_FAIL": "FAILED", "OUT_OF_MEMORY": "FAILED", "BOOT_FAIL": "FAILED"}
+                 "NODE_FAIL": "FAILED", "OUT_OF_MEMORY": "FAILED", "BOOT_FAIL": "FAILED",
+                 "PREEMPTED": "PREEMPTED"}
 _POLL_S = 1.0  # a scheduler is asked at most this often per Run
 
 
@@ -82,10 +86,17 @@ class Run:
         when, cached = self._checked
         if cached is not None and time.monotonic() - when < _POLL_S:
             return cached
+        # another kernel may have cancelled it, or seen it end
+        self._info = _read_json(self.folder / RUN_FILE) or self._info
+        final = self._info.get("status")
+        if final in TERMINAL:
+            return final
         if self.executor == "local":
             status = self._local_status()
         elif self.executor == "slurm":
             status = self._slurm_status()
+        elif self.executor == "external" and self._external_slurm_id():
+            status = self._sacct_status(self._external_slurm_id())  # e.g. started by slurm/moelab.sbatch
         else:  # inline (a live one records its own end) or external
             status = final if self.executor == "inline" and final else self._stream_status()
         self._checked = (time.monotonic(), status)
@@ -125,9 +136,44 @@ class Run:
                     proc.send_signal(signal.SIGINT)  # submitit's controller stops its tasks on SIGINT
             elif _local_controller_alive(self.job_id):
                 os.kill(int(self.job_id), signal.SIGINT)
+        elif self.executor == "external" and self._external_slurm_id():
+            import subprocess
+
+            subprocess.run(["scancel", str(self._external_slurm_id())], check=False, capture_output=True)
         else:
             raise RuntimeError(f"run {self.name} runs {self.executor} (in some process' foreground); it can only "
                                f"be stopped there (Ctrl-C)")
+
+    def resume(self, **cluster_options) -> "Run":
+        """Continue a stopped run from its last checkpoint, on the same executor with the same options (those
+        given replace them); returns this Run, which now follows the new job. The metrics stream continues
+        with no step missing or repeated. Not needed after a SLURM preemption or time limit: the job requeues
+        itself and this Run follows it.
+
+            run = Run.load("runs/tiny-20261130-101500")   # PREEMPTED
+            run.resume().wait().status                     # COMPLETED
+        """
+        from moelab.launch.resume import resume_config
+        from moelab.launch.submit import run_inline, submit_folders, validate
+
+        if not self.done:
+            raise RuntimeError(f"run {self.name} is {self.status}; resume it once it has stopped (or cancel it)")
+        cfg = resume_config(self.folder)
+        kind = self.executor if self.executor in ("local", "slurm") else "inline"
+        options = {**self._info.get("options", {}), **cluster_options} if kind != "inline" else {}
+        nproc = 1 if options.get("gpus_per_node") or kind == "inline" else \
+            int(self._info.get("ntasks", 1)) // int(options.get("nodes", 1))
+        kind, world = validate(kind, nproc, options, [cfg])
+        for link in (self.folder / "logs").glob("rank*"):
+            if link.is_symlink():  # they point at the previous job's files
+                link.unlink()
+        if kind == "inline":
+            new = run_inline(self.folder)
+        else:
+            root = Path(self._info.get("submitit_folder") or self.folder / "submitit")
+            new = submit_folders(kind, [self.folder], nproc, options, root, world)[0]
+        self._info, self._job, self._checked = new._info, new._job, (0.0, None)
+        return self
 
     def _local_status(self) -> str:
         proc = getattr(self._job, "_process", None)
@@ -157,31 +203,58 @@ class Run:
     def _ended_status(self) -> str:
         """Status of a job whose processes are gone, from the result files, the stream and run.json."""
         kind, _ = self._outcome()
+        if kind == "success" and not self._preempted():
+            return "COMPLETED"  # even if a cancel came too late to stop it
         if self._info.get("cancel_requested"):
             return "CANCELLED"
         if kind == "success":
-            return "COMPLETED"
+            return "PREEMPTED"
         if self._timed_out():
             return "TIMEOUT"
         if kind is None and any(e["event"] == "end" and e.get("status") == "COMPLETED" for e in self.events):
             return "COMPLETED"
         return "FAILED"
 
+    def _external_slurm_id(self) -> str | None:
+        """The SLURM job of a run started outside a Session (slurm/moelab.sbatch), from its start event."""
+        start = next((e for e in self.events if e["event"] == "start"), None)
+        return ((start or {}).get("env") or {}).get("slurm_job_id")
+
+    def _sacct_status(self, job_id: str) -> str:
+        import subprocess
+
+        try:
+            lines = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)],
+                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            lines = []
+        states = [line.split()[0].rstrip("+") for line in lines if line.strip()]  # "CANCELLED by 0"
+        return _SLURM_STATES.get(states[-1], "PENDING") if states else self._stream_status()
+
     def _stream_status(self) -> str:
         """For a run without a scheduler to ask: the last terminal event of its stream."""
         for e in reversed(self.events):
             if e["event"] == "end":
-                return "COMPLETED" if e.get("status") == "COMPLETED" else "CANCELLED"
+                return {"COMPLETED": "COMPLETED", "PREEMPTED": "PREEMPTED"}.get(e.get("status"), "CANCELLED")
             if e["event"] == "error":
                 return "FAILED"
         return "RUNNING"
+
+    def _preempted(self) -> bool:
+        """The trainer's last `end` event says PREEMPTED (it stopped on a signal after a checkpoint)."""
+        ends = [e for e in self.events if e["event"] == "end"]
+        return bool(ends) and ends[-1].get("status") == "PREEMPTED"
 
     def _timed_out(self) -> bool:
         """submitit turns the end-of-time-limit signal into UncompletedJobError('... timed-out ...') when the
         job cannot requeue itself."""
         _, text = self._outcome()
         texts = [text or ""] + [e.get("message", "") for e in self.events if e["event"] == "error"]
-        return any("UncompletedJobError" in t and "timed-out" in t for t in texts)
+        if any("UncompletedJobError" in t and "timed-out" in t for t in texts):
+            return True
+        # the signal can also arrive before the training code runs (or be swallowed by an import): submitit's
+        # handler still logs it on rank 0
+        return "this job is timed-out" in self._log(0, "stderr")
 
     def _outcome(self) -> tuple[str | None, str | None]:
         """('success', None), ('error', traceback) or (None, None): what submitit's result files say (an
@@ -223,7 +296,7 @@ class Run:
             import pandas as pd
         except ImportError:
             return rows
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
 
     def routing(self):
         """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
@@ -390,7 +463,7 @@ class Sweep(list):
 
     def __repr__(self) -> str:
         where = f" in {str(self.folder)!r}" if self.folder else ""
-        return f"Sweep({len(self)} runs{where}: " + ", ".join(f"{r.name}={r.status}" for r in self) + ")"
+        return f"Sweep({len(self)} runs{where}: " + ", ".join(f"{r.name}: {r.status}" for r in self) + ")"
 
 
 def runs(root: "str | Path" = "runs") -> list[Run]:

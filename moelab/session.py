@@ -36,12 +36,12 @@ class Session:
         overrides = dict(key) if isinstance(key, dict) else {key: value}
         return Session(load_config(self._config, overrides))
 
-    def plan(self, gpus: int | None = None):
+    def plan(self, gpus: int | None = None, **kwargs: Any):
         """Parameters, activated parameters, FLOPs per token and memory per GPU for this config
-        (moelab.plan.plan; an HTML table in a notebook, text elsewhere)."""
+        (moelab.plan.plan, which takes the keywords; an HTML table in a notebook, text elsewhere)."""
         from moelab.plan import plan
 
-        return plan(self._config, gpus=gpus)
+        return plan(self._config, gpus=gpus, **kwargs)
 
     def submit(self, executor: str = "local", nproc: int = 1, folder: "str | Path | None" = None,
                **cluster_options: Any):

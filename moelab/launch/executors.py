@@ -7,9 +7,13 @@ SlurmExecutor), and the job every task runs.
 Cluster options (``Session.submit(..., **options)``), checked before anything is submitted:
 
 - moelab's names: nodes, gpus_per_node (one task per GPU), tasks_per_node (CPU jobs; default nproc),
-  cpus_per_task, mem (GB as a number, or SLURM's "64G"), time (minutes as a number, or "H:MM:SS" / "M:SS"),
-  partition, account, qos, constraint, setup (shell lines run before the tasks: module load, conda activate),
-  job_name, signal_delay_s, array_parallelism (sweeps).
+  cpus_per_task, mem (GB as a number, or SLURM's "64G"), time (minutes as a number, or "H:MM:SS" / "M:SS";
+  SLURM enforces whole minutes, so seconds are rounded up there; default 60 minutes on SLURM, none
+  locally), partition, account, qos, constraint,
+  setup (shell lines run before the tasks: module load, conda activate), job_name, signal_delay_s (how long
+  before the limit the job is told to checkpoint), max_num_timeout (how often a job that reaches its time
+  limit is requeued to continue from its checkpoint; default 3, 0 = end as TIMEOUT at the first limit),
+  array_parallelism (sweeps).
 - every other parameter that submitit's SlurmExecutor knows (exclude, gres, mail_type, comment, exclusive,
   nodelist, dependency, srun_args, mem_per_gpu, ...), passed through unchanged;
 - ``sbatch={"reservation": "r1", "mail-type": "END"}``: any further sbatch flag, written as-is
@@ -25,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +37,15 @@ from moelab.config import ConfigError
 
 EXECUTORS = ("inline", "local", "slurm", "auto")
 MOELAB_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "time", "partition",
-                  "account", "qos", "constraint", "setup", "job_name", "signal_delay_s", "array_parallelism",
-                  "sbatch")
-LOCAL_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "time", "setup", "signal_delay_s", "job_name")
+                  "account", "qos", "constraint", "setup", "job_name", "signal_delay_s", "max_num_timeout",
+                  "array_parallelism", "sbatch")
+LOCAL_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "time", "setup", "signal_delay_s", "max_num_timeout",
+                 "job_name")
 # submitit writes the sbatch header itself from these; a user never sets them
 _SUBMITIT_INTERNAL = {"ntasks_per_node", "array_parallelism", "additional_parameters", "use_srun",
                       "stderr_to_stdout", "map_count", "num_gpus", "wckey"}
 LOCAL_DEFAULT_TIME_MIN = 7 * 24 * 60  # submitit's LocalExecutor would otherwise kill a job after 2 minutes
+SLURM_DEFAULT_TIME_MIN = 60           # submitit's default is 5 minutes
 
 
 def resolve_executor(name: str) -> str:
@@ -71,6 +78,11 @@ def check_options(executor: str, options: dict) -> None:
                  else f"valid {executor} options: {', '.join(valid)}")
         hint = "; extra sbatch flags go in sbatch={...}" if executor == "slurm" else ""
         raise ConfigError(f"cluster option(s) {unknown} are unknown for executor={executor!r}; {where}{hint}")
+    for name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "max_num_timeout"):
+        v = options.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in (
+                "max_num_timeout", "gpus_per_node") else 1)):
+            raise ConfigError(f"{name}={v!r}: expected a whole number >= {0 if name == 'max_num_timeout' else 1}")
     if executor == "local" and options.get("nodes", 1) != 1:
         raise ConfigError(f"nodes={options['nodes']!r}: the local executor runs on this machine only; "
                           f"use nodes=1 or executor='slurm'")
@@ -124,10 +136,6 @@ def parse_time_s(value: Any) -> int:
     return secs
 
 
-def _slurm_time(secs: int) -> str:
-    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
-
-
 def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     """A configured submitit executor for 'local' or 'slurm' (options already checked)."""
     import submitit
@@ -135,13 +143,16 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     options = dict(options)
     tpn = tasks_per_node(nproc, options)
     time_s = parse_time_s(options.pop("time")) if "time" in options else None
+    if executor == "slurm" and time_s is None:
+        time_s = SLURM_DEFAULT_TIME_MIN * 60
     setup = options.pop("setup", None)
     if isinstance(setup, str):
         setup = [setup]
     nodes = int(options.pop("nodes", 1))
     options.pop("tasks_per_node", None)
+    requeues = int(options.pop("max_num_timeout", 3))
     if executor == "local":
-        ex = submitit.LocalExecutor(folder=folder)
+        ex = submitit.LocalExecutor(folder=folder, max_num_timeout=requeues)
         params: dict[str, Any] = {"tasks_per_node": tpn, "timeout_min": (time_s or LOCAL_DEFAULT_TIME_MIN * 60) / 60}
         if options.get("gpus_per_node"):
             params["gpus_per_node"] = int(options["gpus_per_node"])
@@ -153,7 +164,7 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
             params["signal_delay_s"] = _signal_delay(time_s)
         ex.update_parameters(**params)
         return ex
-    ex = submitit.SlurmExecutor(folder=folder)
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
     extra = dict(options.pop("sbatch", None) or {})
     if "job_name" not in options:
         options["job_name"] = "moelab"
@@ -161,14 +172,13 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     if mem is not None:
         options["mem"] = f"{mem:g}G" if isinstance(mem, (int, float)) else str(mem)
     if time_s is not None:
-        # submitit takes whole minutes (it also uses them to tell a timeout from a preemption); SLURM's own
-        # flag carries the exact limit
+        # SLURM keeps time limits in whole minutes (a "0:40" limit is stored as 1 minute)
         options["time"] = max(1, math.ceil(time_s / 60))
-        if time_s % 60:
-            extra.setdefault("time", _slurm_time(time_s))
-        options.setdefault("signal_delay_s", _signal_delay(time_s))
+        options.setdefault("signal_delay_s", _signal_delay(options["time"] * 60))
     if setup:
         options["setup"] = list(setup)
+    # a rank that dies ends the job at once, instead of its peers waiting in a collective until the timeout
+    options.setdefault("srun_args", ["--kill-on-bad-exit=1"])
     ex.update_parameters(ntasks_per_node=tpn, nodes=nodes, **options)
     if extra:
         ex.update_parameters(additional_parameters=extra)
@@ -194,6 +204,8 @@ class TrainJob:
 
         from moelab.launch.entry import train_rank
 
+        # every task derives the same port from the job id (an inherited MASTER_PORT would be shared by all jobs)
+        os.environ["MASTER_PORT"] = str(master_port(submitit.JobEnvironment().job_id))
         # one GPU per task: DistEnv picks cuda:<local_rank % visible devices>, which is right whether SLURM
         # shows each task all the node's GPUs or only its own, so CUDA_VISIBLE_DEVICES is left alone
         dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
@@ -201,8 +213,29 @@ class TrainJob:
         _limit_cpu_threads(dist.local_world_size)
         return train_rank(self.run_dir)
 
+    def checkpoint(self, *args, **kwargs):
+        """submitit calls this on preemption or at the time limit (its signal, USR2), from the handler that the
+        trainer chains to only after it saved a checkpoint at the step boundary (moelab.train.signals):
+        submitit then requeues this same job, which resumes from that checkpoint."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
     def __repr__(self) -> str:
         return f"TrainJob({self.run_dir!r})"
+
+
+def master_port(job_id: str) -> int:
+    """The rendezvous port of a job: derived from its id, and below the kernel's ephemeral port range, where
+    the sockets of other processes (gloo opens many) would otherwise sometimes hold it (EADDRINUSE)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    span = low - 20000 if low > 21000 else 10000
+    return 20000 + zlib.crc32(str(job_id).encode()) % span
 
 
 def _limit_cpu_threads(local_world: int) -> None:

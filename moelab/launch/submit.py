@@ -72,8 +72,7 @@ def run_inline(folder: Path) -> Run:
     write_json(folder / RUN_FILE, info)
     run = Run(folder, info)
     try:
-        train_rank(folder, progress=True)
-        status = "COMPLETED"
+        status = train_rank(folder, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal
     except KeyboardInterrupt:
         run._update_info(status="CANCELLED")
         raise

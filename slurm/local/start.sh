@@ -64,7 +64,7 @@ mkdir -p "$RUN"; touch "$RUN/started"
 alive() {
   local pid
   [ -s "$2" ] || return 1
-  pid=$(tr -dc 0-9 < "$2" 2>/dev/null); [ -n "$pid" ] || return 1
+  pid=$( { tr -dc 0-9 < "$2"; } 2>/dev/null ); [ -n "$pid" ] || return 1
   [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
   [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]
 }

@@ -14,7 +14,7 @@ log() { echo "[slurm/local/stop] $*"; }
 pid_of() {  # pid_of NAME PIDFILE: prints the pid if it is a live (non-zombie) NAME process
   local pid
   [ -s "$2" ] || return 1
-  pid=$(tr -dc 0-9 < "$2" 2>/dev/null); [ -n "$pid" ] || return 1
+  pid=$( { tr -dc 0-9 < "$2"; } 2>/dev/null ); [ -n "$pid" ] || return 1
   [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
   [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || return 1
   echo "$pid"

@@ -1,0 +1,35 @@
+"""Fixtures shared by several test folders: a REAL local SLURM cluster (slurm/local/start.sh), never a mock.
+
+The cluster is started once per test session when `sinfo` does not answer (tests/launch and the SLURM notebook
+in tests/live use it). SLURM tests are skipped only where the script cannot run (not root, or not
+Debian/Ubuntu); anywhere else a failing start is an error.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cluster_answers() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return r.returncode == 0 and any(s in r.stdout for s in ("idle", "mixed", "allocated"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running single-node SLURM cluster with accounting."""
+    if _cluster_answers():
+        return
+    if os.geteuid() != 0 or not Path("/etc/debian_version").exists():
+        pytest.skip("the local SLURM cluster needs root on Debian/Ubuntu (slurm/local/start.sh)")
+    r = subprocess.run(["bash", str(REPO / "slurm/local/start.sh")], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"slurm/local/start.sh failed:\n{r.stdout}\n{r.stderr}"
+    assert _cluster_answers(), "slurm/local/start.sh finished but sinfo shows no usable node"

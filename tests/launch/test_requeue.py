@@ -1,0 +1,87 @@
+"""Preemption through the real executors: a SLURM job told to stop (submitit's preemption signal) saves a
+checkpoint at the step boundary, requeues itself and resumes, and its Run follows it under the same job id; a
+local job stopped by SIGTERM is PREEMPTED and Run.resume() continues it. Both give the losses of an
+uninterrupted run at every step."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from moelab import Run
+
+pytestmark = pytest.mark.slow
+STEPS = 16
+WAIT_S = 240
+
+
+def _wait_for_step(run: Run, step: int) -> None:
+    end = time.monotonic() + WAIT_S
+    while not any(e["event"] == "step" and e["step"] >= step for e in run.events):
+        assert time.monotonic() < end and not run.done, f"never reached step {step}: {run.status} {run.error}"
+        time.sleep(0.1)
+
+
+def _check_exact(run: Run, reference: Run) -> int:
+    steps = list(run.metrics["step"])
+    assert steps == list(range(1, STEPS + 1)), f"every step exactly once: {steps}"
+    worst = max(abs(a - b) for a, b in zip(run.metrics["loss"], reference.metrics["loss"]))
+    assert worst <= 1e-6, f"losses differ from the uninterrupted run by up to {worst}"
+    starts = [e["start_step"] for e in run.events if e["event"] == "start"]
+    assert len(starts) == 2 and starts[0] == 0 and 0 < starts[1] < STEPS
+    return starts[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_session):
+    run = small_session(train={"steps": STEPS}).submit("inline", folder=tmp_path_factory.mktemp("ref") / "r")
+    assert run.status == "COMPLETED", run.error
+    return run
+
+
+def _release_when_requeued(job_id: str) -> None:
+    """SLURM holds a requeued job back (BeginTime about two minutes ahead); let the test cluster start it now."""
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
+        if out.startswith("PENDING"):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.slurm
+def test_a_preempted_slurm_job_requeues_itself_and_resumes_exactly(slurm_cluster, reference, small_session,
+                                                                   tmp_path):
+    run = small_session(train={"steps": STEPS}).submit("slurm", folder=tmp_path / "run", time=10)
+    job_id = run.job_id
+    _wait_for_step(run, 3)
+    # what SLURM sends before preempting a job or at its time limit (submitit's signal, USR2)
+    subprocess.run(["scancel", "--signal", "USR2", job_id], check=True)
+    _release_when_requeued(job_id)
+    run.wait(WAIT_S)
+    assert run.status == "COMPLETED", (run.status, run.error)
+    assert run.job_id == job_id, "the same job, requeued"
+    resumed_at = _check_exact(run, reference)
+    ends = [e["status"] for e in run.events if e["event"] == "end"]
+    assert ends == ["PREEMPTED", "COMPLETED"]
+    assert "Requeued job" in (run.folder / "logs/rank0.err").read_text() + (run.folder / "logs/rank0.out").read_text()
+    print(f"\nRELIABILITY SLURM job {job_id} preempted at step {resumed_at}, requeued, resumed exactly")
+
+
+def test_a_local_job_stopped_by_sigterm_is_preempted_and_resumes(reference, small_session, tmp_path):
+    run = small_session(train={"steps": STEPS}).submit("local", folder=tmp_path / "run")
+    _wait_for_step(run, 3)
+    os.kill(int(run.job_id), signal.SIGTERM)  # submitit's local controller forwards it to its task
+    run.wait(WAIT_S)
+    assert run.status == "PREEMPTED", (run.status, run.error)
+    assert Run.load(run.folder).status == "PREEMPTED"
+    first_job = run.job_id
+    run.resume().wait(WAIT_S)
+    assert run.status == "COMPLETED", (run.status, run.error)
+    assert run.job_id != first_job
+    resumed_at = _check_exact(run, reference)
+    print(f"\nRELIABILITY local job stopped by SIGTERM at step {resumed_at}, Run.resume() continued it exactly")
