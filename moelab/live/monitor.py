@@ -2,8 +2,9 @@
 them to a view (widgets in a notebook, text elsewhere).
 
 Why a thread (verified in JupyterLab 4, ipykernel 6 and 7): it keeps updating while another cell blocks
-(`run.wait()`), where an asyncio task on the kernel loop freezes. The thread only assigns widget values and
-never prints (a print from a thread lands in whatever cell is running).
+(`run.wait()`), where an asyncio task on the kernel loop freezes. In a notebook the thread only assigns widget
+values and never prints (a print from a thread lands in whatever cell is running); elsewhere it prints the
+text view's lines.
 
     dash = dashboard(run)      # returns at once; the view follows the run
     dash.wait()                # blocks until the run ends; re-sends the final widget state
@@ -29,7 +30,7 @@ def in_notebook() -> bool:
         return forced == "widget"
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    return getattr(shell, "kernel", None) is not None  # a kernel's shell (subclasses too, e.g. Colab's)
 
 
 def _value(obj, attr: str):
@@ -43,12 +44,25 @@ class Target:
 
     def __init__(self, run):
         self.run = run
-        folder = run_folder(run)
-        self.state = DashState(name=str(getattr(run, "name", "") or folder.name))
-        self.tail = JsonlTail(folder / "metrics.jsonl")
+        self.path = run_folder(run) / "metrics.jsonl"
+        self.state = DashState(name=str(getattr(run, "name", "") or self.path.parent.name))
+        self.tail = JsonlTail(self.path)
         self.has_status = hasattr(run, "status")
+        self._inode = None
 
     def poll(self) -> None:
+        try:
+            inode = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            inode = None
+        if self._inode is not None and inode is not None and inode != self._inode:
+            # A resumed run rewrites its stream once (temp file + rename, without the steps it will redo):
+            # read the new file from its start into a fresh state.
+            old = self.state
+            self.state = DashState(name=old.name, run_status=old.run_status, run_error=old.run_error,
+                                   version=old.version + 1)
+            self.tail = JsonlTail(self.path)
+        self._inode = inode if inode is not None else self._inode
         for event in self.tail.poll():
             self.state.apply(event)
         self.state.set_corrupt(self.tail.errors)
@@ -76,7 +90,7 @@ class Monitor:
         self.targets, self.view = targets, view
         self.period, self.status_every = period, status_every
         self.error: BaseException | None = None
-        self._lock = threading.Lock()  # the thread and wait() both poll and update
+        self._lock = view.lock  # the thread, wait() and the view's callbacks take turns on the states
         self._stop = threading.Event()
         self._finished = threading.Event()
         self._status_at = 0.0
@@ -124,10 +138,10 @@ class Monitor:
     def wait(self, timeout: "float | None" = None) -> bool:
         """Block until every run ended (or `timeout` seconds); then, from this thread, read and draw the final
         state and re-send it (headless executors only record messages sent while a cell runs)."""
-        self._finished.wait(timeout)
+        finished = self._finished.wait(timeout)
         if self.error is not None:
             raise RuntimeError(f"the dashboard stopped: {self.error!r}") from self.error
-        done = self.poll_once(final=True)
+        done = self.poll_once(final=finished)
         self.view.resync()
         return done
 

@@ -70,7 +70,7 @@ def draw_series(ax, st: DashState, values: list, title: str, ylabel: str, color:
     xs, ys = _thin(st.steps, values)
     if not ys:
         return _empty(ax)
-    ax.plot(xs, ys, color=color, lw=1.2)
+    ax.plot(xs, ys, color=color, lw=1.2, marker="o" if len(ys) < 3 else None, ms=3)  # one point is a dot
     if st.total_steps:
         ax.set_xlim(0, max(st.total_steps, xs[-1]))
     _style(ax, title, "step", ylabel)
@@ -132,13 +132,12 @@ def draw_heatmap(ax, st: DashState, window: bool = True):
     im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top),
                    interpolation="nearest")
     L, E = len(load_LE), len(load_LE[0])
-    ax.set_yticks(range(L), [st.layer_name(i) for i in range(L)] if L <= 16 else None)
-    if L > 16:
-        ax.set_yticks(range(0, L, max(L // 8, 1)))
+    ax.set_yticks(range(0, L, max(L // 8, 1)))
     ax.set_xticks(range(0, E, max(E // 16, 1)))
     span = f"last {len(st.routing_window)} steps" if window and st.routing_window else "whole run"
     ax.set_title(f"routing load / mean, {span}", fontsize=9, loc="left")
     ax.set_xlabel("expert", fontsize=8)
+    ax.set_ylabel("MoE layer", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.figure.colorbar(im, ax=ax, fraction=0.05, pad=0.01).ax.tick_params(labelsize=7)
     return im

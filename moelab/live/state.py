@@ -42,7 +42,6 @@ class DashState:
     event_status: str = ""  # from the stream: RUNNING after `start`, the `end` status, FAILED after `error`
     run_status: str = ""  # from the Run object (PENDING, RUNNING, COMPLETED, ...), when there is one
     run_error: str = ""
-    num_dense_layers: int = 0
     steps: list = field(default_factory=list)
     loss: list = field(default_factory=list)
     tokens_per_s_per_gpu: list = field(default_factory=list)
@@ -54,6 +53,7 @@ class DashState:
     memory_min: list = field(default_factory=list)  # per step: the min over ranks
     routing_window: deque = field(default_factory=lambda: deque(maxlen=ROUTING_WINDOW))  # of [L][E]
     routing_total_LE: list = field(default_factory=list)  # whole run
+    dropped_pct: "float | None" = None  # share of the last step's routed assignments dropped by capacity
     warnings: list = field(default_factory=list)  # warning events
     errors: list = field(default_factory=list)  # error events
     corrupt: list = field(default_factory=list)  # messages about lines that did not parse
@@ -73,7 +73,6 @@ class DashState:
         if kind == "start":
             cfg = event.get("config") or {}
             self.name = self.name or cfg.get("name", "")
-            self.num_dense_layers = (cfg.get("model") or {}).get("num_dense_layers", 0)
             self.total_steps = event.get("total_steps") or self.total_steps
             self.step = max(self.step, event.get("start_step") or 0)
             self.event_status = "RUNNING"
@@ -114,7 +113,14 @@ class DashState:
             self.memory_peak_R = [max(a, b) for a, b in zip(self.memory_peak_R, vals_R)]
             self.memory_max.append(max(vals_R))
             self.memory_min.append(min(vals_R))
-        counts_LE = (ev.get("routing") or {}).get("tokens_per_expert")
+        routing = ev.get("routing") or {}
+        # the router's demand (before capacity drops: a capacity factor must not hide an imbalance); streams
+        # written before routed_per_expert existed only have what the experts computed
+        counts_LE = routing.get("routed_per_expert") or routing.get("tokens_per_expert")
+        dropped = routing.get("dropped_tokens")
+        if counts_LE and dropped is not None:
+            demand = sum(sum(c) for c in counts_LE)
+            self.dropped_pct = 100.0 * sum(dropped) / demand if demand else 0.0
         if counts_LE:
             self.routing_window.append(counts_LE)
             if [len(c) for c in self.routing_total_LE] != [len(c) for c in counts_LE]:
@@ -146,7 +152,12 @@ class DashState:
 
     @property
     def done(self) -> bool:
-        return is_terminal(self.status)
+        """Nothing more will come. With a Run attached its status decides (a PREEMPTED stream is requeued and
+        resumes; an error event on one rank comes before the job ends), except that a stream that COMPLETED
+        is done even while the processes are still exiting."""
+        if self.run_status:
+            return is_terminal(self.run_status) or self.event_status == "COMPLETED"
+        return is_terminal(self.event_status)
 
     @property
     def failed(self) -> bool:
@@ -156,9 +167,10 @@ class DashState:
     def num_layers(self) -> int:
         return len(self.routing_total_LE)
 
-    def layer_name(self, i: int) -> str:
-        """MoE layer i is model layer num_dense_layers + i (the first layers are dense)."""
-        return f"layer {self.num_dense_layers + i}"
+    @staticmethod
+    def layer_name(i: int) -> str:
+        """Layers are counted as the stream and summary count them: the i-th MoE layer (dense layers skipped)."""
+        return f"MoE layer {i}"
 
     def routing_LE(self, window: bool = True) -> list:
         """Tokens per expert summed over the last ROUTING_WINDOW steps (window) or the whole run."""

@@ -10,6 +10,7 @@ printed once each, on their own lines.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from moelab.live.state import DashState
@@ -20,8 +21,10 @@ class TextView:
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = every_s
+        self.lock = threading.RLock()  # the monitor's thread and wait() take turns
         self._printed_at = 0.0
         self._statuses: list = []
+        self._lines: list = []  # the status lines printed last
         self._seen: list = []  # per run: (warnings, corrupt, errors) already printed
         self._width = 0  # of the `\r` line on screen, to blank out a longer previous one
 
@@ -49,6 +52,9 @@ class TextView:
         changed, self._statuses = statuses != self._statuses, statuses
         if self.tty and len(states) == 1:
             line = states[0].status_line()
+            if final and [line] == self._lines and not notes:
+                return
+            self._lines = [line]
             if notes:  # a note takes the line, the status is redrawn below it
                 self._write("\r" + " " * self._width + "\r" + "\n".join(notes) + "\n")
                 self._width = 0
@@ -58,10 +64,11 @@ class TextView:
         for note in notes:
             self._write(note + "\n")
         now = time.monotonic()
-        if final or changed or now - self._printed_at >= self.every_s:
-            for st in states:
-                self._write(st.status_line() + "\n")
-            self._printed_at = now
+        lines = [st.status_line() for st in states]
+        if (final and lines != self._lines) or changed or now - self._printed_at >= self.every_s:
+            for line in lines:
+                self._write(line + "\n")
+            self._printed_at, self._lines = now, lines
 
     def resync(self) -> None:
         """Nothing to re-send: a terminal already has every line."""

@@ -45,6 +45,7 @@ def stats_html(st: DashState) -> str:
              _cell("TFLOPs/GPU", num("tflops_per_gpu", fmt_tflops)),
              _cell("MFU", num("mfu", lambda x: f"{100 * x:.1f}%")),
              _cell("peak memory per rank", mem),
+             _cell("dropped", f"{st.dropped_pct:.1f}%" if st.dropped_pct is not None else "–"),
              _cell("s/step", f"{sps:.2f}" if sps else "–"),
              _cell("status", html.escape(st.status))]
     return f"<div style='display:flex;flex-wrap:wrap'>{''.join(cells)}</div>"
@@ -63,12 +64,13 @@ def messages_html(st: DashState) -> str:
     """Errors (with the traceback folded), health warnings and corrupt lines; empty when all is well."""
     out = []
     box = "<div style='border-left:4px solid {};background:{};padding:3px 8px;margin:2px 0;font-size:12px'>{}</div>"
-    if st.failed:
-        text = st.error_text() or f"the run ended with status {st.status}"
-        tb = st.errors[0].get("traceback", "") if st.errors else ""
-        body = f"<b>{html.escape(st.status)}</b>: {html.escape(text)}"
-        if tb:
-            body += f"<details><summary>traceback</summary><pre style='font-size:11px'>{html.escape(tb)}</pre></details>"
+    if st.failed and (st.error_text() or st.status != "CANCELLED"):  # a plain cancel: the badge says it all
+        first, _, rest = (st.error_text() or f"the run ended with status {st.status}").partition("\n")
+        detail = st.errors[0].get("traceback", "") if st.errors else rest  # a Run's error: its stderr tail
+        body = f"<b>{html.escape(st.status)}</b>: {html.escape(first)}"
+        if detail.strip():
+            body += ("<details><summary>traceback</summary><pre style='font-size:11px'>"
+                     f"{html.escape(detail)}</pre></details>")
         out.append(box.format("#d62728", "#fdecea", body))
     if st.warnings:
         shown = st.warnings[-3:]
@@ -87,8 +89,9 @@ class RunPanel:
     """The widgets of one run: header and Cancel, progress, stats, training chart, layer selector with the
     balance of that layer, routing chart, messages."""
 
-    def __init__(self, cancel=None, chart_every_s: float = 1.0):
+    def __init__(self, cancel=None, chart_every_s: float = 1.0, lock=None):
         self.chart_every_s = chart_every_s
+        self.lock = lock or threading.RLock()  # shared with the monitor: callbacks must not draw a state mid-fold
         self.visible = True  # a sweep draws charts only for the tab on screen (and every tab at the end)
         self.header = w.HTML()
         self.cancel_button = w.Button(description="Cancel", icon="stop", button_style="danger",
@@ -98,8 +101,8 @@ class RunPanel:
         self.progress_text = w.HTML()
         self.stats = w.HTML("waiting for the first metrics…")
         self.train_chart = w.Image(format="png", layout=w.Layout(max_width="100%"))
-        self.layer = w.Dropdown(options=[], description="MoE layer", layout=w.Layout(width="190px"),
-                                style={"description_width": "70px"})
+        self.layer = w.Dropdown(options=[], description="histogram of", layout=w.Layout(width="240px"),
+                                style={"description_width": "initial"})
         self.balance = w.HTML()
         self.routing_chart = w.Image(format="png", layout=w.Layout(max_width="100%"))
         self.messages = w.HTML()
@@ -114,7 +117,7 @@ class RunPanel:
         self._cancel = cancel
         self._state: DashState | None = None
         self._filling_options = False
-        self._draw_lock = threading.Lock()
+        self._notes = ""  # what a callback has to say (a failed cancel), kept across updates
         self._drawn = {"train": (-1, 0.0), "routing": (-1, 0.0)}  # chart -> (state version, time drawn)
         self.cancel_button.on_click(self._on_cancel)
         self.layer.observe(self._on_layer, names="value")
@@ -130,11 +133,13 @@ class RunPanel:
         try:
             self._cancel()
         except Exception as e:  # shown, not raised: a callback's exception would only reach the log
-            self.messages.value += f"<div style='color:#d62728'>cancel failed: {html.escape(str(e))}</div>"
+            self._notes = f"<div style='color:#d62728'>cancel failed: {html.escape(str(e))}</div>"
+            self.messages.value += self._notes
 
     def _on_layer(self, change) -> None:
         if self._state is not None and change["new"] is not None and not self._filling_options:
-            self._draw_routing(self._state, force=True)
+            with self.lock:
+                self._draw_routing(self._state, force=True, redraw=True)
 
     # ------------------------------------------------------------------ drawing
     def update(self, st: DashState, final: bool = False) -> None:
@@ -146,7 +151,7 @@ class RunPanel:
         self.progress_text.value = progress_html(st)
         if st.last or st.done:
             self.stats.value = stats_html(st)
-        self.messages.value = messages_html(st)
+        self.messages.value = messages_html(st) + self._notes
         if st.done:
             self.cancel_button.disabled = True
             self.cancel_button.description = "Done" if st.status == "COMPLETED" else st.status.title()
@@ -163,28 +168,26 @@ class RunPanel:
 
     def _due(self, chart: str, st: DashState, force: bool) -> bool:
         version, at = self._drawn[chart]
-        return version != st.version and (force or time.monotonic() - at >= self.chart_every_s)
+        return version != st.version and (force or version < 0 or time.monotonic() - at >= self.chart_every_s)
 
     def _draw_train(self, st: DashState, force: bool) -> None:
-        with self._draw_lock:
-            if st.steps and self._due("train", st, force):
-                self.train_chart.value = plots.to_png(plots.training_figure(st))
-                self._drawn["train"] = (st.version, time.monotonic())
+        if st.steps and self._due("train", st, force):
+            self.train_chart.value = plots.to_png(plots.training_figure(st))
+            self._drawn["train"] = (st.version, time.monotonic())
 
-    def _draw_routing(self, st: DashState, force: bool) -> None:
-        with self._draw_lock:
-            layer = self.layer.value
-            if layer is None or not st.num_layers:
-                return
-            if force:
-                self._drawn["routing"] = (-1, 0.0)
-            if self._due("routing", st, force):
-                self.routing_chart.value = plots.to_png(plots.routing_figure(st, layer))
-                self.balance.value = ("<span style='font-size:12px;padding-left:10px'>last "
-                                      f"{len(st.routing_window)} steps: "
-                                      f"{plots.balance_text(st.layer_balance(layer), len(st.routing_LE()[layer]))}"
-                                      "</span>")
-                self._drawn["routing"] = (st.version, time.monotonic())
+    def _draw_routing(self, st: DashState, force: bool, redraw: bool = False) -> None:
+        """force: draw now if the state changed; redraw: draw even if not (another layer was picked)."""
+        layer = self.layer.value
+        if layer is None or not st.num_layers:
+            return
+        if redraw:
+            self._drawn["routing"] = (-1, 0.0)
+        if self._due("routing", st, force):
+            self.routing_chart.value = plots.to_png(plots.routing_figure(st, layer))
+            balance = plots.balance_text(st.layer_balance(layer), len(st.routing_LE()[layer]))
+            self.balance.value = (f"<span style='font-size:12px;padding-left:10px'>last {len(st.routing_window)} "
+                                  f"steps: {balance}</span>")
+            self._drawn["routing"] = (st.version, time.monotonic())
 
 
 def sweep_table_html(states: list) -> str:
@@ -208,7 +211,8 @@ class WidgetView:
     """One run: its panel. Several runs (a sweep): a comparison table, Cancel all, and a tab per run."""
 
     def __init__(self, names: list, cancels: list, cancel_all=None, chart_every_s: float = 1.0):
-        self.panels = [RunPanel(c, chart_every_s) for c in cancels]
+        self.lock = threading.RLock()  # the monitor holds it while it folds events and updates the view
+        self.panels = [RunPanel(c, chart_every_s, self.lock) for c in cancels]
         self.table = self.tabs = self.header = self.cancel_all = None
         if len(self.panels) == 1:
             self.box = self.panels[0].box
@@ -226,10 +230,11 @@ class WidgetView:
                            self.table, self.tabs])
 
     def _on_tab(self, change) -> None:
-        for i, p in enumerate(self.panels):
-            p.visible = i == change["new"]
-            if p.visible and p._state is not None:
-                p.update(p._state)
+        with self.lock:
+            for i, p in enumerate(self.panels):
+                p.visible = i == change["new"]
+                if p.visible and p._state is not None:
+                    p.update(p._state)
 
     def update(self, states: list, final: bool = False) -> None:
         for panel, st in zip(self.panels, states):

@@ -1,0 +1,168 @@
+"""The quickstart notebook in a real browser: JupyterLab on 127.0.0.1, Debian's Chromium driven by Playwright
+(Playwright's own browser download does not work offline; /usr/bin/chromium comes from `apt-get install
+chromium`). Run all cells, then watch the DOM: the dashboard renders, its progress bar and chart change while
+the kernel is busy, and it ends complete. Screenshots go to tmp_path; with MOELAB_UPDATE_SCREENSHOT=1 they are
+also copied to gallery/dashboard.png (mid-run) and gallery/dashboard-done.png (final).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+CHROME_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
+               "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage"]
+TOKEN = "moelab-browser-test"
+STEPS = 40
+
+# What the page shows, read in one evaluate: the dashboard is the first widget box of the notebook.
+PROBE = """() => {
+  const outs = [...document.querySelectorAll('.jp-OutputArea-output')];
+  const bar = document.querySelector('.jp-OutputArea-output .progress .progress-bar');
+  return {
+    loading: outs.filter(e => /Loading widget/.test(e.textContent)).length,
+    bar: bar ? bar.style.width : null,
+    imgs: [...document.querySelectorAll('img.widget-image')].map(i => i.src + ' ' + i.naturalWidth),
+    html: [...document.querySelectorAll('.widget-html-content')].map(e => e.textContent.trim()),
+    errs: [...document.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+          .map(e => e.textContent.slice(0, 300)),
+  };
+}"""
+# Busy = a cell is queued or running ([*]) or the kernel says so. The kernel's status alone is not enough: under
+# load JupyterLab was seen showing "idle" while run.wait() ran (status messages arriving out of order).
+RUNNING_CELLS = """() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+  .filter(e => e.textContent.includes('[*]')).length"""
+KERNEL = """() => {
+  const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+  return k ? k.status : 'none';
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(port: int, path: str, method: str = "GET"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}?token={TOKEN}", method=method)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        body = r.read()
+    return json.loads(body) if body else None
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """An isolated JupyterLab (fresh settings, workspaces and runtime dirs; token on; 127.0.0.1 only) serving a
+    copy of the quickstart notebook; the kernel inherits the environment, so runs go under tmp_path."""
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (tests/setup_machine.sh does it)")
+    root, state = tmp_path / "lab", tmp_path / "lab-state"
+    root.mkdir()
+    shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root)
+    settings = state / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(state / "settings"), "MOELAB_NOTEBOOK_STEPS": str(STEPS),
+           "JUPYTERLAB_WORKSPACES_DIR": str(state / "workspaces"), "JUPYTER_RUNTIME_DIR": str(state / "runtime"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("MOELAB_NOTEBOOK_SCALE", None)
+    env.pop("MOELAB_UI", None)
+    port = _free_port()
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip", "127.0.0.1",
+         f"--port={port}", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={root}",
+         "--LabApp.expose_app_in_browser=True"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _api(port, "status")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-3000:]}")
+                time.sleep(0.2)
+        yield port, root
+    finally:
+        try:  # the kernel (and its dashboard thread) outlives the page: shut it down through the server
+            for k in _api(port, "kernels"):
+                _api(port, f"kernels/{k['id']}", "DELETE")
+        except OSError:
+            pass
+        proc.terminate()  # our own server, by its Popen handle
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_quickstart_dashboard_is_live_in_jupyterlab(lab, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    port, root = lab
+    timeline, shots = [], {}
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM,
+                                                   headless=True, args=CHROME_ARGS,
+                                                   viewport={"width": 1280, "height": 1000})
+        try:
+            page = ctx.pages[0] if ctx.pages else ctx.new_page()
+            page.goto(f"http://127.0.0.1:{port}/lab/tree/01_quickstart.ipynb?token={TOKEN}&reset",
+                      wait_until="domcontentloaded")
+            page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
+            # run-all returns a promise that settles when every cell finished: do not wait for it here
+            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return 1; }")
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 300:
+                time.sleep(0.5)
+                kernel, running, dom = page.evaluate(KERNEL), page.evaluate(RUNNING_CELLS), page.evaluate(PROBE)
+                busy = kernel == "busy" or running > 0
+                timeline.append({"t": round(time.monotonic() - t0, 1), "kernel": kernel, "running": running,
+                                 "busy": busy, **dom})
+                pct = float((dom["bar"] or "0%").rstrip("%"))
+                if "live" not in shots and 50 <= pct <= 90 and len(dom["imgs"]) >= 2:
+                    shots["live"] = _shoot(page, tmp_path / "dashboard.png")
+                if not busy and any("COMPLETED" in h for h in dom["html"]):
+                    break
+            time.sleep(1.0)
+            final = page.evaluate(PROBE)
+            shots["done"] = _shoot(page, tmp_path / "dashboard-done.png")
+            page.screenshot(path=str(tmp_path / "page.png"))
+        finally:
+            ctx.close()
+    (tmp_path / "timeline.json").write_text(json.dumps(timeline, indent=1))
+
+    busy = [e for e in timeline if e["busy"]]
+    bars = {e["bar"] for e in busy if e["bar"]}
+    charts = {e["imgs"][0] for e in busy if e["imgs"]}
+    assert not any(e["loading"] for e in timeline), "a widget showed 'Loading widget...'"
+    assert len(bars) >= 3, f"the progress bar did not move while the kernel was busy: {sorted(bars)}"
+    assert len(charts) >= 3, f"the chart changed only {len(charts)} time(s) while the kernel was busy"
+    assert final["bar"] == "100%" and any("COMPLETED" in h for h in final["html"]), final
+    assert any(f"{STEPS} / {STEPS} steps" in h for h in final["html"]), final["html"]
+    assert not final["errs"], final["errs"]
+    assert "live" in shots, "no screenshot while the run was between 50% and 90%"
+    if os.environ.get("MOELAB_UPDATE_SCREENSHOT") == "1":
+        shutil.copy(shots["live"], REPO / "gallery" / "dashboard.png")
+        shutil.copy(shots["done"], REPO / "gallery" / "dashboard-done.png")
+
+
+def _shoot(page, path: Path) -> Path:
+    """A screenshot of the dashboard widget alone (the first widget box in an output)."""
+    page.locator(".jp-OutputArea-output .widget-vbox").first.screenshot(path=str(path))
+    return path
