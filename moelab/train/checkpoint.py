@@ -3,11 +3,13 @@
 A checkpoint is a folder of the run folder, written by every rank together:
 
     checkpoints/step_000010/
-        .metadata, __<rank>_<n>.distcp   DCP: model and optimizer state, saved as GLOBAL tensors (FSDP2 and EP
-                                         DTensors are saved by shard; any layout can load any other's shards)
+        .metadata, __<rank>_<n>.distcp   DCP: model and optimizer state, saved as GLOBAL tensors: FSDP2 DTensors
+                                         by shard, and with expert parallelism each rank's experts as its rows
+                                         of one [num_experts, ...] tensor (`_global_experts`), so any layout
+                                         loads any other's checkpoint
         rng/rank_00000.json              each rank's RNG states (torch, cuda, python, numpy), as JSON
-        metadata.json                    step, config identity and hash, world size, layout, and every file's
-                                         size and crc32: written last, so its presence means "complete"
+        metadata.json                    step, config identity and hash, world size, layout, every file's size
+                                         and crc32, and its own crc32: written last, so it means "complete"
     checkpoints/.step_000010.tmp/        a save in progress; renamed to step_000010 when complete (atomic)
 
 What makes a resume exact: the model state dict holds the parameters and the Router's persistent buffers
@@ -50,8 +52,9 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 # Config fields that may change between a checkpoint and its resume: the length of the run, checkpointing and
 # failure policy, and everything about placement (layout, kernels, device) that does not change the maths.
 RESUMABLE_FIELDS = ("name", "parallel", "backend", "train.steps", "train.checkpoint_every",
-                    "train.keep_checkpoints", "train.collective_timeout_s", "train.on_nan", "train.device",
-                    "train.activation_checkpointing", "train.compile", "train.micro_batch_size")
+                    "train.keep_checkpoints", "train.save_checkpoints", "train.collective_timeout_s",
+                    "train.on_nan", "train.device", "train.activation_checkpointing", "train.compile",
+                    "train.micro_batch_size")
 
 
 class CheckpointError(RuntimeError):
@@ -98,8 +101,10 @@ def read_metadata(path: "str | Path") -> dict:
         raise CheckpointError(f"{path}: metadata.json is unreadable ({e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
         raise CheckpointError(f"{path}: metadata.json lacks 'step' or 'files'")
+    if meta.pop("crc32", None) != _json_crc32(meta):
+        raise CheckpointError(f"{path}: metadata.json fails its crc32 check (corrupt)")
     if meta["step"] != int(path.name[5:]):
-        raise CheckpointError(f"{path}: metadata.json says step {meta['step']}, the folder name another")
+        raise CheckpointError(f"{path}: metadata.json says step {meta['step']}, not the folder's step")
     if meta.get("format", FORMAT) > FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta['format']} is newer than this moelab reads")
     return meta
@@ -214,8 +219,9 @@ class Checkpointer:
             return
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
-        """Write checkpoints/step_<step> (collective); keep the newest `train.keep_checkpoints`."""
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes=None) -> Path:
+        """Write checkpoints/step_<step> (collective); keep the newest `train.keep_checkpoints`. `meshes`: the
+        layout's moelab.parallel.mesh.Meshes when there is one (needed with expert parallelism)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -226,7 +232,8 @@ class Checkpointer:
             (tmp / "rng").mkdir(parents=True)
         self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=not self._dist)
+        state = _global_experts({"model": model_sd, "optim": optim_sd}, meshes)
+        dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
         rng_name = f"rng/rank_{self._rank:05d}.json"
         (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
         # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
@@ -240,6 +247,7 @@ class Checkpointer:
             meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
                     "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
                     "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
+            meta["crc32"] = _json_crc32(meta)
             _write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
             if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
                 shutil.rmtree(final)
@@ -256,7 +264,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                metrics_path: "str | Path | None" = None) -> Restored:
+                metrics_path: "str | Path | None" = None, meshes=None) -> Restored:
         """Load the newest intact checkpoint into model and optimizer (collective), and rewind the metrics
         stream to it (rank 0). Corrupt folders are reported and skipped; CheckpointError if all are."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -287,8 +295,10 @@ class Checkpointer:
             out.step = meta["step"]
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
+            view = _global_experts(state, meshes)  # shares storage with `state`: loading fills both
             try:
-                dcp.load(state, checkpoint_id=out.path, no_dist=not self._dist)
+                dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
+                _copy_back(view, state)
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             except Exception as e:
                 raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
@@ -323,6 +333,53 @@ class Checkpointer:
             return head["problems"]
         names = sorted(head["files"])[self._rank::self._world]
         return [p for part in self._gather(verify_files(path, head["files"], names)) for p in part]
+
+
+# ---------------------------------------------------------------------- expert parallelism
+def _global_experts(state: dict, meshes) -> dict:
+    """With expert parallelism each EP rank holds num_experts/ep experts under the same names (FSDP2 DTensors
+    whose "global" shape is only this rank's experts); DCP would take them for one replicated tensor and keep
+    one rank's copy. Return a view of `state` in which every expert tensor is instead a DTensor of the true
+    global shape [num_experts, ...], sharded over EP ranks (outer) then expert-FSDP ranks (inner) exactly as
+    moelab.parallel lays them out, sharing storage with the original (so a load into the view fills it)."""
+    if meshes is None or meshes.layout.ep == 1:
+        return state
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_ranks, efsdp_ranks = meshes.ep_mesh.mesh.tolist(), meshes.efsdp.mesh.tolist()
+    me = dist.get_rank()
+    # rank = base + efsdp_index * ep + ep_index: the block of ranks sharing this rank's experts' layer slices
+    block = torch.tensor([[e + f - me for f in efsdp_ranks] for e in ep_ranks])
+    mesh = DeviceMesh.from_group([meshes.ep_mesh.get_group(), meshes.efsdp.get_group()],
+                                 meshes.ep_mesh.device_type, mesh=block, mesh_dim_names=("ep", "efsdp"))
+    ep = meshes.layout.ep
+
+    def globalize(value):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        local = value.to_local() if isinstance(value, DTensor) else value
+        shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    def walk(node, is_expert=False):
+        if isinstance(node, dict):
+            return {k: walk(v, is_expert or (isinstance(k, str) and ".experts." in f".{k}")) for k, v in node.items()}
+        if isinstance(node, list):
+            return node  # param_groups: no tensors
+        return globalize(node) if is_expert else node
+
+    return walk(state)
+
+
+def _copy_back(view, state) -> None:
+    """Values DCP put into the view's containers (not in place) go back into the original state dict."""
+    for k, v in view.items():
+        if isinstance(v, dict) and isinstance(state.get(k), dict):
+            _copy_back(v, state[k])
+        elif v is not state.get(k) and not isinstance(v, torch.Tensor):
+            state[k] = v
 
 
 # ---------------------------------------------------------------------- the metrics stream on resume
@@ -363,6 +420,10 @@ def _crc32(path: Path) -> int:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _json_crc32(obj: dict) -> int:
+    return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
 
 
 def _file_record(path: Path) -> dict:

@@ -2,9 +2,12 @@
 otherwise) become a flag that the training loop reads at the next step boundary, never an exception in the
 middle of a step. The loop then saves a checkpoint, ends the run with status PREEMPTED, and hands each signal to
 the handler that was installed before (submitit's, which requeues the job), so requeueing sees a finished
-checkpoint.
+checkpoint. Before the loop starts (`deferring` False: setup, loading a checkpoint) there is nothing new to save,
+so a signal goes straight to the previous handler, or gets its default action: a slow setup never outlives the
+time SLURM grants between the signal and the kill (submitit's signal_delay_s).
 
     stop = StopSignals().install()   # in the main thread; a no-op elsewhere (a notebook's worker thread)
+    stop.deferring = True            # when the step loop starts
     ... if stop.requested: save, end the loop ...
     stop.restore(); stop.chain()     # after the run's last event is written
 """
@@ -22,6 +25,7 @@ class StopSignals:
         self.received: list[int] = []
         self._previous: dict[int, object] = {}  # while installed
         self._chain_to: dict[int, object] = {}  # after restore(): the handlers chain() calls
+        self.deferring = False
 
     def install(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -30,7 +34,10 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
+        if self.deferring:
+            self.received.append(signum)
+        else:
+            _pass_on(signum, self._previous.get(signum), frame)
 
     @property
     def requested(self) -> bool:
@@ -53,3 +60,12 @@ class StopSignals:
             previous = self._chain_to.get(s)
             if callable(previous):
                 previous(s, None)
+
+
+def _pass_on(signum: int, previous, frame) -> None:
+    """What would have happened without us: the previous Python handler, or the default action."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
