@@ -7,6 +7,9 @@ expert actually learned from). An expert at or above its fair share 1/E keeps th
 up to expert_lr_max_scale times it.
 
 Shapes: L MoE layers, E experts (global), R rows of a stacked expert tensor held here (E, or a slice under EP).
+Every parameter of a layer's GroupedExperts is stacked by expert (weights, and GPT-OSS's biases); its first row
+is global expert ``experts.expert_offset`` (non-zero under expert parallelism), plus FSDP2's shard offset when
+the parameter is a DTensor sharded along the experts.
 
 Why not param groups: the experts of a layer are one stacked [E, ...] tensor, so one expert cannot be a param
 group, and Adam's update does not change when its gradient is scaled. So the UPDATE is scaled instead: a
@@ -20,7 +23,7 @@ the learning rate. Cost: one copy of this rank's expert weights, alive only duri
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,32 +56,28 @@ class ExpertLR:
     """Scales each expert's optimizer update by its utilisation (see the module docstring).
 
     `moe_layers` has one entry per MoE layer of the whole model (None where another pipeline stage holds it),
-    in the order of the counts given to ``apply``. `first_expert(layer_index) -> int` gives the global id of this
-    rank's first expert of that layer (0 without expert parallelism; under EP, the offset of this rank's slice).
+    in the order of the counts given to ``apply``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, moe_layers: Sequence, power: float, max_scale: float,
-                 first_expert: Callable[[int], int] = lambda layer: 0):
+    def __init__(self, optimizer: torch.optim.Optimizer, moe_layers: Sequence, power: float, max_scale: float):
         self.power, self.max_scale = power, max_scale
-        # (layer index, parameter) for every stacked expert tensor held here
-        self.params = [(i, p) for i, moe in enumerate(moe_layers) if moe is not None
-                       for p in (moe.experts.w_gate_up_EDF2, moe.experts.w_down_EFD)]
-        self.first_expert = first_expert
+        # (layer index, global id of the first expert held here, parameter) for every stacked expert tensor
+        self.params = [(i, getattr(moe.experts, "expert_offset", 0), p) for i, moe in enumerate(moe_layers)
+                       if moe is not None for p in moe.experts.parameters()]
         self._before: list[torch.Tensor] | None = None
         self._hook = optimizer.register_step_pre_hook(self._snapshot)
 
     @classmethod
-    def attach(cls, optimizer: torch.optim.Optimizer, moe_layers: Sequence, cfg: Config,
-               first_expert: Callable[[int], int] = lambda layer: 0) -> "ExpertLR | None":
+    def attach(cls, optimizer: torch.optim.Optimizer, moe_layers: Sequence, cfg: Config) -> "ExpertLR | None":
         """An ExpertLR hooked on `optimizer`, or None when the config leaves it off (expert_lr_power == 0)."""
         moe = cfg.model.moe
         if moe.expert_lr_power <= 0:
             return None
-        return cls(optimizer, moe_layers, moe.expert_lr_power, moe.expert_lr_max_scale, first_expert)
+        return cls(optimizer, moe_layers, moe.expert_lr_power, moe.expert_lr_max_scale)
 
     @torch.no_grad()
     def _snapshot(self, optimizer, args, kwargs) -> None:
-        self._before = [_local_rows(p)[0].clone() for _, p in self.params]
+        self._before = [_local_rows(p)[0].clone() for _, _, p in self.params]
 
     @torch.no_grad()
     def apply(self, counts_LE: torch.Tensor) -> torch.Tensor:
@@ -87,9 +86,9 @@ class ExpertLR:
         if self._before is None:
             raise RuntimeError("ExpertLR.apply needs an optimizer.step() since the last apply")
         scale_LE = expert_lr_scales(counts_LE, self.power, self.max_scale)
-        for (layer, p), before_R in zip(self.params, self._before):
+        for (layer, first, p), before_R in zip(self.params, self._before):
             after_R, row0 = _local_rows(p)
-            start = self.first_expert(layer) + row0
+            start = first + row0
             s_R = scale_LE[layer, start:start + after_R.shape[0]].to(after_R.dtype)
             s_R = s_R.view(-1, *([1] * (after_R.dim() - 1)))
             # before + s * (after - before); lerp computes it from `after` for s >= 0.5, so s = 1 is exact

@@ -1,4 +1,5 @@
-"""Expert health: dead and overloaded experts, from each step's global routing counts.
+"""Expert health: dead and overloaded experts, from each step's global routing demand (tokens per expert
+before capacity dropping: an expert capped at its capacity is still overloaded by the router).
 
 - dead: an expert that received no tokens for ``model.moe.dead_expert_steps`` consecutive steps;
 - overloaded: an expert whose load this step exceeds ``model.moe.overload_factor`` x the layer's mean load.
@@ -6,11 +7,13 @@
 Each step event carries ``health = {"dead_experts": [[layer, expert], ...], "overloaded": [[layer, expert,
 share], ...]}`` (layer = index among MoE layers, share = the expert's fraction of the layer's assignments). A
 ``warning`` event (kind "dead_expert" or "overloaded_expert") is emitted when an expert BECOMES dead or
-overloaded, not on every step it stays so. Per-expert load shares, the routing entropy and the router logit norms
-are in the step's ``routing`` (``load_shares`` turns counts into shares).
+overloaded, not on every step it stays so; an overloaded expert counts as recovered (and may warn again) only
+once its load is back at or below the mean, so a load that hovers around the threshold does not flood the
+stream. Per-expert load shares, the routing entropy and the router logit norms are in the step's ``routing``
+(``load_shares`` turns counts into shares).
 
     health = ExpertHealth(cfg.model.moe)
-    rec["health"], warnings = health.observe(rec["step"], rec["routing"]["tokens_per_expert"])
+    rec["health"], warnings = health.observe(rec["step"], rec["routing"]["routed_per_expert"])
 """
 from __future__ import annotations
 
@@ -28,14 +31,13 @@ class ExpertHealth:
     def __init__(self, cfg: MoEConfig):
         self.dead_steps, self.overload_factor = cfg.dead_expert_steps, cfg.overload_factor
         self.idle_streak: list[list[int]] = []  # consecutive steps without tokens, per layer and expert
-        self.overloaded: set[tuple[int, int]] = set()
+        self.overloaded: set[tuple[int, int]] = set()  # warned about, and not back to the mean load since
 
     def observe(self, step: int, tokens_per_expert: list[list[float]]) -> tuple[dict, list[dict]]:
         """This step's health dict and the warnings to emit (as ``warning`` event fields)."""
         if not self.idle_streak:
             self.idle_streak = [[0] * len(layer) for layer in tokens_per_expert]
         dead, overloaded, warnings = [], [], []
-        now_overloaded = set()
         for li, counts in enumerate(tokens_per_expert):
             total = sum(counts)
             mean = total / len(counts) if counts else 0.0
@@ -47,15 +49,16 @@ class ExpertHealth:
                         warnings.append({"step": step, "kind": "dead_expert", "layer": li, "expert": e,
                                          "message": f"MoE layer {li}: expert {e} received no tokens for "
                                                     f"{streak} steps"})
+                if total > 0 and c <= mean:
+                    self.overloaded.discard((li, e))
                 if total > 0 and c > self.overload_factor * mean:
                     share = c / total
                     overloaded.append([li, e, round(share, 4)])
-                    now_overloaded.add((li, e))
                     if (li, e) not in self.overloaded:
+                        self.overloaded.add((li, e))
                         warnings.append({"step": step, "kind": "overloaded_expert", "layer": li, "expert": e,
                                          "share": round(share, 4),
                                          "message": f"MoE layer {li}: expert {e} took {share:.1%} of the "
                                                     f"assignments ({c / mean:.1f}x the mean load, over "
                                                     f"{self.overload_factor:g}x)"})
-        self.overloaded = now_overloaded
         return {"dead_experts": dead, "overloaded": overloaded}, warnings
