@@ -49,8 +49,9 @@ PACKAGES = {
         "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
     "deep_ep": Package(
         "deep_ep", "deep_ep", "deep-ep",
-        "build DeepEP against NVSHMEM with gallery/scripts/build_backends.sh (pip install nvidia-nvshmem-cu13 "
-        "first)", "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
+        "build DeepEP from its source repository against NVSHMEM (pip install nvidia-nvshmem-cu13 first; "
+        "gallery/scripts/build_backends.sh builds an sdist that has its headers: the PyPI sdist of deep-ep 1.0.0 "
+        "lacks them)", "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
 }
 
 # Which config value asks for which package: (config field, value) -> package key.

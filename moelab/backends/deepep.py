@@ -11,7 +11,7 @@ dtype MoE computes them in, so nothing is lost). Dispatch and combine are autogr
 the other one over the same handle. DeepEP reads the received counts on the host (one synchronisation per
 layer, as the all-to-all path does for its split sizes).
 
-    dispatcher = DeepEPDispatcher(ep_group, num_experts=128, hidden=2048)   # one per process is enough
+    dispatcher = DeepEPDispatcher(ep_group)   # one buffer per process serves every layer
     for moe in model.moe_layers(): moe.dispatcher = dispatcher
 """
 from __future__ import annotations
@@ -63,10 +63,9 @@ class _Combine(torch.autograd.Function):
 class DeepEPDispatcher:
     """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group)."""
 
-    def __init__(self, group, num_experts: int, hidden: int):
+    def __init__(self, group, hidden: int = 7168):
         deep_ep = import_package("deep_ep")
-        self.group, self.num_experts = group, num_experts
-        self.num_local = num_experts // group.size()
+        self.group = group
         self.buffer = deep_ep.Buffer(group, buffer_bytes(hidden, group.size()), 0)
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
@@ -83,7 +82,7 @@ class DeepEPDispatcher:
         handle, recv_idx_RK, counts_list = layout["handle"], layout["recv_idx_RK"], layout["counts"]
         # Expert-major order of the valid (row, slot) pairs on this rank.
         flat_N = recv_idx_RK.reshape(-1)
-        key_N = torch.where(flat_N >= 0, flat_N, self.num_local)
+        key_N = torch.where(flat_N >= 0, flat_N, num_experts // self.group.size())
         total = sum(counts_list)  # already on the host: DeepEP waited for the counts
         order_N = torch.argsort(key_N, stable=True)[:total]
         counts_E = torch.tensor(counts_list, dtype=torch.int64, device=x_TD.device)

@@ -1,0 +1,131 @@
+"""The measured tables of gallery/perf-notes.md, rendered from gallery/results/*.json (no figure typed by hand).
+
+    python gallery/scripts/perf_tables.py --write     # replaces the text between the markers in perf-notes.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+GALLERY = Path(__file__).resolve().parents[1]
+R = GALLERY / "results"
+W = "qwen3-moe-30b-a3b-proxy"
+BEGIN, END = "<!-- tables: begin (gallery/scripts/perf_tables.py) -->", "<!-- tables: end -->"
+
+
+def load(name: str) -> dict:
+    return json.loads((R / f"{name}.json").read_text())
+
+
+def row(name: str, label: str) -> str:
+    r = load(name)
+    return (f"| {label} | {r['global_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | "
+            f"{r['step_time_ms']:.1f} | {r['peak_memory_gb']:.1f} | {r['device_call'].split(' ')[0]} | `{name}.json` |")
+
+
+HEAD = ("| system / variant | global batch | tokens/s/GPU | TFLOPs/GPU | step ms | peak GiB | call | result file |\n"
+        "|---|---:|---:|---:|---:|---:|---|---|")
+
+
+def tables() -> str:
+    out = ["### Peers and moelab, Qwen3-30B-A3B layer proxy, one H200, seq 4096, micro batch 2", "", HEAD]
+    for name, label in [
+        (f"{W}--hf-transformers--eager-gbs2", "HF transformers 5.17, experts eager (loop)"),
+        (f"{W}--hf-transformers--grouped_mm-gbs2", "HF transformers 5.17, experts grouped_mm"),
+        (f"{W}--torchtitan--gbs2", "torchtitan 0.2.2 model code"),
+        (f"{W}--moelab--cli-fp32-params-autocast", "moelab, fp32 params + autocast (default precision), fake gate"),
+        (f"{W}--moelab--real-router-gbs2", "moelab, bf16 params, learned router"),
+        (f"{W}--moelab--fake-gate-gbs2", "moelab, bf16 params, fake balanced gate"),
+        (f"{W}--moelab--real-router-gbs2-compile", "moelab, bf16 params, compile, learned router"),
+        (f"{W}--moelab--fake-gate-gbs2-compile", "moelab, bf16 params, compile, fake balanced gate"),
+        (f"{W}--hf-transformers--grouped_mm-gbs16", "HF transformers 5.17, experts grouped_mm"),
+        (f"{W}--torchtitan--gbs16", "torchtitan 0.2.2 model code"),
+        (f"{W}--moelab--real-router-gbs16-compile", "moelab, bf16 params, compile, learned router"),
+        (f"{W}--moelab--fake-gate-gbs16-compile", "moelab, bf16 params, compile, fake balanced gate"),
+    ]:
+        out.append(row(name, label))
+    out += ["", "### Targets", "", "| target | measured | ratio | met |", "|---|---|---:|---|"]
+
+    def ratio(a, b, target, what):
+        ra, rb = load(a), load(b)
+        x = ra["tokens_per_s_per_gpu"] / rb["tokens_per_s_per_gpu"]
+        out.append(f"| {what} >= {target}x | `{a}` / `{b}` | {x:.2f} | {'yes' if x >= target else 'no'} |")
+
+    for gbs in (2, 16):
+        ratio(f"{W}--moelab--real-router-gbs{gbs}-compile", f"{W}--hf-transformers--grouped_mm-gbs{gbs}", 1.5,
+              f"learned router, global batch {gbs}: moelab / HF")
+        ratio(f"{W}--moelab--real-router-gbs{gbs}-compile", f"{W}--torchtitan--gbs{gbs}", 1.1,
+              f"learned router, global batch {gbs}: moelab / torchtitan")
+        ratio(f"{W}--moelab--fake-gate-gbs{gbs}-compile", f"{W}--hf-transformers--grouped_mm-gbs{gbs}", 1.5,
+              f"fake gate, global batch {gbs}: moelab / HF")
+    for name in (f"{W}--moelab--fake-gate-gbs2-compile", f"{W}--moelab--real-router-gbs16-compile",
+                 f"{W}--moelab--fake-gate-gbs16-compile"):
+        t = load(name)["tflops_per_gpu"]
+        out.append(f"| TFLOPs/GPU >= 350 | `{name}` | {t:.1f} | {'yes' if t >= 350 else 'no'} |")
+    ep, one = load(f"{W}-ep2--moelab"), load(f"{W}-1gpu--moelab")
+    for key, what in ((None, "fake gate"), ("real_router", "learned router")):
+        a = ep[key]["tokens_per_s_per_gpu"] if key else ep["tokens_per_s_per_gpu"]
+        b = one[key]["tokens_per_s_per_gpu"] if key else one["tokens_per_s_per_gpu"]
+        out.append(f"| EP=2 per-GPU >= 0.9 x one GPU ({what}, no compile, global batch 2 per GPU) | "
+                   f"`{W}-ep2--moelab` / `{W}-1gpu--moelab` | {a / b:.2f} | {'yes' if a / b >= 0.9 else 'no'} |")
+    for name, key in ((f"{W}--moelab--real-router-gbs2-compile", f"{W}--moelab--real-router-gbs2-compile-no-metrics"),
+                      (f"{W}--moelab--real-router-gbs2", f"{W}--moelab--real-router-gbs2-no-metrics")):
+        on, off = load(name)["step_time_ms"], load(key)["step_time_ms"]
+        out.append(f"| metrics cost < 1% of the step | `{name}` vs `{key}` | {100 * (on - off) / on:+.2f}% | "
+                   f"{'yes' if (on - off) / on < 0.01 else 'no'} |")
+
+    out += ["", "### Fast-path variants (same model, same call unless the call column says otherwise)", "", HEAD]
+    for v, label in [("fake-gate-gbs2", "eager, bf16 params"),
+                     ("fake-gate-gbs2-grouped_gemm", "+ backend.experts=grouped_gemm (cuBLAS loop build)"),
+                     ("real-router-gbs2-grouped_gemm", "learned router + grouped_gemm"),
+                     ("fake-gate-gbs2-fast-permute", "RowGather permutation (sort-free backward)"),
+                     ("fake-gate-gbs2-cudnn-sdpa", "cuDNN attention forced first"),
+                     ("fake-gate-gbs2-compile-eager-loss", "torch.compile per block, loss eager"),
+                     ("fake-gate-gbs2-compile", "torch.compile per block + compiled loss")]:
+        out.append(row(f"{W}--moelab--{v}", label))
+
+    out += ["", "### Gallery proxies (`moelab gallery run ENTRY --steps 6 --warmup 2`, no compile)", "",
+            "| entry | GPUs | global batch | tokens/s/GPU | TFLOPs/GPU | real router tokens/s/GPU | peak GiB | call |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for p in sorted(R.glob("*--moelab.json")):
+        r = json.loads(p.read_text())
+        rr = r.get("real_router", {}).get("tokens_per_s_per_gpu")
+        out.append(f"| {r['workload']} | {r['gpus']} | {r['global_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                   f"{r['tflops_per_gpu']:.1f} | {f'{rr:,.0f}' if rr else '-'} | {r['peak_memory_gb']:.1f} | "
+                   f"{r['device_call'].split(' ')[0]} |")
+
+    k = json.loads((R / "backends-experts-kernels.json").read_text())
+    out += ["", f"### Experts kernels, forward + backward, {k['shape']} (`backends-experts-kernels.json`)", "",
+            "| kernel | matches fp32 reference (3 random draws) | max rel. error | balanced ms | TFLOP/s | "
+            "skewed (Dirichlet 2) ms | TFLOP/s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for name, v in k["kernels"].items():
+        err = max(max(x for key, x in c.items() if key != "ok") for c in v["check"])
+        out.append(f"| {name} | {v['correct']} | {err:.1e} | {v['balanced']['ms']:.2f} | {v['balanced']['tflops']:.0f} "
+                   f"| {v['skewed_dirichlet2']['ms']:.2f} | {v['skewed_dirichlet2']['tflops']:.0f} |")
+    c = json.loads((R / "check-two-gpu-equivalence-tiny.json").read_text())
+    out += ["", "### Two-GPU equivalence, tiny preset, 20 steps (`check-two-gpu-equivalence-tiny.json`)", "",
+            "| dtype | layout | max relative loss difference vs one GPU | tolerance | passed |",
+            "|---|---|---:|---:|---|"]
+    for x in c["comparisons"]:
+        out.append(f"| {x['dtype']} | {x['layout']} | {x['max_rel_loss_diff']:.1e} | {x['tolerance']:.0e} | "
+                   f"{x['passed']} |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    text = tables()
+    if not args.write:
+        print(text)
+        return
+    p = GALLERY / "perf-notes.md"
+    s = p.read_text()
+    a, b = s.index(BEGIN) + len(BEGIN), s.index(END)
+    p.write_text(s[:a] + "\n" + text + "\n" + s[b:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Throughput of the real training step: ``moelab bench CONFIG`` and ``bench(cfg, steps, warmup) -> dict``.
+
+The trainer's own step (moelab.train.trainer.Trainer.train_step: forward, backward, clipping, the one host
+synchronisation that reads the step's metrics, the optimizer) is timed with CUDA events after warm-up steps;
+the median step time gives tokens/s per GPU, TFLOPs per GPU (moelab.flops convention, stated in the result) and
+MFU against a given or datasheet peak. On several ranks (torchrun) the slowest rank's time counts.
+
+Beside the headline figure, on the same model:
+    real_router       with backend.fake_balanced_gate=true (as reference tables benchmark), the same step with
+                      the learned router, so the cost of real (imbalanced) routing is visible;
+    metrics_overhead  the step without the metrics synchronisation (no stats packing, no host read), to show what
+                      collecting metrics costs.
+
+    from moelab.bench import bench
+    r = bench(load_config("tiny"), steps=3, warmup=1)
+    r["tokens_per_s_per_gpu"], r["tflops_per_gpu"], r["peak_memory_gb"]
+
+Mock data: data.kind=synthetic is replaced by data.kind=random (uniform tokens, generated vectorised), as
+throughput benchmarks do; a token file is kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moelab.config import Config
+from moelab.flops import FLOPS_CONVENTION
+
+
+def commit_id() -> str:
+    """The code version a result belongs to: $MOELAB_COMMIT (set where there is no git checkout, e.g. on the GPU
+    machine), else `git rev-parse HEAD` (+ '-dirty' with uncommitted changes), else 'unknown'."""
+    if os.environ.get("MOELAB_COMMIT"):
+        return os.environ["MOELAB_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+class StepTimer:
+    """Times trainer steps: CUDA events on a GPU (no extra synchronisation inside the timed region), the host
+    clock on CPU. `time(fn, n)` runs fn(i) n times and returns each call's milliseconds."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def time(self, fn, n: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                fn(i)
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for i in range(n):
+            fn(i)
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) for i in range(n)]
+
+
+def step_without_metrics(trainer, step: int) -> None:
+    """The trainer's step minus its metrics: no statistics packed, summed or read on the host."""
+    from moelab.train.optim import lr_at, set_lr
+
+    cfg = trainer.cfg
+    set_lr(trainer.optimizer, lr_at(step, cfg))
+    trainer.forward_backward(step)
+    trainer.par.clip_grad_norm(trainer.model, cfg.train.grad_clip)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+class Bencher:
+    """A set-up Trainer plus the timing of its steps; variants (router, micro batches) change the same model."""
+
+    def __init__(self, trainer, peak: float | None = None):
+        self.tr = trainer
+        self.timer = StepTimer(trainer.env.device)
+        self.next_step = 1
+        t = trainer.cfg.train
+        self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.peak = peak if peak is not None else trainer.peak
+
+    def run(self, n: int, metrics: bool = True) -> list[float]:
+        first = self.next_step
+        self.next_step += n
+        if metrics:
+            return self.timer.time(lambda i: self.tr.train_step(first + i), n)
+        return self.timer.time(lambda i: step_without_metrics(self.tr, first + i), n)
+
+    def max_over_ranks(self, ms: float) -> float:
+        if torch.distributed.is_initialized():
+            t = torch.tensor([ms], device=self.tr.env.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            return float(t)
+        return ms
+
+    def figures(self, times_ms: list[float]) -> dict:
+        step_ms = self.max_over_ranks(statistics.median(times_ms))
+        world = self.tr.env.world_size
+        tps_gpu = self.tokens_per_step / (step_ms / 1e3) / world
+        tflops = self.tr.flops_per_token * tps_gpu / 1e12
+        return {"step_time_ms": step_ms, "step_times_ms": [round(x, 3) for x in times_ms],
+                "tokens_per_s_per_gpu": tps_gpu, "tflops_per_gpu": tflops,
+                "mfu": tflops / self.peak if self.peak else None}
+
+    def measure(self, steps: int, warmup: int, metrics: bool = True) -> dict:
+        if warmup:
+            self.run(warmup, metrics)
+        return self.figures(self.run(steps, metrics))
+
+    def set_fake_gate(self, on: bool) -> None:
+        for moe in self.tr.par.moe_layers:
+            moe.router.fake_balanced_gate = on
+
+    def peak_memory_gb(self) -> float:
+        """Peak allocated GiB, the maximum over ranks (0 on CPU, where the allocator keeps no peak)."""
+        if not self.tr.env.is_cuda:
+            return 0.0
+        return self.max_over_ranks(torch.cuda.max_memory_allocated(self.tr.env.device) / 2**30)
+
+
+def bench_config(cfg: Config, steps: int, warmup: int, extra_steps: int = 0) -> Config:
+    """The config as benchmarked: enough training steps for warm-up, timing and the variants; mock data."""
+    over = {"train.steps": warmup + steps + extra_steps + 2, "train.checkpoint_every": 0}
+    if cfg.data.kind == "synthetic":
+        over["data.kind"] = "random"
+    return cfg.replace(**over)
+
+
+def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | None = None,
+          real_router: bool = True, metrics_overhead: bool = True, command: str | None = None) -> dict:
+    """Time `steps` training steps after `warmup`; returns one result record (see the module docstring)."""
+    from moelab.train.trainer import Trainer
+
+    variants = (real_router and cfg.backend.fake_balanced_gate) + metrics_overhead
+    cfg = bench_config(cfg, steps, warmup, extra_steps=variants * (steps + warmup))
+    with tempfile.TemporaryDirectory(prefix="moelab-bench-") as run_dir:
+        tr = Trainer(cfg, run_dir)
+        t0 = time.perf_counter()
+        tr.setup()
+        setup_s = time.perf_counter() - t0
+        b = Bencher(tr, peak_tflops)
+        try:
+            result = b.measure(steps, warmup)
+            if metrics_overhead:
+                off = b.measure(steps, max(1, warmup // 2), metrics=False)
+                on_ms, off_ms = result["step_time_ms"], off["step_time_ms"]
+                result["metrics_overhead"] = {"step_time_ms_on": on_ms, "step_time_ms_off": off_ms,
+                                              "fraction": (on_ms - off_ms) / on_ms}
+            if real_router and cfg.backend.fake_balanced_gate:
+                b.set_fake_gate(False)
+                rr = b.measure(steps, max(1, warmup // 2))
+                result["real_router"] = {k: rr[k] for k in ("step_time_ms", "tokens_per_s_per_gpu",
+                                                            "tflops_per_gpu", "mfu")}
+                b.set_fake_gate(True)
+            result["peak_memory_gb"] = b.peak_memory_gb()
+        finally:
+            tr.env.shutdown()
+            if tr.writer:
+                tr.writer.close()
+    t = cfg.train
+    return {"system": "moelab", "workload": cfg.name, "gpus": tr.env.world_size, "gpu_name": tr.gpu_name,
+            **result, "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
+            "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
+            "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile,
+            "activation_checkpointing": t.activation_checkpointing,
+            "fake_balanced_gate": cfg.backend.fake_balanced_gate,
+            "backends": getattr(tr.model, "backends", None),
+            "layout": {k: getattr(tr.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+            "steps": steps, "warmup": warmup, "setup_s": setup_s,
+            "command": command or " ".join(["moelab"] + sys.argv[1:]), "commit": commit_id(),
+            "torch_version": torch.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def format_result(r: dict) -> str:
+    lines = [f"{r['workload']} on {r['gpus']} x {r['gpu_name']}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+             f"{r['tflops_per_gpu']:.1f} TFLOPs/GPU" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
+             + f", step {r['step_time_ms']:.1f} ms, peak memory {r['peak_memory_gb']:.1f} GiB"]
+    if "real_router" in r:
+        rr = r["real_router"]
+        lines.append(f"  real router: {rr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {rr['tflops_per_gpu']:.1f} "
+                     f"TFLOPs/GPU, step {rr['step_time_ms']:.1f} ms")
+    if "metrics_overhead" in r:
+        m = r["metrics_overhead"]
+        lines.append(f"  metrics: step {m['step_time_ms_on']:.2f} ms with, {m['step_time_ms_off']:.2f} ms without "
+                     f"({100 * m['fraction']:+.2f}%)")
+    lines.append(f"  FLOPs convention: {r['flops_convention']}")
+    return "\n".join(lines)
+
+
+def write_result(r: dict, path: "str | Path") -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=1) + "\n")

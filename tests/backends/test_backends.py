@@ -1,0 +1,130 @@
+"""The switchboard's guards on CPU: a missing or unsupported backend package gives an error naming the package and
+how to install it; backend.fallback=true falls back to the torch path with a warning, never silently."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moelab.backends as backends
+from moelab.backends import BackendUnavailable, check_backends, detected, import_package
+from moelab.config import ConfigError, load_config
+
+
+def cfg(**over):
+    return load_config("tiny", {"train.steps": 2, **over})
+
+
+def missing(key):
+    if detected()[key]:
+        pytest.skip(f"{key} is installed here")
+
+
+@pytest.mark.parametrize("field,value,package,key", [
+    ("backend.experts", "grouped_gemm", "grouped_gemm", "grouped_gemm"),
+    ("backend.experts", "te", "transformer-engine", "te"),
+    ("backend.attention", "te", "transformer-engine", "te"),
+    ("backend.dispatcher", "deepep", "deep-ep", "deep_ep"),
+])
+def test_missing_package_is_a_clear_error(field, value, package, key):
+    missing(key)
+    with pytest.raises(BackendUnavailable) as e:
+        check_backends(cfg(**{field: value}), device="cpu")
+    msg = str(e.value)
+    assert f"{field}={value!r}" in msg and package in msg and "not installed" in msg
+    assert "backend.fallback=true" in msg and "Install:" in msg or "install" in msg
+    assert isinstance(e.value, ConfigError)
+
+
+def test_fallback_warns_and_uses_the_torch_path():
+    missing("grouped_gemm")
+    missing("deep_ep")
+    c = cfg(**{"backend.experts": "grouped_gemm", "backend.dispatcher": "deepep", "backend.fallback": True})
+    with pytest.warns(RuntimeWarning, match="falling back to backend.experts='auto'"):
+        chosen = check_backends(c, device="cpu")
+    assert chosen == {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+
+
+def test_installed_but_unsupported_hardware(monkeypatch):
+    monkeypatch.setitem(backends._DETECTED, "grouped_gemm", True)  # as if installed: the hardware check decides
+    with pytest.raises(BackendUnavailable, match="needs a CUDA GPU.*this run is on 'cpu'"):
+        check_backends(cfg(**{"backend.experts": "grouped_gemm"}), device="cpu")
+    monkeypatch.setitem(backends._DETECTED, "deep_ep", True)
+    with pytest.raises(BackendUnavailable, match="Hopper"):
+        check_backends(cfg(**{"backend.dispatcher": "deepep"}), device="cpu")
+
+
+def test_torch_paths_need_nothing():
+    assert check_backends(cfg(), device="cpu") == {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+
+
+def test_import_package_and_modules_guard():
+    missing("te")
+    missing("deep_ep")
+    with pytest.raises(BackendUnavailable, match="transformer-engine"):
+        import_package("te")
+    from moelab.backends.deepep import DeepEPDispatcher
+    from moelab.backends.te import TEGroupedExperts
+
+    with pytest.raises(BackendUnavailable, match="deep-ep"):
+        DeepEPDispatcher(group=None)
+    with pytest.raises(BackendUnavailable, match="transformer-engine"):
+        TEGroupedExperts(4, 8, 8)
+
+
+def test_grouped_gemm_kernel_guards_biases():
+    from moelab.backends import experts_kernel
+    from moelab.model.experts import GroupedExperts
+
+    with pytest.raises(BackendUnavailable, match="without biases"):
+        experts_kernel("grouped_gemm", GroupedExperts(4, 8, 8, bias=True))
+    with pytest.raises(BackendUnavailable, match="no stacked-weight kernel"):
+        experts_kernel("te")
+
+
+def test_trainer_with_fallback_trains_on_the_torch_path(tmp_path):
+    missing("grouped_gemm")
+    from moelab.train.trainer import Trainer
+
+    tr = Trainer(cfg(**{"backend.experts": "grouped_gemm", "backend.fallback": True}), tmp_path / "run")
+    try:
+        with pytest.warns(RuntimeWarning, match="grouped_gemm"):
+            tr.setup()
+        rec = tr.train_step(1)
+    finally:
+        tr.stop.restore()
+    assert rec["loss"] == rec["loss"] and rec["loss"] > 0 and not rec["skipped"]
+    assert tr.model.backends["experts"] == "auto"
+    assert all(m.experts.impl == "auto" for m in tr.model.moe_layers())
+
+
+def test_cli_names_the_missing_package(tmp_path):
+    missing("grouped_gemm")
+    r = subprocess.run([sys.executable, "-m", "moelab", "run", "tiny", "--steps", "2", "--out", str(tmp_path / "r"),
+                        "--set", "backend.experts=grouped_gemm"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "grouped_gemm" in r.stderr and "not installed" in r.stderr and "backend.fallback=true" in r.stderr
+
+
+def test_gmm_path_matches_torch_reference_on_cpu(monkeypatch):
+    """The grouped_gemm adapter's slicing of dropped rows and its output layout, with a stand-in gmm that computes
+    per-expert matmuls (the real kernel is checked on the GPU by gallery/scripts/check_backends_gpu.py)."""
+    import types
+
+    from moelab.backends.gmm import gmm_swiglu
+    from moelab.model.experts import loop_swiglu
+
+    def fake_gmm(a, b, batch_sizes, trans_b=False):
+        assert batch_sizes.device.type == "cpu" and int(batch_sizes.sum()) == a.shape[0]
+        return torch.cat([x @ w for x, w in zip(a.split(batch_sizes.tolist()), b)])
+
+    mod = types.ModuleType("grouped_gemm.ops")
+    mod.gmm = fake_gmm
+    monkeypatch.setitem(sys.modules, "grouped_gemm", types.ModuleType("grouped_gemm"))
+    monkeypatch.setitem(sys.modules, "grouped_gemm.ops", mod)
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(40, 8, generator=g), torch.randn(4, 8, 12, generator=g), torch.randn(4, 6, 8, generator=g)
+    counts = torch.tensor([10, 0, 17, 9])  # 36 of 40 rows counted: 4 dropped rows come back as zeros
+    y = gmm_swiglu(x, w1, w2, counts)
+    ref = loop_swiglu(x, w1, w2, counts)
+    assert torch.allclose(y[:36], ref[:36], atol=1e-5) and (y[36:] == 0).all()

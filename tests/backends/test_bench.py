@@ -1,0 +1,39 @@
+"""`moelab bench` on CPU: the tiny preset times real training steps and writes a complete result record."""
+import json
+import subprocess
+import sys
+
+from moelab.flops import FLOPS_CONVENTION
+
+REQUIRED = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_memory_gb",
+            "flops_convention", "command", "commit", "torch_version")
+
+
+def test_bench_tiny_cli(tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "moelab", "bench", "tiny", "--steps", "3", "--warmup", "1",
+                        "--set", "backend.fake_balanced_gate=true", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s/GPU" in r.stdout and "real router:" in r.stdout and "FLOPs convention" in r.stdout
+    rec = json.loads(out.read_text())
+    assert all(k in rec for k in REQUIRED)
+    assert rec["system"] == "moelab" and rec["workload"] == "tiny" and rec["gpus"] == 1
+    assert rec["flops_convention"] == FLOPS_CONVENTION and rec["tokens_per_s_per_gpu"] > 0
+    assert len(rec["step_times_ms"]) == 3 and rec["step_time_ms"] > 0
+    assert rec["tflops_per_gpu"] > 0 and rec["flops_per_token"] > 0
+    # the throughput follows from the step time: global batch 8 x seq 64 tokens per step
+    assert abs(rec["tokens_per_s_per_gpu"] - 8 * 64 / (rec["step_time_ms"] / 1e3)) < 1e-6 * rec["tokens_per_s_per_gpu"]
+    assert rec["real_router"]["tokens_per_s_per_gpu"] > 0 and rec["fake_balanced_gate"] is True
+    m = rec["metrics_overhead"]
+    assert m["step_time_ms_on"] > 0 and m["step_time_ms_off"] > 0
+    assert abs(m["fraction"] - (m["step_time_ms_on"] - m["step_time_ms_off"]) / m["step_time_ms_on"]) < 1e-9
+
+
+def test_bench_api_without_variants():
+    from moelab.bench import bench
+    from moelab.config import load_config
+
+    rec = bench(load_config("tiny"), steps=1, warmup=0, real_router=False, metrics_overhead=False, command="t")
+    assert "real_router" not in rec and "metrics_overhead" not in rec and rec["command"] == "t"
+    assert rec["steps"] == 1 and rec["param_dtype"] == "float32"
