@@ -9,4 +9,13 @@ from moelab.run import Run, Sweep, runs
 from moelab.session import Session
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "Run", "Session", "Sweep", "runs"]
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "Run", "Session", "Sweep", "runs",
+           "load_hf", "save_hf"]
+
+
+def __getattr__(name):  # load_hf/save_hf import torch and the model: only when asked for
+    if name in ("load_hf", "save_hf"):
+        from moelab import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'moelab' has no attribute {name!r}")

@@ -2,7 +2,11 @@
 
     moelab run tiny --steps 50 --out runs/tiny
     moelab run tiny --nproc 2 --set parallel.ep=2
+    moelab resume runs/tiny            # continue from the last checkpoint
+    moelab run tiny --executor local   # or slurm: submit through submitit and follow the job
+    moelab status runs/tiny-...        # moelab cancel runs/tiny-...
     moelab presets
+    moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
 """
 from __future__ import annotations
 
@@ -33,6 +37,10 @@ def cmd_run(args) -> int:
     from moelab.train.summary import format_summary
 
     cfg = _load(args)
+    if args.executor:
+        from moelab.launch.follow import submit_and_follow
+
+        return submit_and_follow(cfg, args.executor, args.nproc, args.out, args.cluster)
     out = Path(args.out or f"runs/{cfg.name}")
     if args.nproc > 1:
         from moelab.launch.local import run_local_processes
@@ -45,6 +53,22 @@ def cmd_run(args) -> int:
     print(format_summary(summary))
     print(f"run folder: {out}")
     return 0
+
+
+def cmd_resume(args) -> int:
+    from moelab.launch.resume import resume
+    from moelab.train.checkpoint import CheckpointError
+    from moelab.train.metrics import MetricsError
+    from moelab.train.summary import format_summary
+
+    try:
+        summary = resume(args.folder, steps=args.steps, nproc=args.nproc, progress=True)
+    except (CheckpointError, MetricsError) as e:
+        print(f"moelab: cannot resume: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"run folder: {args.folder}")
+    return 0 if summary["status"] == "COMPLETED" else 3
 
 
 def cmd_presets(args) -> int:
@@ -71,6 +95,29 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from moelab.live.plots import write_report
+
+    for path in write_report(args.folder, args.out):
+        print(path)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from moelab.bench import bench, format_result, write_result
+    from moelab.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    r = bench(cfg, steps=args.steps, warmup=args.warmup, peak_tflops=args.peak_tflops,
+              real_router=not args.no_real_router, metrics_overhead=not args.no_metrics_overhead)
+    if int(__import__("os").environ.get("RANK", "0")) == 0:
+        print(format_result(r))
+        if args.json:
+            write_result(r, args.json)
+            print(f"result: {args.json}")
+    return 0
+
+
 def cmd_gallery(args) -> int:
     from moelab.gallery import main as gallery_main
 
@@ -86,7 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--out", help="run folder (default runs/<config name>)")
     p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun-style ranks)")
+    from moelab.launch.follow import add_job_arguments, add_parsers
+
+    add_job_arguments(p)
     p.set_defaults(func=cmd_run)
+    add_parsers(sub)  # status, cancel
+
+    p = sub.add_parser("resume", help="continue a run folder from its last checkpoint")
+    p.add_argument("folder", help="the run folder (holds config.yaml and checkpoints/)")
+    p.add_argument("--steps", type=int, help="train until this step instead of the config's train.steps")
+    p.add_argument("--nproc", type=int, help="local processes (default: as many as the run had)")
+    p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("presets", help="list the named configs")
     p.set_defaults(func=cmd_presets)
@@ -97,6 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: this CUDA device, else 80, an H100)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("report", help="write a run's throughput, memory and routing plots as PNG files")
+    p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
+    p.add_argument("--out", help="output folder (default FOLDER/report)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")
+    _config_args(p)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--json", help="write the result record to this JSON file")
+    p.add_argument("--peak-tflops", type=float, help="peak for MFU (default: the GPU's datasheet bf16 peak)")
+    p.add_argument("--no-real-router", action="store_true",
+                   help="with backend.fake_balanced_gate=true, skip timing the learned router beside it")
+    p.add_argument("--no-metrics-overhead", action="store_true", help="skip timing steps without metrics")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("gallery", help="benchmark gallery: list | run NAME | report")
     from moelab.gallery import add_arguments as _gallery_arguments

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -49,6 +50,9 @@ class MoEConfig:
     z_loss_coeff: float = 0.0
     # Aux-loss-free balancing: bias += rate * sign(mean_load - load), after the optimizer step. 0 = off.
     bias_update_rate: float = 0.0
+    # Routing-lab knob, a skewed router: the selection bias starts at init_bias_skew * linspace(1, -1, E)
+    # (low-numbered experts favoured) instead of 0. bias_update_rate moves it; other strategies balance against it.
+    init_bias_skew: float = 0.0
     # Token dropping: capacity = ceil(capacity_factor * tokens * top_k / num_experts). 0 = no dropping.
     capacity_factor: float = 0.0
     # Dynamic capacity: factor = 1 + 0.5 * sigmoid(std(load) - 1) over the last capacity_window steps.
@@ -152,6 +156,9 @@ class TrainConfig:
     compile: bool = False
     checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
     keep_checkpoints: int = 2
+    # False = never write a checkpoint (benchmarks of big models: a checkpoint is ~12 bytes per parameter);
+    # a stop signal then just ends the run (PREEMPTED) at the step boundary. See moelab.train.checkpoint.
+    save_checkpoints: bool = True
     on_nan: Literal["stop", "skip"] = "stop"
     collective_timeout_s: float = 120.0
 
@@ -207,7 +214,7 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         m, moe, p, t, b = self.model, self.model.moe, self.parallel, self.train, self.backend
-        for section, obj in (("model", m), ("model.moe", moe), ("parallel", p), ("train", t)):
+        for section, obj in _sections(self):
             for f in fields(obj):
                 v = getattr(obj, f.name)
                 if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
@@ -216,7 +223,8 @@ class Config:
                      ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                      ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
                      ("model.moe.top_k", moe.top_k), ("model.moe.num_experts", moe.num_experts),
-                     ("model.moe.expert_ffn_size", moe.expert_ffn_size), ("train.steps", t.steps),
+                     ("model.moe.expert_ffn_size", moe.expert_ffn_size), ("model.moe.num_groups", moe.num_groups),
+                     ("train.steps", t.steps),
                      ("train.global_batch_size", t.global_batch_size),
                      ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
                      ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
@@ -258,11 +266,10 @@ class Config:
             _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
         if moe.dynamic_capacity and moe.capacity_factor == 0:
             _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
-        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "expert_lr_power"):
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "init_bias_skew", "expert_lr_power"):
             if getattr(moe, name) < 0:
                 _fail(f"model.moe.{name}", getattr(moe, name), "must be >= 0")
-        for name, fix in (("expert_lr_max_scale", "must be >= 1 (under-used experts never learn slower)"),
-                          ("overload_factor", "must be >= 1 (times the mean load)"),
+        for name, fix in (("overload_factor", "must be >= 1 (times the mean load)"),
                           ("dead_expert_steps", "must be >= 1 (steps without tokens)")):
             if getattr(moe, name) < 1:
                 _fail(f"model.moe.{name}", getattr(moe, name), fix)
@@ -283,6 +290,17 @@ class Config:
                   f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
         if t.lr <= 0:
             _fail("train.lr", t.lr, "must be > 0")
+        for name, v, ok, fix in (("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be > 0"),
+                                 ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
+                                 ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),
+                                 ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "must be within [0, 1)"),
+                                 ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0"),
+                                 ("train.collective_timeout_s", t.collective_timeout_s,
+                                  t.collective_timeout_s > 0, "must be > 0 seconds"),
+                                 ("model.moe.expert_lr_max_scale", moe.expert_lr_max_scale,
+                                  moe.expert_lr_max_scale >= 1, "must be >= 1"),):
+            if not ok:
+                _fail(name, v, fix)
         if not 0 <= t.min_lr_ratio <= 1:
             _fail("train.min_lr_ratio", t.min_lr_ratio, "must be within [0, 1]")
         if t.grad_clip < 0:
@@ -302,7 +320,7 @@ class Config:
             _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
         if p.tp > 1:
             _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
-                  "(supported: ep, fsdp, pp with vp, cp)")
+                  "(supported: ep, fsdp, pp with vp)")
         if b.fake_gate_noise < 0:
             _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
         if self.data.kind == "tokens" and not self.data.path:
@@ -314,6 +332,15 @@ class Config:
     def resolved_parallel(self, world_size: int) -> ParallelConfig:
         """The layout for ``world_size`` ranks, with fsdp=-1 filled in; raises ConfigError if impossible."""
         return check_layout(self, world_size)
+
+
+def _sections(obj, prefix: str = ""):
+    """(dotted name, dataclass) for every section of a config, nested ones included."""
+    yield prefix.rstrip("."), obj
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _sections(v, f"{prefix}{f.name}.")
 
 
 def _divisors(n: int) -> list[int]:
@@ -343,6 +370,15 @@ def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
     if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
         _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
               f"(model.num_layers={cfg.model.num_layers})")
+    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.pp > 1 and (n_micro < p.pp or (p.vp > 1 and n_micro % p.pp)):
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least pp={p.pp}"
+              + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
+              + "; raise global_batch_size or lower micro_batch_size")
+    if p.pp > 1 and cfg.model.tie_embeddings:
+        _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
+              "set model.tie_embeddings=false or parallel.pp=1")
     return dataclasses.replace(p, fsdp=fsdp)
 
 
@@ -393,13 +429,14 @@ def _coerce(tp, value, name):
     if tp is float:
         if isinstance(value, bool):
             _fail(name, value, "expected a number, got a boolean")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+        if isinstance(value, (int, float, str)):
             try:
-                return float(value)
-            except ValueError:
-                pass
+                number = float(value)
+            except (ValueError, OverflowError):
+                _fail(name, value, "expected a number")
+            if not math.isfinite(number):
+                _fail(name, value, "expected a finite number")
+            return number
         _fail(name, value, "expected a number")
     if tp is str:
         if not isinstance(value, str):
@@ -453,7 +490,7 @@ def load_config(source: "str | Path | Config | dict", overrides: "list[str] | di
     return Config.from_dict(d)
 
 
-def _read_source(source: str) -> dict:
+def _read_source(source: str, _seen: tuple = ()) -> dict:
     from moelab.presets import preset_names, preset_path
 
     path = Path(source)
@@ -469,15 +506,21 @@ def _read_source(source: str) -> dict:
                           f"(or give a path to a YAML file)")
     try:
         data = yaml.safe_load(path.read_text())  # safe_load: a config never executes code
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     data.setdefault("name", path.stem)
     base = data.pop("base", None)  # a YAML file may start from a preset: `base: qwen3-moe-30b-a3b`
-    d = _read_source(base) if base else Config().to_dict()
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: base={base!r}: expected a preset name or a YAML path")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: its `base:` chain loops back to this file; break the loop")
+    d = _read_source(base, _seen + (path.resolve(),)) if base else Config().to_dict()
     d["name"] = data.get("name", d.get("name"))
     _merge(d, data, "")
     return d
@@ -489,7 +532,7 @@ def _merge(dst: dict, src: dict, prefix: str) -> None:
             _merge(dst[k], v, f"{prefix}{k}.")
         else:
             if k not in dst:
-                Config.from_dict(_nest(prefix + k, v))  # raises with a did-you-mean for unknown keys
+                Config.from_dict(_nest(f"{prefix}{k}", v))  # raises with a did-you-mean for unknown keys
             dst[k] = v
 
 

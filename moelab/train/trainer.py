@@ -19,15 +19,15 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from moelab.config import Config, save_config
 from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.launch.env import DistEnv
+from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
-from moelab.train.checkpoint import Checkpointer
+from moelab.train.loss import cross_entropy
 from moelab.train.metrics import MetricsWriter, append_event
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
@@ -82,7 +82,8 @@ class Trainer:
         self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
         self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
         # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
-        self.restored = self.checkpointer.restore(self.model, self.optimizer, self.run_dir / "metrics.jsonl")
+        self.restored = self.checkpointer.restore(self.model, self.optimizer, self.run_dir / "metrics.jsonl",
+                                                  meshes=getattr(self.par, "meshes", None))
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         if env.rank == 0:
@@ -103,15 +104,20 @@ class Trainer:
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro batches; returns the summed micro-batch losses."""
         t, par = self.cfg.train, self.par
+        if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
+            size = self.micro_per_rank * t.micro_batch_size
+            batch = micro_batch(self.dataset, step, par.dp_rank * size, size).to(self.env.device)
+            return par.pipeline.forward_backward(batch[:, :-1], batch[:, 1:])
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
             first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
-            batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device)
+            # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
+            batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device, non_blocking=True)
             inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
                 logits = self.model(inputs, par.positions(t.seq_len, self.env.device))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss = cross_entropy(logits, targets, compiled=t.compile)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
         return loss_sum
@@ -138,10 +144,12 @@ class Trainer:
             parts += [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
                       for s in stats]
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
-        memory_slots[par.rank_slot()] = torch.tensor(self.memory_now(), device=dev)
+        # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
+        memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
         parts.append(memory_slots.reshape(-1))
-        parts.append(torch.tensor([float(self.stop.requested)], device=dev))  # a signal on any rank stops all
-        values = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts])).tolist()
+        parts.append(torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
+        packed = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts]))
+        values = packed.tolist()
         loss = values[0] / (self.micro_per_rank * par.dp_size)
         gnorm = values[1]
         off = 2
@@ -166,7 +174,9 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if n_layers:
-                counts, routed = torch.tensor([tokens_per_expert, routed_per_expert], device=self.env.device)
+                # the summed counts are still on the device: no host-to-device copy (it would wait for the
+                # optimizer step just queued)
+                counts, routed = packed[2: 2 + 2 * n_layers * E].view(2, n_layers, E)
                 if self.expert_lr is not None:
                     self.expert_lr.apply(counts)
             for i, moe in enumerate(moes):
@@ -175,7 +185,8 @@ class Trainer:
                     moe.router.update_capacity(routed[i])
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
-                "routing": {"tokens_per_expert": tokens_per_expert, "dropped_tokens": per_layer["dropped"],
+                "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
+                            "dropped_tokens": per_layer["dropped"],
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
                             "capacity_factor": per_layer["capacity_factor"]}}
 
@@ -218,10 +229,11 @@ class Trainer:
         if self.env.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.env.device)
         status = "COMPLETED"
+        self.stop.deferring = True  # from here a stop signal waits for the step boundary (moelab.train.signals)
         for step in range(self.start_step + 1, t.steps + 1):
             self.step = step
             rec = self.train_step(step)
-            rec["health"], warnings = self.health.observe(step, rec["routing"]["tokens_per_expert"])
+            rec["health"], warnings = self.health.observe(step, rec["routing"]["routed_per_expert"])
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             tps = tokens_per_step / dt
@@ -254,14 +266,17 @@ class Trainer:
         return summary
 
     def save_checkpoint(self, step: int) -> None:
-        path = self.checkpointer.save(step, self.model, self.optimizer)  # collective
-        self.saved_step = step
-        if self.writer:
-            self.writer.write("checkpoint", step=step, path=str(path))
-            if self.stop_requested:
-                self.writer.write("warning", step=step, kind="preempted", message=(
-                    f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: checkpoint "
-                    f"saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`"))
+        saved = self.cfg.train.save_checkpoints
+        if saved:
+            path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None))
+            self.saved_step = step
+            if self.writer:
+                self.writer.write("checkpoint", step=step, path=str(path))
+        if self.writer and self.stop_requested:
+            self.writer.write("warning", step=step, kind="preempted", message=(
+                f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: "
+                + (f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
+                   "run PREEMPTED without a checkpoint (train.save_checkpoints=false)")))
 
     def memory_now(self) -> list[float]:
         """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,
@@ -281,7 +296,7 @@ class Trainer:
 
     def _report_error(self, e: BaseException) -> None:
         """Every rank that fails appends an error event (with its traceback) to the stream."""
-        if isinstance(e, KeyboardInterrupt):
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):  # SystemExit: submitit requeueing the job
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
