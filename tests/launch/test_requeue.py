@@ -14,7 +14,9 @@ import pytest
 from moelab import Run
 
 pytestmark = pytest.mark.slow
-STEPS = 16
+# Long enough that the stop signal, sent once step 3 is in the stream, lands mid-run even on an idle machine
+# (this model runs about 100 steps/s on 2 cores).
+STEPS = 300
 WAIT_S = 240
 
 
