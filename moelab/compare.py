@@ -29,7 +29,8 @@ import numpy as np
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from moelab.live.plots import _style, _thin, new_figure, to_png
+from moelab.config import flatten
+from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 
 COLUMNS = ("run", "status", "steps", "final_loss", "max_over_mean", "final_max_over_mean", "cv", "final_cv",
            "dropped_pct", "dead_experts")
@@ -123,17 +124,17 @@ class Comparison:
 
     def _draw_losses(self, ax) -> None:
         for label, d in zip(self.labels, self._data):
-            ax.plot(*_thin(d.steps, d.loss), label=label, lw=1.2)
-        _style(ax, "training loss", "step", "loss")
+            ax.plot(*thin_points(d.steps, d.loss), label=label, lw=1.2)
+        style_axes(ax, "training loss", "step", "loss")
         ax.legend(fontsize=7)
 
     def _draw_balance(self, ax_max, ax_cv) -> None:
         for label, d in zip(self.labels, self._data):
-            ax_max.plot(*_thin(d.steps, d.max_over_mean_S), label=label, lw=1.2)
-            ax_cv.plot(*_thin(d.steps, d.cv_S), label=label, lw=1.2)
+            ax_max.plot(*thin_points(d.steps, d.max_over_mean_S), label=label, lw=1.2)
+            ax_cv.plot(*thin_points(d.steps, d.cv_S), label=label, lw=1.2)
         ax_max.axhline(1.0, color="0.3", ls="--", lw=1)
-        _style(ax_max, "busiest expert / mean load (mean over layers)", "step", "max / mean")
-        _style(ax_cv, "coefficient of variation of the load", "step", "cv")
+        style_axes(ax_max, "busiest expert / mean load (mean over layers)", "step", "max / mean")
+        style_axes(ax_cv, "coefficient of variation of the load", "step", "cv")
         ax_cv.legend(fontsize=7)
 
     def _draw_heatmaps(self, fig, axes, last: int | None) -> None:
@@ -150,7 +151,7 @@ class Comparison:
                 ax.text(0.5, 0.5, "no routing", ha="center", va="center", transform=ax.transAxes)
                 continue
             im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
-            _style(ax, label, "expert", "MoE layer")
+            style_axes(ax, label, "expert", "MoE layer")
             ax.grid(False)
             L, E = load_LE.shape
             ax.set_yticks(range(0, L, max(L // 8, 1)))
@@ -230,19 +231,11 @@ def _swept_values(runs: list, points: list | None) -> list[dict]:
     """The sweep's points, or else the config values that differ between the runs (name aside)."""
     if points is not None:
         return [dict(p) for p in points]
-    flat = [_flatten(r.config.to_dict()) for r in runs]
+    flat = [flatten(r.config.to_dict()) for r in runs]
     keys = [k for k in flat[0] if k != "name" and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
     return [{k: f.get(k) for k in keys} for f in flat]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _mean(xs: list) -> float | None:

@@ -459,6 +459,17 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested sections to dotted keys: {"train": {"steps": 20}, "name": "x"} -> {"train.steps": 20, "name": "x"}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """'model.moe.num_experts=16' -> ('model.moe.num_experts', 16); the value is parsed as YAML."""
     if "=" not in text:

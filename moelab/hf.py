@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from moelab.config import Config, ConfigError, load_config
+from moelab.config import Config, ConfigError, flatten, load_config
 from moelab.model.transformer import MoETransformer
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
@@ -48,7 +48,7 @@ def load_hf(path: "str | Path", dtype: torch.dtype | None = None, device: "str |
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     family = _family(hf)
-    cfg = load_config(config_from_hf(hf), _flatten(overrides))
+    cfg = load_config(config_from_hf(hf), flatten(overrides))
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.backend)
     model.to_empty(device=device)
@@ -501,13 +501,3 @@ def _to_hf(family: str, hf: dict, cfg_model, state: dict[str, torch.Tensor]) -> 
             out[f"{theirs}{e}.up_proj.weight"] = up_EFD[e]
             out[f"{theirs}{e}.down_proj.weight"] = w2[e].t()
     return out
-
-
-def _flatten(overrides: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from moelab.config import Config, ConfigError, load_config
+from moelab.config import Config, ConfigError, flatten, load_config
 
 
 class Session:
@@ -25,7 +25,7 @@ class Session:
     keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`)."""
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
-        self._config = load_config(source, _flatten(sections))
+        self._config = load_config(source, flatten(sections))
 
     @property
     def config(self) -> Config:
@@ -98,17 +98,6 @@ class Session:
         return (f"Session({c.name!r}: {m.num_layers} layers, hidden {m.hidden_size}, {m.moe.num_experts} experts "
                 f"top-{m.moe.top_k}, {c.train.steps} steps, parallel ep={c.parallel.ep} pp={c.parallel.pp} "
                 f"cp={c.parallel.cp} fsdp={c.parallel.fsdp})")
-
-
-def _flatten(sections: dict, prefix: str = "") -> dict:
-    """{"train": {"steps": 20}, "name": "x"} -> {"train.steps": 20, "name": "x"}"""
-    out = {}
-    for k, v in sections.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _default_folder(name: str) -> Path:

@@ -41,7 +41,7 @@ def to_png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _thin(xs: list, ys: list) -> tuple[list, list]:
+def thin_points(xs: list, ys: list) -> tuple[list, list]:
     """Every k-th point (and the last), skipping missing values (a skipped step has no loss)."""
     k = max(len(xs) // MAX_POINTS, 1)
     idx = list(range(0, len(xs), k))
@@ -57,7 +57,7 @@ def _empty(ax, text: str = "waiting for the first step") -> None:
     ax.set_yticks([])
 
 
-def _style(ax, title: str, xlabel: str = "", ylabel: str = "") -> None:
+def style_axes(ax, title: str, xlabel: str = "", ylabel: str = "") -> None:
     ax.set_title(title, fontsize=9, loc="left")
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
@@ -67,13 +67,13 @@ def _style(ax, title: str, xlabel: str = "", ylabel: str = "") -> None:
 
 # ---------------------------------------------------------------------- panels (one Axes each)
 def draw_series(ax, st: DashState, values: list, title: str, ylabel: str, color: str) -> None:
-    xs, ys = _thin(st.steps, values)
+    xs, ys = thin_points(st.steps, values)
     if not ys:
         return _empty(ax)
     ax.plot(xs, ys, color=color, lw=1.2, marker="o" if len(ys) < 3 else None, ms=3)  # one point is a dot
     if st.total_steps:
         ax.set_xlim(0, max(st.total_steps, xs[-1]))
-    _style(ax, title, "step", ylabel)
+    style_axes(ax, title, "step", ylabel)
 
 
 def draw_loss(ax, st: DashState) -> None:
@@ -103,20 +103,20 @@ def draw_memory_ranks(ax, st: DashState) -> None:
     ax.set_xticks(ranks if len(ranks) <= 16 else ranks[:: max(len(ranks) // 8, 1)])
     pad = max(0.0, (4 - len(ranks)) / 2)  # a lone rank's bar should not fill the panel
     ax.set_xlim(-0.5 - pad, len(ranks) - 0.5 + pad)
-    _style(ax, f"memory per rank ({_memory_label(st)})", "rank", "")
+    style_axes(ax, f"memory per rank ({_memory_label(st)})", "rank", "")
 
 
 def draw_memory_history(ax, st: DashState) -> None:
     """Lines: the max and the min over ranks at every step."""
-    xs, hi = _thin(st.steps[-len(st.memory_max):] if st.memory_max else [], st.memory_max)
+    xs, hi = thin_points(st.steps[-len(st.memory_max):] if st.memory_max else [], st.memory_max)
     if not hi:
         return _empty(ax)
     ax.plot(xs, hi, color="tab:red", lw=1.2, label="max over ranks")
     if len(st.memory_peak_R) > 1:
-        _, lo = _thin(st.steps[-len(st.memory_min):], st.memory_min)
+        _, lo = thin_points(st.steps[-len(st.memory_min):], st.memory_min)
         ax.plot(xs, lo, color="tab:orange", lw=1.0, ls="--", label="min over ranks")
         ax.legend(fontsize=7)
-    _style(ax, f"memory over steps ({_memory_label(st)})", "step", "GB")
+    style_axes(ax, f"memory over steps ({_memory_label(st)})", "step", "GB")
 
 
 def draw_heatmap(ax, st: DashState, window: bool = True):
@@ -162,7 +162,7 @@ def draw_experts(ax, st: DashState, layer: int, window: bool = True) -> None:
     ax.axhline(100 / len(counts), color="0.3", ls="--", lw=1)
     ax.set_xticks(range(0, len(counts), max(len(counts) // 16, 1)))
     b = st.layer_balance(layer, window)
-    _style(ax, f"{st.layer_name(layer)}: {balance_text(b, len(counts))}", "expert", "% of tokens")
+    style_axes(ax, f"{st.layer_name(layer)}: {balance_text(b, len(counts))}", "expert", "% of tokens")
 
 
 # ---------------------------------------------------------------------- figures
