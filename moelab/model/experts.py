@@ -12,8 +12,11 @@ from torch import nn
 
 
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
-    """torch._grouped_mm needs 16-byte aligned strides; on CUDA it needs bf16 on sm80+; on CPU, fp32 works."""
+    """torch._grouped_mm needs 16-byte aligned strides; on CUDA it needs bf16 on sm80+; on CPU, fp32 works
+    eagerly (inductor's grouped_mm takes bf16 only, so a compiled fp32 run takes the loop)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     if any((d * x.element_size()) % 16 for d in dims):
         return False

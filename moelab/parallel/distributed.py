@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.launch.env import DistEnv
-from moelab.parallel import Parallelized, apply_activation_checkpointing, materialize
+from moelab.parallel import Parallelized, apply_activation_checkpointing, apply_compile, materialize
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import AllToAllDispatcher, scale_expert_gradients, shard_experts
 from moelab.parallel.mesh import Meshes, build_meshes, check_supported
@@ -112,10 +112,13 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     if ep == 1:
         return
     kind = getattr(model, "backends", {}).get("dispatcher", cfg.backend.dispatcher)
+    # One dispatcher for every layer: it keeps no state between calls, and DeepEP's communication buffer
+    # (about a gigabyte) is needed once per process, not once per layer.
+    dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size)
     for moe in model.moe_layers():
         shard_experts(moe.experts, meshes.coords.ep, ep)
         scale_expert_gradients(moe.experts, ep)
-        moe.dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size)
+        moe.dispatcher = dispatcher
 
 
 def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
@@ -148,6 +151,7 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
     if cp is not None:
         cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
+    apply_compile(model, cfg)  # per block, inside FSDP's wrapping, as on one process
     apply_fsdp(model, cfg, meshes)
 
 

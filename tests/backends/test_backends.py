@@ -128,3 +128,13 @@ def test_gmm_path_matches_torch_reference_on_cpu(monkeypatch):
     y = gmm_swiglu(x, w1, w2, counts)
     ref = loop_swiglu(x, w1, w2, counts)
     assert torch.allclose(y[:36], ref[:36], atol=1e-5) and (y[36:] == 0).all()
+
+
+@pytest.mark.parametrize("experts", ["grouped_gemm", "te"])
+def test_grouped_backends_refuse_experts_they_would_compute_wrongly(monkeypatch, experts):
+    # GPT-OSS experts have biases and a clamped SwiGLU that these kernels do not compute: refuse, never drop them
+    monkeypatch.setitem(backends._DETECTED, "grouped_gemm", True)
+    monkeypatch.setitem(backends._DETECTED, "te", True)
+    gpt_oss_like = {"backend.experts": experts, "model.moe.expert_proj_bias": True, "model.moe.activation": "gpt_oss"}
+    with pytest.raises(BackendUnavailable, match="plain SwiGLU experts.*use backend.experts=auto"):
+        check_backends(cfg(**gpt_oss_like), device="cuda")
