@@ -396,11 +396,6 @@ def hardware_need(e: Entry) -> str:
 
 
 def _plots(root: Path, entries: list[Entry], results: list[dict], mem_rows: list) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out = []
     by_name = {e.name: e for e in entries}
     pub = {e.name: (e.published or {}).get("tflops_per_gpu") for e in entries}
@@ -410,36 +405,39 @@ def _plots(root: Path, entries: list[Entry], results: list[dict], mem_rows: list
     names = [e.name for e in entries
              if e.device == "cuda" and (pub[e.name] is not None or meas[e.name] is not None)]
     if names:
-        fig, ax = plt.subplots(figsize=(11, 0.35 * len(names) + 1.5))
-        y = list(range(len(names)))
-        ax.barh([i - 0.2 for i in y], [pub[n] or 0 for n in names], height=0.4, label="published (H100)")
-        ax.barh([i + 0.2 for i in y], [meas[n] or 0 for n in names], height=0.4, label="measured here")
+        fig, ax = _paired_bars(names, [pub[n] or 0 for n in names], [meas[n] or 0 for n in names],
+                               ("published (H100)", "measured here"),
+                               "TFLOPs/s per GPU (moelab's FLOPs convention for measured runs)", row_height=0.35)
         marks = [(parent[n], i) for i, n in enumerate(names) if parent.get(n)]
         if marks:
             ax.scatter([m[0] for m in marks], [m[1] for m in marks], marker="|", s=200, color="black",
                        label="published, full model (for a proxy)")
-        ax.set_yticks(y, names, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("TFLOPs/s per GPU (moelab's FLOPs convention for measured runs)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.tight_layout()
         fig.savefig(root / "tflops.png", dpi=90)
-        plt.close(fig)
         out += ["## Plots", "", "![TFLOPs per GPU](tflops.png)", ""]
     if mem_rows:
-        fig, ax = plt.subplots(figsize=(11, 0.4 * len(mem_rows) + 1.5))
-        y = range(len(mem_rows))
-        ax.barh([i - 0.2 for i in y], [r[1] for r in mem_rows], height=0.4, label="planned")
-        ax.barh([i + 0.2 for i in y], [r[2] for r in mem_rows], height=0.4, label="measured peak")
-        ax.set_yticks(list(y), [r[0] for r in mem_rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("GiB per GPU")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.tight_layout()
+        fig, _ = _paired_bars([r[0] for r in mem_rows], [r[1] for r in mem_rows], [r[2] for r in mem_rows],
+                              ("planned", "measured peak"), "GiB per GPU", row_height=0.4)
         fig.savefig(root / "memory.png", dpi=90)
-        plt.close(fig)
         out += ["![Planned vs measured memory](memory.png)", ""]
     return out
+
+
+def _paired_bars(names: list[str], first: list[float], second: list[float], labels: tuple[str, str],
+                 xlabel: str, row_height: float):
+    """Horizontal bars, two per row (first above second), on an Agg figure: no pyplot, no backend switch."""
+    from moelab.live.plots import new_figure
+
+    fig = new_figure(11, row_height * len(names) + 1.5, dpi=90)
+    ax = fig.add_subplot()
+    y = list(range(len(names)))
+    ax.barh([i - 0.2 for i in y], first, height=0.4, label=labels[0])
+    ax.barh([i + 0.2 for i in y], second, height=0.4, label=labels[1])
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig, ax
 
 
 # ---------------------------------------------------------------------- CLI
