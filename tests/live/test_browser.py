@@ -24,7 +24,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROME_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
                "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage"]
 TOKEN = "moelab-browser-test"
-STEPS = 40
+# Long enough (about 15 s on two idle cores) that the half-way screenshot and several live chart updates are
+# caught by the 0.5 s polling below, however fast the machine.
+STEPS = 300
 
 # What the page shows, read in one evaluate: the dashboard is the first widget box of the notebook.
 PROBE = """() => {
@@ -128,7 +130,7 @@ def test_quickstart_dashboard_is_live_in_jupyterlab(lab, tmp_path):
             # run-all returns a promise that settles when every cell finished: do not wait for it here
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return 1; }")
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 300:
+            while time.monotonic() - t0 < 600:
                 time.sleep(0.5)
                 kernel, running, dom = page.evaluate(KERNEL), page.evaluate(RUNNING_CELLS), page.evaluate(PROBE)
                 busy = kernel == "busy" or running > 0
