@@ -1,6 +1,5 @@
 """The analytic planner: published parameter counts, agreement with real models, memory trends, verdicts, CLI."""
 import json
-import time
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from moelab.cli import main
 from moelab.config import load_config
 from moelab.model import build_model
 from moelab.plan import plan, split_layers
-from moelab.presets import preset_names
 
 # Published totals and activated parameters (model cards / papers), in billions, and the tolerance on totals.
 # Activated counts are published with different conventions (embedding in or out), so they get 10%.
@@ -24,12 +22,8 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_parameter_counts(name):
-    if name not in preset_names():
-        pytest.skip(f"preset {name} not present")
     total, active, tol = PUBLISHED[name]
-    t0 = time.perf_counter()
-    p = plan(load_config(name))
-    assert time.perf_counter() - t0 < 2.0  # analytic: no model is built
+    p = plan(load_config(name))  # analytic: no model is built, so even 1T parameters plan on a laptop
     assert p.total_params == pytest.approx(total * 1e9, rel=tol)
     assert p.activated_params == pytest.approx(active * 1e9, rel=0.10)
 
@@ -139,8 +133,6 @@ def test_verdict_names_the_biggest_term():
 
 
 def test_671b_on_its_published_layout_plans_fast():
-    if "deepseek-v3" not in preset_names():
-        pytest.skip("deepseek-v3 preset not present")
     cfg = load_config("deepseek-v3", ["parallel.pp=4", "parallel.vp=8", "parallel.ep=64", "parallel.fsdp=64",
                                       "parallel.pp_schedule=interleaved_1f1b", "train.global_batch_size=512",
                                       "train.micro_batch_size=1"])
