@@ -77,10 +77,10 @@ def test_one_task_completes_and_metrics_are_read_while_it_runs(jobs):
     assert list(df["step"]) == list(range(1, LIVE_STEPS + 1)) and np.isfinite(df["loss"]).all()
     assert df["loss"].iloc[-5:].mean() < df["loss"].iloc[:5].mean()
     assert run.summary["status"] == "COMPLETED" and run.summary["steps"] == LIVE_STEPS
-    assert run.routing().shape == (60, 1, 4)
+    assert run.routing().shape == (LIVE_STEPS, 1, 4)
     assert "Job completed successfully" in run.logs(0)
     again = Run.load(run.folder)
-    assert again.status == "COMPLETED" and again.error is None and len(again.metrics) == 60
+    assert again.status == "COMPLETED" and again.error is None and len(again.metrics) == LIVE_STEPS
 
 
 def test_two_tasks_ep2_match_one_process(jobs, tmp_path, small_session):
