@@ -79,7 +79,9 @@ def test_sbatch_template_runs_two_tasks_and_is_followed_from_its_folder(slurm_cl
     while not ((tmp_path / "long/metrics.jsonl").exists() and len(Run.load(tmp_path / "long").metrics) > 0):
         assert time.monotonic() < end, (tmp_path / f"long-{long_job}.out").read_text()
         time.sleep(0.3)
-    assert Run.load(tmp_path / "long").status == "RUNNING"
+    while Run.load(tmp_path / "long").status != "RUNNING":  # accounting may lag the first metrics line
+        assert time.monotonic() < end, Run.load(tmp_path / "long").status
+        time.sleep(0.3)
     cancel = moelab("cancel", tmp_path / "long")
     assert cancel.returncode == 0 and "long: CANCELLED" in cancel.stdout, cancel.stdout + cancel.stderr
     while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
