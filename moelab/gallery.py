@@ -459,12 +459,13 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     try:
         if args.gallery_command == "list":
-            results = load_results(args.dir)
-            for e in load_entries(args.dir):
+            results, entries = load_results(args.dir), load_entries(args.dir)
+            width = max(len(e.name) for e in entries)
+            for e in entries:
                 r = _moelab_result(results, e)
                 state = (f"measured {_fmt(r.get('tokens_per_s_per_gpu'))} tok/s/GPU" if r
                          else hardware_need(e))
-                print(f"{e.name:34s} {e.gpus:5d} GPU  {e.layout_text:18s} {state}")
+                print(f"{e.name:{width}s} {e.gpus:4d} GPU  {e.layout_text:18s} {state}")
         elif args.gallery_command == "run":
             r = run_entry(args.name, steps=args.steps, warmup=args.warmup, out=args.out, root=args.dir)
             print(json.dumps(r, indent=1))

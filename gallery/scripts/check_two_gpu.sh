@@ -29,11 +29,12 @@ for DTYPE in float32 bfloat16; do
 done
 
 python - "$OUT" "$PRESET" "$STEPS" <<'EOF'
-import json, sys
+import json, sys, time
 from pathlib import Path
 
 import torch
 
+from moelab.bench import commit_id
 from moelab.train.metrics import read_events
 
 out, preset, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -53,7 +54,9 @@ for dtype in TOL:
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref)) if len(got) == len(ref) == steps else float("inf")
         comparisons.append({"dtype": dtype, "layout": layout, "against": "1gpu", "max_rel_loss_diff": rel,
                             "tolerance": TOL[dtype], "passed": rel <= TOL[dtype]})
-result = {"check": "two-gpu equivalence (issues 3 and 10)", "preset": preset, "steps": steps, "torch": torch.__version__,
+result = {"check": "two-gpu equivalence (issues 3 and 10)", "preset": preset, "steps": steps,
+          "command": f"bash gallery/scripts/check_two_gpu.sh OUT_DIR {preset} {steps}", "commit": commit_id(),
+          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
           "passed": all(c["passed"] for c in comparisons), "comparisons": comparisons, "runs": runs}
