@@ -114,7 +114,7 @@ class PipelineRunner:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.n_microbatches, self.compiled = n_microbatches, cfg.train.compile
-        self.holds_last = num_stages - 1 in stage_ids
+        self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
                        for m, s in zip(stages, stage_ids)]
         kind = cfg.parallel.pp_schedule
@@ -144,7 +144,10 @@ class PipelineRunner:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
         the summed micro-batch losses on the rank holding the last stage, zero elsewhere."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs_BL, target=targets_BL, losses=losses)
+        # only the first stage takes the inputs (the others receive activations): torch 2.11 asserts that
+        # other stages get none when it infers the shapes passed between stages
+        inputs = (inputs_BL,) if self.holds_first else ()
+        self.schedule.step(*inputs, target=targets_BL if self.holds_last else None, losses=losses)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
         return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches
