@@ -24,7 +24,7 @@ for DTYPE in float32 bfloat16; do
   for LAYOUT in ep2:parallel.ep=2 fsdp2:parallel.fsdp=2 pp2:parallel.pp=2 cp2:parallel.cp=2; do
     NAME=${LAYOUT%%:*}
     python -m moelab "${COMMON[@]}" --nproc 2 --set "${LAYOUT#*:}" --out "$OUT/$DTYPE-$NAME" \
-      > "$OUT/$DTYPE-$NAME.log" 2>&1
+      > "$OUT/$DTYPE-$NAME.log" 2>&1 || echo "$DTYPE $NAME: failed, see $OUT/$DTYPE-$NAME.log"  # the others still run
   done
 done
 
@@ -44,7 +44,11 @@ runs, comparisons = {}, []
 for dtype in TOL:
     for layout in ("1gpu",) + LAYOUTS:
         name = f"{dtype}-{layout}"
-        ev = [e for e in read_events(out / name / "metrics.jsonl") if e["event"] == "step"]
+        path = out / name / "metrics.jsonl"
+        ev = [e for e in read_events(path) if e["event"] == "step"] if path.exists() else []
+        if not ev:  # the run failed before its first step: its comparison fails below
+            runs[name] = {"losses": [], "error": f"no step in {path}; see {name}.log"}
+            continue
         runs[name] = {"losses": [e["loss"] for e in ev], "grad_norms": [e["grad_norm"] for e in ev],
                       "tokens_per_s_per_gpu": [e["tokens_per_s_per_gpu"] for e in ev][-1],
                       "max_peak_allocated_gb": ev[-1]["memory"]["max_peak_allocated_gb"]}

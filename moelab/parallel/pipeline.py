@@ -146,8 +146,10 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         # only the first stage takes the inputs (the others receive activations): torch 2.11 asserts that
         # other stages get none when it infers the shapes passed between stages
-        inputs = (inputs_BL,) if self.holds_first else ()
-        self.schedule.step(*inputs, target=targets_BL if self.holds_last else None, losses=losses)
+        # contiguous: torch 2.11 checks each micro batch's strides against those seen at shape inference
+        inputs = (inputs_BL.contiguous(),) if self.holds_first else ()
+        targets_BL = targets_BL.contiguous() if self.holds_last else None
+        self.schedule.step(*inputs, target=targets_BL, losses=losses)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
         return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches
