@@ -85,7 +85,23 @@ def tables() -> str:
                      ("fake-gate-gbs2-compile", "torch.compile per block + compiled loss")]:
         out.append(row(f"{W}--moelab--{v}", label))
 
-    out += ["", "### Gallery proxies (`moelab gallery run ENTRY --steps 6 --warmup 2`, no compile)", "",
+    out += ["", "### Layouts on two H200s against one (issue 10): per-GPU throughput, fake balanced gate", "",
+            "| layout | result file | tokens/s/GPU | one-GPU baseline | tokens/s | ratio | peak GiB (2 GPUs / 1) | "
+            "call |", "|---|---|---:|---|---:|---:|---|---|"]
+    for label, two, one in [
+        ("EP=2 x FSDP=2, eager", f"{W}-ep2--moelab", f"{W}-1gpu--moelab"),
+        ("EP=2 x FSDP=2, compile", f"{W}--moelab--ep2-compile", f"{W}--moelab--1gpu-compile"),
+        ("PP=2, 1F1B, 4 micro batches (global batch 8 against 2)", f"{W}-pp2--moelab", f"{W}-1gpu--moelab"),
+        ("CP=2 (FSDP over the CP ranks), seq 8192", f"{W}-cp2--moelab", f"{W}-1gpu-seq8192--moelab"),
+        ("CP=2 x EP=2, seq 8192", f"{W}-cp2-ep2--moelab", f"{W}-1gpu-seq8192--moelab")]:
+        a, b = load(two), load(one)
+        calls = sorted({a["device_call"].split(" ")[0], b["device_call"].split(" ")[0]})
+        out.append(f"| {label} | `{two}.json` | {a['tokens_per_s_per_gpu']:,.0f} | `{one}.json` | "
+                   f"{b['tokens_per_s_per_gpu']:,.0f} | {a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f} | "
+                   f"{a['peak_memory_gb']:.1f} / {b['peak_memory_gb']:.1f} | {', '.join(calls)} |")
+
+    out += ["", "### Gallery proxies (`moelab gallery run ENTRY`, steps and warm-up in each record's command; "
+            "no compile)", "",
             "| entry | GPUs | global batch | tokens/s/GPU | TFLOPs/GPU | real router tokens/s/GPU | peak GiB | call |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for p in sorted(R.glob("*--moelab.json")):
@@ -104,7 +120,8 @@ def tables() -> str:
         out.append(f"| {name} | {v['correct']} | {err:.1e} | {v['balanced']['ms']:.2f} | {v['balanced']['tflops']:.0f} "
                    f"| {v['skewed_dirichlet2']['ms']:.2f} | {v['skewed_dirichlet2']['tflops']:.0f} |")
     c = json.loads((R / "check-two-gpu-equivalence-tiny.json").read_text())
-    out += ["", "### Two-GPU equivalence, tiny preset, 20 steps (`check-two-gpu-equivalence-tiny.json`)", "",
+    out += ["", f"### Two-GPU equivalence, tiny preset, 20 steps (`check-two-gpu-equivalence-tiny.json`, call "
+            f"{c['device_call'].split(' ')[0]}, commit {c['commit'][:7]})", "",
             "| dtype | layout | max relative loss difference vs one GPU | tolerance | passed |",
             "|---|---|---:|---:|---|"]
     for x in c["comparisons"]:
