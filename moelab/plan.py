@@ -13,8 +13,9 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
-  expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages split evenly (earlier stages take
-  the remainder), the embedding on the first stage, the final norm and LM head on the last.
+  expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages as the pipeline splits them
+  (balancing matmul cost, the LM head counted on the last stage; moelab.model_shapes.stage_layers), the
+  embedding on the first stage, the final norm and LM head on the last.
 - Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
   norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
   dtype; "full" checkpointing keeps each block's input and recomputes one block at a time; "selective"
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError, check_layout
 from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token
-from moelab.model_shapes import layer_window
+from moelab.model_shapes import layer_window, stage_layers
 
 GiB = 2**30
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
@@ -202,17 +203,12 @@ def _pieces(m) -> _Pieces:
                    moe_experts=moe.experts_total)
 
 
-def split_layers(num_layers: int, pp: int, vp: int) -> list[list[int]]:
-    """Layer indices held by each pipeline rank: pp*vp virtual stages split evenly (earlier stages take the
-    remainder), virtual stage v on rank v % pp."""
-    stages = pp * vp
-    base, extra = divmod(num_layers, stages)
+def split_layers(m, pp: int, vp: int) -> list[list[int]]:
+    """Layer indices held by each pipeline rank: the pipeline's own cost-balanced split into pp*vp virtual
+    stages (moelab.model_shapes.stage_layers), virtual stage v on rank v % pp."""
     ranks: list[list[int]] = [[] for _ in range(pp)]
-    start = 0
-    for v in range(stages):
-        n = base + (1 if v < extra else 0)
-        ranks[v % pp].extend(range(start, start + n))
-        start += n
+    for v, layers in enumerate(stage_layers(m, pp * vp)):
+        ranks[v % pp].extend(layers)
     return ranks
 
 
@@ -293,7 +289,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     pieces = _pieces(mdl)
     counts = count_params(mdl)
     fpt = flops_per_token(mdl, t.seq_len)
-    ranks = split_layers(mdl.num_layers, p.pp, p.vp)
+    ranks = split_layers(mdl, p.pp, p.vp)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
         b = cfg.backend.attention

@@ -1,4 +1,5 @@
 """The analytic planner: published parameter counts, agreement with real models, memory trends, verdicts, CLI."""
+import copy
 import json
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 
 from moelab.cli import main
 from moelab.config import load_config
-from moelab.model import build_model
+from moelab.model import MoETransformer, build_model
+from moelab.model_shapes import stage_layers
 from moelab.plan import plan, split_layers
 
 # Published totals and activated parameters (model cards / papers), in billions, and the tolerance on totals.
@@ -62,10 +64,21 @@ def test_stage_params_equal_real_layers_under_pipeline():
     assert p.pipeline["bubble_fraction"] == pytest.approx((2 - 1) / (3 * p.micro_batches_per_step + 2 - 1))
 
 
-def test_split_layers_interleaves_virtual_stages():
-    assert split_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert split_layers(7, 3, 1) == [[0, 1, 2], [3, 4], [5, 6]]
-    assert sorted(sum(split_layers(61, 4, 8), [])) == list(range(61))
+@pytest.mark.parametrize("name,pp,vp", [("tiny", 2, 1), ("tiny", 2, 2), ("tiny", 4, 1),
+                                         ("qwen3-moe-30b-a3b-proxy", 2, 1), ("qwen3-moe-30b-a3b-proxy", 2, 2)])
+def test_split_layers_are_the_layers_each_pipeline_rank_builds(name, pp, vp):
+    """The planner's memory per stage needs the layers the pipeline really puts on each rank (a cost-balanced
+    split puts 7 of the Qwen3 proxy's 8 layers on the first of two stages: the LM head weighs on the last)."""
+    from moelab.parallel.pipeline import build_stage_modules
+
+    cfg = load_config(name, [f"model.num_layers={max(8, pp * vp)}"])
+    split = stage_layers(cfg.model, pp * vp)
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.backend)
+    for rank, layers in enumerate(split_layers(cfg.model, pp, vp)):
+        stages = build_stage_modules(copy.deepcopy(model), split, [rank + k * pp for k in range(vp)])
+        assert sorted(int(key) for stage in stages for key in stage.layers) == sorted(layers)
+    assert sorted(sum(split_layers(cfg.model, pp, vp), [])) == list(range(cfg.model.num_layers))
 
 
 def _saved_activation_bytes(cfg) -> int:

@@ -41,9 +41,12 @@ def main():
         return
     ka = prof.key_averages()
     key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-    kernels = [e for e in ka if e.device_type.name == "CUDA"]
+    # GPU-side annotations (nccl:*, record_param_comms, Optimizer.step#..., Command Buffer Full) are CUDA events
+    # too; counting them beside the kernels they enclose would count that time twice
+    annotation = ("nccl:", "record_param_comms", "Optimizer.", "Command Buffer Full", "aten::", "ProfilerStep")
+    kernels = [e for e in ka if e.device_type.name == "CUDA" and not e.key.startswith(annotation)]
     busy = sum(getattr(e, key) for e in kernels) / 1e3
-    nccl = sum(getattr(e, key) for e in kernels if "nccl" in e.key.lower()) / 1e3
+    nccl = sum(getattr(e, key) for e in kernels if e.key.startswith("ncclDevKernel")) / 1e3
     head = (f"profile {args.config} {' '.join(args.overrides)}: step {step_ms:.1f} ms timed, {ms:.1f} ms under the "
             f"profiler; GPU kernels {busy:.1f} ms of which NCCL {nccl:.1f} ms; GPU idle {ms - busy:.1f} ms "
             f"(rank 0 of {tr.env.world_size}, {tr.gpu_name}, torch {torch.__version__}, commit {commit_id()})\n"

@@ -1,6 +1,6 @@
 """Pipeline parallelism on torch.distributed.pipelining: stages by layers, 1F1B or interleaved 1F1B schedules.
 
-    split = stage_layers(model_cfg, num_stages=4)      # [[0], [1], [2], [3]]: layer indices of every stage
+    split = stage_layers(model_cfg, num_stages=4)      # moelab.model_shapes: layer indices of every stage
     stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
     runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches)
     runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
@@ -24,47 +24,8 @@ import copy
 import torch
 from torch import nn
 
-from moelab.config import Config, ModelConfig
-from moelab.flops import attention_params, count_params
+from moelab.config import Config
 from moelab.train.loss import cross_entropy
-
-
-def layer_costs(m: ModelConfig) -> list[float]:
-    """Matmul cost per layer (activated parameters): dense layers and MoE layers differ."""
-    pc = count_params(m)
-    dense = attention_params(m) + 3 * m.hidden_size * m.dense_ffn_size
-    n_moe = m.num_layers - m.num_dense_layers
-    moe = (pc.activated - m.vocab_size * m.hidden_size - m.num_dense_layers * dense) / max(n_moe, 1)
-    return [dense if i < m.num_dense_layers else moe for i in range(m.num_layers)]
-
-
-def stage_layers(m: ModelConfig, num_stages: int) -> list[list[int]]:
-    """Contiguous layer ranges, one per stage, minimising the most expensive stage (the LM head counts on the
-    last one). Every stage gets at least one layer."""
-    costs = layer_costs(m)
-    n = len(costs)
-    if num_stages > n:
-        raise ValueError(f"moelab.parallel.pipeline: {num_stages} stages need at least as many layers (have {n})")
-    costs[-1] += m.vocab_size * m.hidden_size
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[s][i]: the smallest maximum stage cost splitting the first i layers into s stages
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                v = max(best[s - 1][j], prefix[i] - prefix[j])
-                if v < best[s][i]:
-                    best[s][i], cut[s][i] = v, j
-    bounds, i = [], n
-    for s in range(num_stages, 0, -1):
-        bounds.append((cut[s][i], i))
-        i = cut[s][i]
-    return [list(range(a, b)) for a, b in reversed(bounds)]
 
 
 def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: list[int]) -> list[nn.Module]:

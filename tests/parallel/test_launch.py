@@ -54,24 +54,6 @@ def test_rank_layout_puts_ep_peers_next_to_each_other():
     assert [(coords_of(pp, r).pp, coords_of(pp, r).ep) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_pipeline_stages_balance_layer_cost():
-    from moelab.parallel.pipeline import layer_costs, stage_layers
-
-    from moelab.flops import attention_params
-
-    m = load_config("tiny").model  # layer 0 dense, layers 1-3 MoE (top-2 of 16 experts), head on the last stage
-    costs = layer_costs(m)
-    assert costs[0] == attention_params(m) + 3 * m.hidden_size * m.dense_ffn_size
-    assert costs[1] == costs[2] == costs[3] == attention_params(m) + m.moe.num_experts * m.hidden_size \
-        + m.moe.top_k * 3 * m.hidden_size * m.moe.expert_ffn_size
-    assert stage_layers(m, 4) == [[0], [1], [2], [3]]
-    two = stage_layers(m, 2)
-    assert sum(two, []) == [0, 1, 2, 3] and len(two[0]) >= len(two[1])  # the head weighs on the last stage
-    deep = load_config("tiny", ["model.num_layers=12"]).model
-    split = stage_layers(deep, 4)
-    assert sum(split, []) == list(range(12)) and all(split)
-
-
 def test_context_parallel_shards_balance_causal_work():
     from moelab.parallel.context import balanced_shard
 
