@@ -315,7 +315,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         units += [pieces.embedding] if r == 0 else []
         units += [pieces.head] if r == p.pp - 1 else []
         biggest_unit = max(units) if units else 0
-        if shard > 1:
+        if world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
             gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
         else:
             gathered = local * a if a < pb else 0  # autocast's bf16 copy of every fp32 weight
@@ -407,7 +407,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         states = "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B"
     if t.dtype != "bfloat16":
         compute = "compute dtype fp32"
-    elif shard > 1:
+    elif p.pp * shard > 1:  # a distributed run: FSDP2 wraps every block
         compute = "compute dtype bf16: FSDP2 gathers one block (+1 prefetched) in bf16, reduces gradients in fp32"
     elif getattr(t, "param_dtype", "float32") == "bfloat16":
         compute = "compute dtype bf16 on bf16 parameters"

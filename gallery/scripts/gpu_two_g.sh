@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Last two-GPU call of the second session: after one-rank meshes stopped getting FSDP (moelab.parallel.distributed
-# .apply_fsdp), EP=2 and PP=2 against one GPU on NCCL (tiny, 10 steps), then the EP=2 and PP=2 proxies again.
+# Call 10 (second session): EP=2 and PP=2 against one GPU on NCCL (tiny, 10 steps), then the EP=2 and PP=2
+# proxies, to measure commit bc3f8c3, where one-rank meshes got no FSDP. That change failed on CUDA (fused AdamW
+# refuses a mix of DTensor and plain parameters: gallery/results/two-gpu-call10-logs.txt) and was reverted.
 set -u
 ROOT=$(pwd); export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p $L $OUT

@@ -122,33 +122,16 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
 
 
 def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
-    """FSDP2: experts over the expert-FSDP mesh (when EP splits them), each block and the root over dp*cp.
-
-    On a one-rank mesh FSDP2 shards nothing: its gathers and reductions are copies (the expert weights' copy-in
-    and copy-out cost about 20 ms of an EP=2 step of the Qwen3 proxy on H200s, gallery/perf-notes.md), and all
-    it adds is the cast to the compute dtype. So a one-rank mesh gets no FSDP when the parameters are already in
-    the compute dtype (train.param_dtype = compute dtype): pure pipeline stages, and experts when ep = dp*cp."""
-    mp = mixed_precision(cfg)
-    needs_cast = mp is not None and cfg.train.param_dtype != "bfloat16"
-    wrap = lambda mesh: mesh.size() > 1 or needs_cast  # noqa: E731
-    mp = mp or MixedPrecisionPolicy()
+    """FSDP2: experts over the expert-FSDP mesh (when EP splits them), each block and the root over dp*cp."""
+    mp = mixed_precision(cfg) or MixedPrecisionPolicy()
     blocks = list(model.layers.values())
-    unsharded: set[nn.Parameter] = set()  # expert weights left out of FSDP: each belongs to one rank already
     for i, block in enumerate(blocks):
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        experts: set[nn.Parameter] = set()
         if meshes.layout.ep > 1 and getattr(inner, "is_moe", False):
-            if wrap(meshes.efsdp):
-                fully_shard(inner.ffn.experts, mesh=meshes.efsdp, mp_policy=mp)
-            else:
-                experts = set(inner.ffn.experts.parameters())
-                unsharded |= experts
-        if wrap(meshes.dense):
-            # the last block's parameters are needed again at once by backward: keep them gathered
-            fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
-                        ignored_params=experts or None)
-    if wrap(meshes.dense):
-        fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=unsharded or None)
+            fully_shard(inner.ffn.experts, mesh=meshes.efsdp, mp_policy=mp)
+        # the last block's parameters are needed again at once by backward: keep them gathered
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp)
 
 
 def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig) -> Parallelized:
