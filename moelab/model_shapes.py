@@ -33,7 +33,7 @@ def stage_layers(m, num_stages: int) -> list[list[int]]:
     costs = layer_costs(m)
     n = len(costs)
     if num_stages > n:
-        raise ValueError(f"moelab.parallel.pipeline: {num_stages} stages need at least as many layers (have {n})")
+        raise ValueError(f"moelab.model_shapes.stage_layers: {num_stages} stages need at least as many layers (have {n})")
     costs[-1] += m.vocab_size * m.hidden_size
     prefix = [0.0]
     for c in costs:

@@ -105,9 +105,9 @@ class PipelineRunner:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
         the summed micro-batch losses on the rank holding the last stage, zero elsewhere."""
         losses: list[torch.Tensor] = []
-        # only the first stage takes the inputs (the others receive activations): torch 2.11 asserts that
-        # other stages get none when it infers the shapes passed between stages
-        # contiguous: torch 2.11 checks each micro batch's strides against those seen at shape inference
+        # Only the first stage takes the inputs (the others receive activations), and contiguous ones: torch
+        # 2.11 asserts that later stages get none when it infers the shapes passed between stages, and checks
+        # each micro batch's strides against those it saw then (tests/parallel/test_pipeline.py).
         inputs = (inputs_BL.contiguous(),) if self.holds_first else ()
         targets_BL = targets_BL.contiguous() if self.holds_last else None
         self.schedule.step(*inputs, target=targets_BL, losses=losses)

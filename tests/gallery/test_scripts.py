@@ -1,0 +1,52 @@
+"""The gallery's documents are renderings of its result files, and the two-GPU check script works (on CPU)."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from moelab.gallery import default_root, render_report
+
+SCRIPTS = default_root() / "scripts"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_perf_notes_tables_are_the_rendering_of_the_result_files():
+    """A figure typed into gallery/perf-notes.md, or a result file changed without re-rendering, fails here."""
+    perf = _module("perf_tables")
+    notes = (default_root() / "perf-notes.md").read_text()
+    between = notes[notes.index(perf.BEGIN) + len(perf.BEGIN):notes.index(perf.END)]
+    assert between.strip() == perf.tables().strip(), "run: python gallery/scripts/perf_tables.py --write"
+
+
+def test_gallery_readme_is_the_rendering_of_entries_and_results(tmp_path):
+    root = tmp_path / "gallery"
+    for part in ("entries", "results"):
+        shutil.copytree(default_root() / part, root / part)
+    rendered = render_report(root, plots=False)  # the same text, without the plots section that ends the file
+    assert (default_root() / "README.md").read_text().startswith(rendered.rstrip("\n")), "run: moelab gallery report"
+
+
+@pytest.mark.slow
+def test_two_gpu_check_script_compares_layouts_with_one_process(tmp_path):
+    """The script that recorded the two-GPU equivalence (gallery/results/check-two-gpu-equivalence-tiny.json),
+    run on CPU processes for two layouts: its record names every comparison, its command and its commit."""
+    env = {**os.environ, "DEVICE": "cpu", "LAYOUTS": "ep2 pp2"}
+    out = tmp_path / "check"
+    proc = subprocess.run(["bash", str(SCRIPTS / "check_two_gpu.sh"), str(out), "tiny", "2"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((out / "check_two_gpu.json").read_text())
+    assert r["passed"] and r["steps"] == 2 and r["commit"] and "LAYOUTS='ep2 pp2'" in r["command"]
+    assert [(c["dtype"], c["layout"]) for c in r["comparisons"]] == [
+        ("float32", "ep2"), ("float32", "pp2"), ("bfloat16", "ep2"), ("bfloat16", "pp2")]
+    assert all(len(run["losses"]) == 2 for run in r["runs"].values())
+    assert all(c["max_rel_loss_diff"] <= c["tolerance"] for c in r["comparisons"])
