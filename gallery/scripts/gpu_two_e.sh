@@ -3,7 +3,7 @@
 # check with PP=2 and CP=2, the PP=2 and CP=2 x EP=2 proxies, then EP=2 with torch.compile on the distributed
 # path and its one-GPU counterpart, both timed in this call. Each record is copied to $OUT as it exists.
 #   MOELAB_COMMIT=$(git rev-parse HEAD) bash gallery/scripts/gpu_two_e.sh      # on a machine with 2 GPUs
-#   PARTS="check pp2" bash gallery/scripts/gpu_two_e.sh                          # some parts only (call 3)
+#   PARTS="check pp2" bash gallery/scripts/gpu_two_e.sh                          # some parts only (call 8)
 set -u
 ROOT=$(pwd); export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; L=/tmp/logs; mkdir -p $L $OUT
