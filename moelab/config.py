@@ -172,6 +172,9 @@ class BackendConfig:
     fake_balanced_gate: bool = False
     fake_gate_noise: float = 0.0
     fallback: bool = False  # True = an unavailable backend falls back to the torch path with a warning
+    # TE's FP8 recipes for the attention projections of backend.attention=te: current (per-tensor current
+    # scaling) or block (1x128 / 128x128 block scaling). moelab's own FP8 path is train.fp8.
+    te_fp8: Literal["off", "current", "block"] = "off"
 
 
 @dataclass
@@ -251,9 +254,12 @@ class Config:
                     _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
             if m.qk_rope_head_dim % 2:
                 _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
-        if m.attention_sinks and b.attention not in ("eager", "flex"):
+        if m.attention_sinks and b.attention not in ("eager", "flex", "te"):
             _fail("backend.attention", b.attention,
-                  "attention sinks need backend.attention='eager' or 'flex' (SDPA has no sink logits)")
+                  "attention sinks need backend.attention='eager', 'flex' or 'te' (SDPA has no sink logits)")
+        if b.te_fp8 != "off" and (b.attention != "te" or m.attention == "mla"):
+            _fail("backend.te_fp8", b.te_fp8, "TE's FP8 recipes run the TE Linear projections of "
+                  "backend.attention='te' on GQA/MHA models; set backend.attention=te, or backend.te_fp8=off")
         if moe.num_experts % moe.num_groups:
             _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
         if not 1 <= moe.topk_groups <= moe.num_groups:

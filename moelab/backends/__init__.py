@@ -44,7 +44,7 @@ PACKAGES = {
         "pip install --no-build-isolation grouped_gemm==0.3.0 (builds CUDA kernels with nvcc; on a cluster "
         "without internet see gallery/scripts/build_backends.sh)", "a CUDA GPU (sm80+)"),
     "te": Package(
-        "te", "transformer_engine", "transformer-engine[pytorch]",
+        "te", "transformer_engine.pytorch", "transformer-engine[pytorch]",
         "pip install --no-build-isolation 'transformer-engine[pytorch]' (or the transformer-engine-cu12/cu13 "
         "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
     "deep_ep": Package(
@@ -61,8 +61,8 @@ TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"
 
 
 def _find(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
+    try:  # the top-level package only: finding a submodule would import its parent
+        return importlib.util.find_spec(module.split(".")[0]) is not None
     except (ImportError, ValueError):
         return False
 
@@ -84,8 +84,12 @@ def import_package(key: str):
     try:
         return importlib.import_module(p.module)
     except Exception as e:  # installed but broken (wrong CUDA/torch ABI): say so, with the original error
-        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but does not import "
-                                 f"({type(e).__name__}: {e}). Reinstall it for this torch/CUDA: {p.install}") from e
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the innermost error names the cause
+            cause = cause.__cause__ or cause.__context__
+        detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause is not e else "")
+        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but {p.module} does not "
+                                 f"import ({detail}). Reinstall it for this torch/CUDA: {p.install}") from e
 
 
 def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) -> str | None:
@@ -112,10 +116,6 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
             return f"DeepEP's intranode kernels need {p.needs}; this GPU is sm{major}{minor}"
         if cfg.parallel.ep < 2 or world_size < 2:
             return "it exchanges tokens between EP ranks; with parallel.ep=1 there is nothing to dispatch"
-    if key == "te" and cfg.model.attention == "mla" and cfg.backend.attention == "te":
-        return "moelab's TE attention backend covers GQA/MHA; MLA runs with backend.attention=sdpa"
-    if key == "te" and cfg.model.attention_sinks and cfg.backend.attention == "te":
-        return "TE's DotProductAttention has no sink logits; use backend.attention=eager or flex"
     return None
 
 
