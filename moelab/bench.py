@@ -128,6 +128,19 @@ class Bencher:
             self.run(warmup, metrics)
         return self.figures(self.run(steps, metrics))
 
+    def set_global_batch(self, gbs: int) -> None:
+        """Time a different global batch on the same model: more (or fewer) micro batches accumulated per step
+        on this rank (the micro batch size and the data-parallel degree stay)."""
+        t, tr = self.tr.cfg.train, self.tr
+        per_rank = gbs // (t.micro_batch_size * tr.par.dp_size)
+        if per_rank < 1 or per_rank * t.micro_batch_size * tr.par.dp_size != gbs:
+            raise ValueError(f"global batch {gbs}: must be a multiple of micro batch {t.micro_batch_size} x "
+                             f"data-parallel degree {tr.par.dp_size}")
+        tr.micro_per_rank = per_rank
+        for moe in tr.par.moe_layers:
+            moe.loss_scale = 1.0 / per_rank
+        self.tokens_per_step = gbs * t.seq_len
+
     def set_fake_gate(self, on: bool) -> None:
         for moe in self.tr.par.moe_layers:
             moe.router.fake_balanced_gate = on

@@ -68,6 +68,11 @@ class Trainer:
         # then materialise and initialise only what is left: the same weights as one process would have.
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.backend)
+        if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
+            from moelab.model.fp8 import check_fp8, enable_fp8
+
+            check_fp8(cfg, env.device)
+            enable_fp8(model)
         self.par = parallelize(model, cfg, env, self.layout)
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
