@@ -1,17 +1,18 @@
 """moelab's side of the issue-17 GPU call (gallery/scripts/gpu_perf.sh): throughput records, a profile summary
 and the FP8 loss-parity curves.
 
-    python gallery/scripts/gpu_perf.py bench  --out DIR [--fp8 off|rowwise] [--gbs 2,16] [--profile] [--set k=v]
-    python gallery/scripts/gpu_perf.py parity --out DIR [--steps 300] [--fp8 off|rowwise] [--set k=v]
+    python gallery/scripts/gpu_perf.py bench  --out DIR [--fp8 off,rowwise] [--gbs 2,16] [--profile] [--set k=v]
+    python gallery/scripts/gpu_perf.py parity --out DIR [--steps 300] [--fp8 off,rowwise] [--set k=v]
     python gallery/scripts/gpu_perf.py table  DIR          # the short table of every record under DIR
     python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
 
 bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 parameters, train.compile=true),
-built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch; one JSON record per
+built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch, first in bf16, then
+converted in place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
 global batch (moelab.bench's fields plus fp8, compile, variant). --profile: one compiled step under
 torch.profiler, kernels summed by category (matmul, attention, optimizer, elementwise, permute, comm, other).
-parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 64 experts top 8, vocab
-32768, the synthetic Markov data, seq 1024, global batch 16) trained `--steps` steps from the same seed; the
+parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 32 experts top 4, vocab
+8192, the synthetic Markov data, seq 1024, global batch 8, eager, fp32 master weights + bf16 autocast) trained `--steps` steps from the same seed; the
 loss curve is written to DIR/parity-<fp8>.json.
 """
 from __future__ import annotations
@@ -39,9 +40,9 @@ BENCH_SET = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compil
 DRY_SET = ["train.compile=false", "train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=2",
            "train.save_checkpoints=false"]
 PARITY_SET = ["model.hidden_size=1024", "model.num_layers=4", "model.num_heads=16", "model.num_kv_heads=4",
-              "model.head_dim=64", "model.vocab_size=32768", "model.moe.num_experts=64", "model.moe.top_k=8",
+              "model.head_dim=64", "model.vocab_size=8192", "model.moe.num_experts=32", "model.moe.top_k=4",
               "model.moe.expert_ffn_size=512", "train.seq_len=1024", "train.micro_batch_size=8",
-              "train.global_batch_size=16", "train.lr=0.001", "train.warmup_steps=20", "train.grad_clip=1.0",
+              "train.global_batch_size=8", "train.lr=0.001", "train.warmup_steps=20", "train.grad_clip=1.0",
               "train.dtype=bfloat16", "train.param_dtype=float32", "data.kind=synthetic", "train.seed=0",
               "train.save_checkpoints=false", "train.checkpoint_every=0", "parallel.ep=1"]
 
@@ -106,30 +107,51 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "command": " ".join(["python"] + sys.argv)}
 
 
+def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
+    """Convert the built (and compiled) model to train.fp8=mode in place: torch's compile caches are dropped
+    first, so every block is recompiled with the FP8 modules (no stale bf16 graph can run)."""
+    from moelab.model.fp8 import check_fp8, enable_fp8
+
+    cfg = tr.cfg.replace(**{"train.fp8": mode}) if not dry_run else tr.cfg
+    if not dry_run:  # CPU (dry run): the config refuses FP8; convert anyway to run the emulation
+        check_fp8(cfg, tr.env.device)
+    torch._dynamo.reset()
+    enable_fp8(tr.model)
+
+
 def cmd_bench(args) -> None:
+    """One model, built once; each FP8 mode of --fp8 in turn (off first), each global batch of --gbs."""
     from moelab.train.trainer import Trainer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    over = (DRY_SET if args.dry_run else BENCH_SET) + [f"train.fp8={args.fp8}"] + args.overrides
-    if args.dry_run:
-        over = [o for o in over if not o.startswith("train.fp8")]
-    cfg = load_config("tiny" if args.dry_run else PRESET, over)
+    modes = args.fp8.split(",")
+    cfg = load_config("tiny" if args.dry_run else PRESET, (DRY_SET if args.dry_run else BENCH_SET) + args.overrides)
     cfg = bench_config(cfg, 400, 0)
     t0 = time.perf_counter()
     tr = Trainer(cfg, tempfile.mkdtemp(prefix="moelab-perf-"))
     tr.setup()
-    if args.dry_run and args.fp8 != "off":  # CPU: the config refuses FP8; convert anyway to run the emulation
-        from moelab.model.fp8 import enable_fp8
-
-        enable_fp8(tr.model)
-    print(f"setup {time.perf_counter() - t0:.1f} s (fp8={args.fp8})", flush=True)
+    print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
     b = Bencher(tr)
-    tag = "bf16" if args.fp8 == "off" else f"fp8-{args.fp8}"
+    for mode in modes:
+        if mode != "off":
+            try:
+                switch_to_fp8(tr, mode, args.dry_run)
+            except Exception as e:  # noqa: BLE001 (recorded; the bf16 records stand)
+                traceback.print_exc()
+                (out / f"moelab-fp8-{mode}-error.json").write_text(json.dumps(
+                    {**base_record(tr, b, args, mode), "variant": f"fp8-{mode}", "global_batch_size": 0,
+                     "error": f"{type(e).__name__}: {str(e)[:500]}"}, indent=1) + "\n")
+                continue
+        bench_mode(tr, b, args, mode, out)
+
+
+def bench_mode(tr, b, args, mode: str, out: Path) -> None:
+    tag = "bf16" if mode == "off" else f"fp8-{mode}"
     for gbs in [int(g) for g in args.gbs.split(",")]:
         steps, warmup = (args.steps, args.warmup) if gbs <= 4 else (max(2, args.steps // 2), 1)
-        name = f"{tag}-compile-gbs{gbs}" if cfg.train.compile else f"{tag}-gbs{gbs}"
-        rec = {**base_record(tr, b, args, args.fp8), "variant": name, "global_batch_size": gbs,
+        name = f"{tag}-compile-gbs{gbs}" if tr.cfg.train.compile else f"{tag}-gbs{gbs}"
+        rec = {**base_record(tr, b, args, mode), "variant": name, "global_batch_size": gbs,
                "steps": steps, "warmup": warmup}
         try:
             b.set_global_batch(gbs)
@@ -145,9 +167,9 @@ def cmd_bench(args) -> None:
             traceback.print_exc()
             rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         (out / f"moelab-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-        if args.profile and gbs == 2 and "error" not in rec:
+        if args.profile and gbs == 2 and mode == "off" and "error" not in rec:
             try:
-                prof = {**base_record(tr, b, args, args.fp8), "variant": f"profile-{name}",
+                prof = {**base_record(tr, b, args, mode), "variant": f"profile-{name}",
                         "global_batch_size": gbs, **profile_step(b)}
                 (out / f"profile-moelab-{name}.json").write_text(json.dumps(prof, indent=1) + "\n")
                 print(format_profile(prof), flush=True)
@@ -164,17 +186,23 @@ def format_profile(p: dict) -> str:
 
 
 def cmd_parity(args) -> None:
-    from moelab.train.trainer import Trainer
-
+    """Each FP8 mode of --fp8 trains the same workload from the same seed in turn (one process)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    over = PARITY_SET + [f"train.steps={args.steps}", f"train.fp8={args.fp8}"] + args.overrides
+    for mode in args.fp8.split(","):
+        parity_run(args, mode, out)
+
+
+def parity_run(args, mode: str, out: Path) -> None:
+    from moelab.train.trainer import Trainer
+
+    over = PARITY_SET + [f"train.steps={args.steps}", f"train.fp8={mode}"] + args.overrides
     if args.dry_run:
         over = ["train.steps=%d" % args.steps, "train.save_checkpoints=false", "data.kind=synthetic"]
     cfg = load_config("tiny" if args.dry_run else PRESET, over)
     run_dir = tempfile.mkdtemp(prefix="moelab-parity-")
     t0 = time.perf_counter()
-    rec = {"system": "moelab", "variant": f"parity-fp8-{args.fp8}", "fp8": args.fp8,
+    rec = {"system": "moelab", "variant": f"parity-fp8-{mode}", "fp8": mode,
            "config": cfg.to_dict(), "commit": commit_id(), "torch_version": torch.__version__,
            "command": " ".join(["python"] + sys.argv)}
     try:
@@ -186,12 +214,12 @@ def cmd_parity(args) -> None:
                    wall_s=time.perf_counter() - t0)
         last = rec["losses"][-20:]
         rec["final_loss_mean20"] = statistics.mean(last) if last else None
-        print(f"parity fp8={args.fp8}: {len(rec['losses'])} steps, first {rec['losses'][0]:.4f}, final (mean of "
+        print(f"parity fp8={mode}: {len(rec['losses'])} steps, first {rec['losses'][0]:.4f}, final (mean of "
               f"last 20) {rec['final_loss_mean20']:.4f}, {rec['wall_s']:.0f} s", flush=True)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    (out / f"parity-{args.fp8}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    (out / f"parity-{mode}.json").write_text(json.dumps(rec, indent=1) + "\n")
 
 
 def table_rows(records: list[dict]) -> list[str]:
@@ -232,7 +260,7 @@ def main(argv=None):
     for name in ("bench", "parity"):
         p = sub.add_parser(name)
         p.add_argument("--out", required=True)
-        p.add_argument("--fp8", default="off", choices=["off", "rowwise"])
+        p.add_argument("--fp8", default="off", help="off, rowwise, or several in turn: off,rowwise")
         p.add_argument("--set", dest="overrides", action="append", default=[])
         p.add_argument("--dry-run", action="store_true", help="tiny preset on CPU (checks the code paths)")
         if name == "bench":

@@ -3,7 +3,7 @@
 # proxy, seq 4096, micro batch 2, learned router, bf16 parameters, fused AdamW), same harness and FLOPs convention.
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
 # a part that no longer fits in the call's budget (BUDGET_S, default 530 s) is skipped and says so.
-#   PARTS="moelab-bf16 moelab-fp8 tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
+#   PARTS="fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
 # Results: $OUT/results.tar.gz (one JSON per system, variant and global batch; profile and parity JSONs) and
@@ -13,7 +13,7 @@ ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_perf_out}; mkdir -p "$OUT"
 R=/tmp/perf-results; L=/tmp/perf-logs; rm -rf $R $L; mkdir -p $R $L
 BUDGET_S=${BUDGET_S:-530}
-PARTS=${PARTS:-"moelab-bf16 moelab-fp8 tt-compile parity tt-fp8 tt-eager hf"}
+PARTS=${PARTS:-"fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 trap '(cd /tmp && tar czf $OUT/results.tar.gz perf-results && tar czf $OUT/logs.tar.gz perf-logs)' EXIT
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${DRY_RUN:-}" ]; then
@@ -41,15 +41,14 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
-part moelab-bf16 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 --profile $DRY
-part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs 2,16 $DRY
+part fp8-check 90 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
+part moelab 230 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off,rowwise --gbs 2,16 --profile $DRY
 [ -n "${DRY_RUN:-}" ] || part tt-compile 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
   --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
-part parity 130 bash -c "python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 off --steps ${PARITY_STEPS:-300} $DRY; \
-  python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 rowwise --steps ${PARITY_STEPS:-300} $DRY"
+part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 off,rowwise --steps ${PARITY_STEPS:-300} $DRY
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
     --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json
@@ -58,6 +57,6 @@ if [ -z "${DRY_RUN:-}" ]; then
   part hf 70 python3 gallery/peers/hf_transformers.py $PEER --experts grouped_mm --global-batch 2 \
     --json $R/hf-transformers-grouped_mm-gbs{gbs}.json
 fi
-grep -h "^profile\|^  " $L/moelab-bf16.log 2>/dev/null | head -24
+grep -h "^profile\|^  " $L/moelab.log 2>/dev/null | head -24
 echo "[$(el)s] done"
 python3 gallery/scripts/gpu_perf.py table $R

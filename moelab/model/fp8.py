@@ -27,6 +27,8 @@ from torch import nn
 
 from moelab.config import ConfigError
 
+# True = run the emulation (dequantise, fp32 matmul) on CUDA too: the GPU check compares the kernels with it.
+EMULATE = False
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 EPS = 1e-12
@@ -48,7 +50,7 @@ def dequantize(x_q: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm(a_MK, sa_M1, b_KN, sb_1N, out_dtype, fast_accum: bool) -> torch.Tensor:
     """a_MK (row-major e4m3) @ b_KN (column-major e4m3), rescaled by the row / column scales, in out_dtype."""
-    if a_MK.is_cuda:
+    if a_MK.is_cuda and not EMULATE:
         return torch._scaled_mm(a_MK, b_KN, scale_a=sa_M1, scale_b=sb_1N, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
     return (dequantize(a_MK, sa_M1) @ dequantize(b_KN, sb_1N)).to(out_dtype)
@@ -108,12 +110,12 @@ class FP8Linear(nn.Linear):
 def scaled_grouped_mm(a_MK, sa_M, b_EKN, sb_EN, offs_E, out_dtype) -> torch.Tensor:
     """Per expert e: rows offs[e-1]:offs[e] of a_MK (row-major e4m3) @ b_EKN[e] (column-major e4m3), rescaled;
     rows past offs[-1] are zero (CPU emulation) or unspecified (CUDA), as torch._grouped_mm leaves them."""
-    if a_MK.is_cuda:
+    if a_MK.is_cuda and not EMULATE:
         return torch._scaled_grouped_mm(a_MK, b_EKN, sa_M, sb_EN, offs=offs_E, out_dtype=out_dtype,
                                         use_fast_accum=True)
     a = dequantize(a_MK, sa_M[:, None])
     b = dequantize(b_EKN, sb_EN[:, None, :])
-    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32)
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         out[start:end] = a[start:end] @ b[e]
@@ -123,9 +125,9 @@ def scaled_grouped_mm(a_MK, sa_M, b_EKN, sb_EN, offs_E, out_dtype) -> torch.Tens
 
 def _grouped_wgrad(x_MK, g_MN, offs_E, num_experts) -> torch.Tensor:
     """dw_EKN[e] = x[rows of e]^T @ g[rows of e], in the inputs' dtype (bf16 on the GPU)."""
-    if x_MK.is_cuda:
+    if x_MK.is_cuda and not EMULATE:
         return torch._grouped_mm(x_MK.t(), g_MN, offs=offs_E)
-    out = torch.zeros(num_experts, x_MK.shape[1], g_MN.shape[1], dtype=torch.float32)
+    out = torch.zeros(num_experts, x_MK.shape[1], g_MN.shape[1], dtype=torch.float32, device=x_MK.device)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         out[e] = x_MK[start:end].float().t() @ g_MN[start:end].float()
