@@ -312,6 +312,9 @@ class Config:
             _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
         if t.fp8 != "off" and t.dtype != "bfloat16":
             _fail("train.fp8", t.fp8, "FP8 training computes in bf16 around its FP8 GEMMs: set train.dtype=bfloat16")
+        if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):
+            _fail("train.fp8", t.fp8, f"FP8 experts run their own grouped GEMMs, not backend.experts={b.experts!r}; "
+                  "set backend.experts=auto (or train.fp8=off)")
         if t.fp8 != "off" and t.device == "cpu":
             _fail("train.fp8", t.fp8, "FP8 GEMMs need a CUDA GPU of compute capability 9.0+ (Hopper); set "
                   "train.fp8=off on CPU")
