@@ -41,7 +41,8 @@ def quantize_rowwise(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     amax = x.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=EPS)
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
     x_q = (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return x_q, scale.reciprocal()
+    # row-major whatever x's strides (the GEMMs take transposed views of these as their column-major operands)
+    return x_q.contiguous(), scale.reciprocal()
 
 
 def dequantize(x_q: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ class _FP8Matmul(torch.autograd.Function):
         w_q, sw_N1 = quantize_rowwise(w_NK, -1)
         ctx.save_for_backward(x_MK, w_NK)
         ctx.out_dtype = out_dtype
-        return scaled_mm(x_q, sx_M1, w_q.t(), sw_N1.t(), out_dtype, fast_accum=True)
+        return scaled_mm(x_q, sx_M1, w_q.t(), sw_N1.t().contiguous(), out_dtype, fast_accum=True)
 
     @staticmethod
     def backward(ctx, g_MN):
@@ -82,11 +83,13 @@ class _FP8Matmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx_MK = g_MN @ w_NK: w scaled along N (its columns), column-major
             g_q, sg_M1 = quantize_rowwise(g_MN, -1)
             wt_q, swt_K1 = quantize_rowwise(w_NK.t().contiguous(), -1)
-            dx = scaled_mm(g_q, sg_M1, wt_q.t(), swt_K1.t(), ctx.out_dtype, fast_accum=True).to(x_MK.dtype)
+            dx = scaled_mm(g_q, sg_M1, wt_q.t(), swt_K1.t().contiguous(), ctx.out_dtype,
+                           fast_accum=True).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:  # dw_NK = g_MN^T @ x_MK: both scaled along M (the tokens)
             gt_q, sgt_N1 = quantize_rowwise(g_MN.t().contiguous(), -1)
             xt_q, sxt_K1 = quantize_rowwise(x_MK.t().contiguous(), -1)
-            dw = scaled_mm(gt_q, sgt_N1, xt_q.t(), sxt_K1.t(), ctx.out_dtype, fast_accum=False).to(w_NK.dtype)
+            dw = scaled_mm(gt_q, sgt_N1, xt_q.t(), sxt_K1.t().contiguous(), ctx.out_dtype,
+                           fast_accum=False).to(w_NK.dtype)
         return dx, dw, None
 
 
