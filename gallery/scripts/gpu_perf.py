@@ -202,7 +202,7 @@ def parity_run(args, mode: str, out: Path) -> None:
     cfg = load_config("tiny" if args.dry_run else PRESET, over)
     run_dir = tempfile.mkdtemp(prefix="moelab-parity-")
     t0 = time.perf_counter()
-    rec = {"system": "moelab", "variant": f"parity-fp8-{mode}", "fp8": mode,
+    rec = {"system": "moelab", "workload": f"{PRESET}-parity-small", "variant": f"parity-fp8-{mode}", "fp8": mode,
            "config": cfg.to_dict(), "commit": commit_id(), "torch_version": torch.__version__,
            "command": " ".join(["python"] + sys.argv)}
     try:

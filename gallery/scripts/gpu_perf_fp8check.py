@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from moelab.bench import commit_id
 from moelab.model import fp8
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu, swiglu
 
@@ -78,7 +79,8 @@ def main():
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
     M, D, Hq, E, F, topk = (8192, 2048, 4096, 128, 768, 8) if not args.small else (256, 64, 128, 8, 32, 2)
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch_version": torch.__version__,
+    res = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "fp8-kernel-check",
+           "commit": commit_id(), "command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch_version": torch.__version__,
            "shapes": {"tokens": M, "hidden": D, "q_proj_out": Hq, "experts": E, "expert_ffn": F, "top_k": topk}}
     x = torch.randn(M, D, device=dev, dtype=dt)
     w = torch.randn(Hq, D, device=dev, dtype=dt) * 0.02
