@@ -2,17 +2,19 @@
 # Issue 17, ONE call on one H200 (about 9 minutes): peers and moelab in the same run, same shapes (Qwen3-30B-A3B
 # proxy, seq 4096, micro batch 2, learned router, bf16 parameters, fused AdamW), same harness and FLOPs convention.
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
-# a part that no longer fits in the call's budget (BUDGET_S, default 530 s) is skipped and says so.
+# a part that no longer fits in the call's budget (BUDGET_S, default 540 s) is skipped and says so.
 #   PARTS="fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
+# Device call: command "MOELAB_COMMIT=<sha> bash gallery/scripts/gpu_perf.sh", carry [".whl"] (the wheels from
+# carry_wheels.sh, about 5 MB), one nvidia-h200, timeout 600.
 # Results: $OUT/results.tar.gz (one JSON per system, variant and global batch; profile and parity JSONs) and
 # $OUT/logs.tar.gz; the short table is printed last.
 set -u
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_perf_out}; mkdir -p "$OUT"
 R=/tmp/perf-results; L=/tmp/perf-logs; rm -rf $R $L; mkdir -p $R $L
-BUDGET_S=${BUDGET_S:-530}
+BUDGET_S=${BUDGET_S:-540}
 PARTS=${PARTS:-"fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 trap '(cd /tmp && tar czf $OUT/results.tar.gz perf-results && tar czf $OUT/logs.tar.gz perf-logs)' EXIT
@@ -44,9 +46,9 @@ part() {
   grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
-part fp8-check 90 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
+part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
 part moelab 230 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off,rowwise --gbs 2,16 --profile $DRY
-[ -n "${DRY_RUN:-}" ] || part tt-compile 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
+[ -n "${DRY_RUN:-}" ] || part tt-compile 120 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
   --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
 part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 off,rowwise --steps ${PARITY_STEPS:-300} $DRY
 if [ -z "${DRY_RUN:-}" ]; then

@@ -61,6 +61,11 @@ def time_ms(fn, *inputs, reps: int = 10) -> float:
     return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))
 
 
+def show(times: dict, key: str) -> None:
+    v = times[key]
+    print(f"fp8 time  {key}: {v if isinstance(v, str) else f'{v:.3f} ms'}", flush=True)
+
+
 def counts_skewed(rows: int, experts: int, gen) -> torch.Tensor:
     """Dirichlet(2)-skewed rows per expert summing to `rows`, with two empty experts."""
     p = torch.distributions.Dirichlet(torch.full((experts,), 2.0)).sample()
@@ -94,7 +99,13 @@ def main():
     grouped = lambda a, b, c: fp8.fp8_grouped_swiglu(a, b, c, counts, swiglu)  # noqa: E731
     grouped_bf16 = lambda a, b, c: grouped_mm_swiglu(a, b, c, counts)  # noqa: E731
     grouped_ref = lambda a, b, c: loop_swiglu(a, b, c, counts)  # noqa: E731 (float inputs: the reference)
-    checks = {}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every item: a timeout must not lose what was measured
+        (Path(args.out) / "fp8-check.json").write_text(json.dumps(res, indent=1) + "\n")
+
+    checks = res["checks"] = {}
+    times = res["fwd_bwd_ms"] = {}
     for name, fn, ref, inputs in (("dense q_proj", dense, dense_bf16, (x, w)),
                                   ("experts swiglu", grouped, grouped_ref, (xr, w1, w2))):
         try:
@@ -110,8 +121,8 @@ def main():
         except Exception as e:  # noqa: BLE001 (report and go on)
             traceback.print_exc()
             checks[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-    res["checks"] = checks
-    times = {}
+        print(f"fp8 check {name}: {json.dumps(checks[name])}", flush=True)
+        save()
     if dev == "cuda":
         for name, fn, inputs in (("dense fp8", dense, (x, w)), ("dense bf16", dense_bf16, (x, w)),
                                  ("experts fp8", grouped, (xr, w1, w2)),
@@ -122,13 +133,36 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     times[f"{name} {mode}"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["fwd_bwd_ms"] = times
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "fp8-check.json").write_text(json.dumps(res, indent=1) + "\n")
-    for k, v in checks.items():
-        print(f"fp8 check {k}: {json.dumps(v)}")
-    for k, v in times.items():
-        print(f"fp8 time  {k}: {v if isinstance(v, str) else f'{v:.3f} ms'}")
+                show(times, f"{name} {mode}")
+                save()
+        # the LM head's shape (left bf16 by train.fp8: is FP8 worth it there?) and the weight quantisation alone
+        wl = torch.randn(151936, D, device=dev, dtype=dt) * 0.02
+        for name, fn in (("lm_head fp8", dense), ("lm_head bf16", dense_bf16)):
+            try:
+                times[f"{name} compiled"] = time_ms(torch.compile(fn), x, wl)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                times[f"{name} compiled"] = f"{type(e).__name__}: {str(e)[:200]}"
+            show(times, f"{name} compiled")
+            save()
+        del wl
+        try:
+            q = torch.compile(lambda w: fp8.quantize_rowwise(w.transpose(-2, -1).contiguous(), -1))
+            for _ in range(3):
+                q(w1)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            for _ in range(10):
+                q(w1)
+            ev[1].record()
+            torch.cuda.synchronize()
+            key = "quantise one gate_up weight [E, D, 2F] (compiled), forward only"
+            times[key] = ev[0].elapsed_time(ev[1]) / 10
+            show(times, key)
+            save()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    save()
     bad = [k for k, v in checks.items() if "error" in v or not v["finite"] or max(v["vs_emulation"]) > 2e-2]
     if bad:
         print(f"fp8 check FAILED: {bad}")
