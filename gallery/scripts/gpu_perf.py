@@ -167,7 +167,7 @@ def bench_mode(tr, b, args, mode: str, out: Path) -> None:
             traceback.print_exc()
             rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         (out / f"moelab-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-        if args.profile and gbs == 2 and mode == "off" and "error" not in rec:
+        if args.profile and gbs == 2 and "error" not in rec:
             try:
                 prof = {**base_record(tr, b, args, mode), "variant": f"profile-{name}",
                         "global_batch_size": gbs, **profile_step(b)}

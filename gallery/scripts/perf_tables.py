@@ -83,11 +83,13 @@ def issue17() -> list[str]:
     else:
         out.append("| FP8 loss parity within 1% (300 steps) | `parity-fp8-off` / `parity-fp8-rowwise` | - | "
                    "not measured yet |")
-    prof = maybe(f"{W}--moelab--profile-bf16-compile-gbs2")
-    if prof:
-        out += ["", f"Profile of moelab's compiled bf16 step (global batch 2): step {prof['step_ms']:.1f} ms, kernels "
-                f"{prof['gpu_busy_ms']:.1f} ms, idle {prof['idle_ms']:.1f} ms", "", "| category | ms |", "|---|---:|"]
-        out += [f"| {k} | {v:.1f} |" for k, v in prof["by_category_ms"].items()]
+    for tag, what in (("bf16", "bf16"), ("fp8-rowwise", "train.fp8=rowwise")):
+        prof = maybe(f"{W}--moelab--profile-{tag}-compile-gbs2")
+        if prof:
+            out += ["", f"Profile of moelab's compiled {what} step (global batch 2, `profile-{tag}-compile-gbs2`): "
+                    f"step {prof['step_ms']:.1f} ms, kernels {prof['gpu_busy_ms']:.1f} ms, idle {prof['idle_ms']:.1f} "
+                    "ms", "", "| category | ms |", "|---|---:|"]
+            out += [f"| {k} | {v:.1f} |" for k, v in prof["by_category_ms"].items()]
     return out
 
 
