@@ -117,6 +117,7 @@ def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
         check_fp8(cfg, tr.env.device)
     torch._dynamo.reset()
     enable_fp8(tr.model)
+    tr.cfg.train.fp8 = mode  # the trainer's step now runs as train.fp8=mode (expert weights cached per step)
 
 
 def cmd_bench(args) -> None:

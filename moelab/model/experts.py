@@ -71,9 +71,9 @@ class GroupedExperts(nn.Module):
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
             b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
         if self.fp8:
-            from moelab.model.fp8 import fp8_grouped_swiglu
+            from moelab.model.fp8 import fp8_experts
 
-            return fp8_grouped_swiglu(x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
+            return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
         impl = self.impl
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"

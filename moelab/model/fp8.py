@@ -138,45 +138,65 @@ def _grouped_wgrad(x_MK, g_MN, offs_E, num_experts) -> torch.Tensor:
     return out
 
 
+def quantize_expert_weight(w_EKN: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The e4m3 operands of one stacked expert weight: (forward operand [E, K, N] column-major, its scales
+    [E, N]: scaled along K) and (dgrad operand [E, N, K] column-major, its scales [E, K]: scaled along N)."""
+    wt_q, s_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1).contiguous(), -1)
+    w_q, s_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
+    return wt_q.transpose(-2, -1), s_EN1.squeeze(-1), w_q.transpose(-2, -1), s_EK1.squeeze(-1)
+
+
 class _FP8GroupedMM(torch.autograd.Function):
     """y_MN = grouped x_MK @ w_EKN (rows sorted by expert, offs_E = cumulative row counts); forward and dgrad in
-    rowwise-scaled e4m3, wgrad in the weights' precision."""
+    rowwise-scaled e4m3, wgrad in the weights' precision. wq_f, s_f, wq_b, s_b: the weight's operands from
+    quantize_expert_weight when cached for the optimizer step (ExpertWeightCache), else None (quantised here)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, out_dtype):
+    def forward(ctx, x_MK, w_EKN, offs_E, out_dtype, wq_f=None, s_f=None, wq_b=None, s_b=None):
         x_q, sx_M1 = quantize_rowwise(x_MK, -1)
-        # w scaled along K (per expert and output column): quantise its transpose row-wise -> column-major operand
-        wt_q, swt_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1).contiguous(), -1)
-        ctx.save_for_backward(x_MK, w_EKN, offs_E)
+        if wq_f is None:  # w scaled along K (per expert and output column): its transpose quantised row-wise
+            wt_q, swt_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1).contiguous(), -1)
+            wq_f, s_f = wt_q.transpose(-2, -1), swt_EN1.squeeze(-1)
+        ctx.save_for_backward(x_MK, w_EKN, offs_E, wq_b, s_b)
         ctx.out_dtype = out_dtype
-        return scaled_grouped_mm(x_q, sx_M1.squeeze(-1), wt_q.transpose(-2, -1), swt_EN1.squeeze(-1), offs_E,
-                                 out_dtype)
+        return scaled_grouped_mm(x_q, sx_M1.squeeze(-1), wq_f, s_f, offs_E, out_dtype)
 
     @staticmethod
     def backward(ctx, g_MN):
-        x_MK, w_EKN, offs_E = ctx.saved_tensors
+        x_MK, w_EKN, offs_E, wq_b, s_b = ctx.saved_tensors
         g_MN = g_MN.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_MK = g_MN @ w_EKN^T: w scaled along N; its transpose is column-major
             g_q, sg_M1 = quantize_rowwise(g_MN, -1)
-            w_q, sw_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
-            dx = scaled_grouped_mm(g_q, sg_M1.squeeze(-1), w_q.transpose(-2, -1), sw_EK1.squeeze(-1), offs_E,
-                                   ctx.out_dtype).to(x_MK.dtype)
+            if wq_b is None:
+                w_q, sw_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
+                wq_b, s_b = w_q.transpose(-2, -1), sw_EK1.squeeze(-1)
+            dx = scaled_grouped_mm(g_q, sg_M1.squeeze(-1), wq_b, s_b, offs_E, ctx.out_dtype).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             dw = _grouped_wgrad(x_MK.to(g_MN.dtype), g_MN, offs_E, w_EKN.shape[0]).to(w_EKN.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
-def fp8_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    return _FP8GroupedMM.apply(x_MK, w_EKN, offs_E, _out_dtype(x_MK))
+def fp8_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, cached=None) -> torch.Tensor:
+    """Grouped x_MK @ w_EKN in FP8; `cached`: the weight's quantize_expert_weight operands, or None."""
+    return _FP8GroupedMM.apply(x_MK, w_EKN, offs_E, _out_dtype(x_MK), *(cached or (None,) * 4))
 
 
-def fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act) -> torch.Tensor:
-    """moelab.model.experts.grouped_mm_swiglu (no biases) with FP8 grouped GEMMs."""
+def fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act, cached=None) -> torch.Tensor:
+    """moelab.model.experts.grouped_mm_swiglu (no biases) with FP8 grouped GEMMs; `cached`: the two weights'
+    quantised operands (ExpertWeightCache.operands) or None."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    h_NF2 = fp8_grouped_mm(x_ND, w_gate_up_EDF2, offs_E)
+    c1, c2 = cached if cached is not None else (None, None)
+    h_NF2 = fp8_grouped_mm(x_ND, w_gate_up_EDF2, offs_E, c1)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    return fp8_grouped_mm(act(gate_NF, up_NF).contiguous(), w_down_EFD, offs_E)
+    return fp8_grouped_mm(act(gate_NF, up_NF).contiguous(), w_down_EFD, offs_E, c2)
+
+
+def fp8_experts(module, x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act) -> torch.Tensor:
+    """GroupedExperts.forward under train.fp8: the cached weight operands while a cache is valid."""
+    cache = getattr(module, "fp8_cache", None)  # moelab.model.fp8_cache
+    return fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act,
+                              cache.operands(w_gate_up_EDF2.dtype) if cache is not None else None)
 
 
 # Module names (attributes) of the projections converted: attention (GQA, MLA) and dense SwiGLU MLPs.
@@ -186,7 +206,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "
 
 def enable_fp8(model: nn.Module) -> dict:
     """Convert in place: the attention and dense projections (PROJECTIONS) to FP8Linear, every GroupedExperts
-    to FP8 grouped GEMMs. The router, norms, embedding and LM head are left in bf16. Returns counts."""
+    to FP8 grouped GEMMs (with an ExpertWeightCache, used under moelab.model.fp8_cache.expert_weights_cached).
+    The router, norms, embedding and LM head are left in bf16. Returns counts."""
     from moelab.model.experts import GroupedExperts
 
     linears = experts = 0
@@ -202,6 +223,9 @@ def enable_fp8(model: nn.Module) -> dict:
                                   "experts); set train.fp8=off for this model")
             module.fp8 = True
             experts += 1
+    from moelab.model.fp8_cache import attach
+
+    attach(model)
     return {"linears": linears, "experts": experts}
 
 

@@ -107,7 +107,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
-        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses."""
+        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses. Under
+        train.fp8 with several micro batches the expert weights are quantised once for all of them."""
+        if self.cfg.train.fp8 != "off" and self.micro_per_rank > 1:
+            from moelab.model.fp8_cache import expert_weights_cached
+
+            with expert_weights_cached(self.model, self.dtype if self.env.is_cuda else None):
+                return self.micro_batches(step)
+        return self.micro_batches(step)
+
+    def micro_batches(self, step: int) -> torch.Tensor:
         t, par = self.cfg.train, self.par
         if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
             size = self.micro_per_rank * t.micro_batch_size

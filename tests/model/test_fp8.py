@@ -167,3 +167,87 @@ def test_check_fp8_refuses_cpu_at_build_time(tmp_path):
     cfg = load_config("tiny", ["train.fp8=rowwise", "train.dtype=bfloat16"])  # device auto: allowed by the config
     with pytest.raises(ConfigError, match="train.fp8='rowwise'.*CUDA GPU"):
         Trainer(cfg, tmp_path / "run").setup()
+
+
+def fp8_experts_holder(E=6, D=32, F=24):
+    from moelab.model.experts import GroupedExperts
+
+    holder = nn.Module()
+    holder.experts = GroupedExperts(E, D, F)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        holder.experts.w_gate_up_EDF2.copy_(torch.randn(E, D, 2 * F, generator=g) * 0.1)
+        holder.experts.w_down_EFD.copy_(torch.randn(E, F, D, generator=g) * 0.1)
+    enable_fp8(holder)
+    return holder
+
+
+def experts_out_and_grads(holder, x, counts):
+    for p in holder.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = holder.experts(x, counts)
+    y.backward(torch.ones_like(y))
+    return [y.detach(), x.grad] + [p.grad.clone() for p in holder.experts.parameters()]
+
+
+def test_expert_weight_cache_gives_the_same_results_and_never_goes_stale():
+    from moelab.model.fp8_cache import expert_weights_cached
+
+    holder = fp8_experts_holder()
+    cache = holder.experts.fp8_cache
+    counts = torch.tensor([5, 0, 9, 3, 7, 8])
+    x = torch.randn(int(counts.sum()), 32)
+    fresh = experts_out_and_grads(holder, x, counts)
+    with expert_weights_cached(holder):
+        assert cache.valid and cache.operands(torch.float32) is not None
+        cached = experts_out_and_grads(holder, x, counts)
+        first_buffers = [t for ops in cache.buffers for t in ops]
+    assert not cache.valid and cache.operands(torch.float32) is None  # invalid once the step's block ends
+    for a, b in zip(fresh, cached):
+        assert torch.equal(a, b)
+    # the weights change (an optimizer step): outside the block the experts quantise afresh ...
+    with torch.no_grad():
+        holder.experts.w_gate_up_EDF2.mul_(1.5)
+    changed = experts_out_and_grads(holder, x, counts)
+    assert not torch.equal(changed[0], fresh[0])
+    # ... and the next block refreshes the same buffers in place
+    with expert_weights_cached(holder):
+        again = experts_out_and_grads(holder, x, counts)
+        assert all(a is b for a, b in zip(first_buffers, [t for ops in cache.buffers for t in ops]))
+    for a, b in zip(changed, again):
+        assert torch.equal(a, b)
+
+
+def test_trainer_quantises_expert_weights_once_per_step(tmp_path, monkeypatch):
+    """With gradient accumulation the cache is refreshed once per step and the run equals one without it."""
+    import contextlib
+
+    from moelab.model import fp8_cache
+    from moelab.train.trainer import Trainer
+
+    monkeypatch.setattr(fp8, "check_fp8", lambda cfg, device: None)  # CPU: the emulation
+    cfg = load_config("tiny", ["train.fp8=rowwise", "train.dtype=bfloat16", "train.steps=2",
+                               "train.global_batch_size=8", "train.micro_batch_size=2",
+                               "train.save_checkpoints=false"])
+    refreshes = []
+    real_refresh = fp8_cache.ExpertWeightCache.refresh
+    monkeypatch.setattr(fp8_cache.ExpertWeightCache, "refresh",
+                        lambda self, dtype=None: (refreshes.append(self), real_refresh(self, dtype))[1])
+    used = []
+    real_operands = fp8_cache.ExpertWeightCache.operands
+    monkeypatch.setattr(fp8_cache.ExpertWeightCache, "operands",
+                        lambda self, dtype: used.append(real_operands(self, dtype) is not None) or
+                        real_operands(self, dtype))
+    with_cache = Trainer(cfg, tmp_path / "a")
+    with_cache.setup()
+    losses_a = [with_cache.train_step(s)["loss"] for s in (1, 2)]
+    n_moe = len(with_cache.par.moe_layers)
+    assert len(refreshes) == 2 * n_moe and used and all(used)  # every micro batch read the cache
+    monkeypatch.setattr(fp8_cache, "expert_weights_cached", lambda model, dtype=None: contextlib.nullcontext())
+    without = Trainer(cfg, tmp_path / "b")
+    without.setup()
+    losses_b = [without.train_step(s)["loss"] for s in (1, 2)]
+    assert losses_a == losses_b
+    for (k, a), (_, b) in zip(with_cache.model.named_parameters(), without.model.named_parameters()):
+        assert torch.equal(a, b), k
