@@ -154,6 +154,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
+    # FP8 training: off, or rowwise = dynamically scaled e4m3 GEMMs (one scale per row) for the routed experts
+    # and the attention / dense projections; router, norms, embedding, LM head stay bf16 (moelab.model.fp8).
+    fp8: Literal["off", "rowwise"] = "off"
     checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
     keep_checkpoints: int = 2
     # False = never write a checkpoint (benchmarks of big models: a checkpoint is ~12 bytes per parameter);
@@ -313,6 +316,14 @@ class Config:
             _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
         if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
             _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
+        if t.fp8 != "off" and t.dtype != "bfloat16":
+            _fail("train.fp8", t.fp8, "FP8 training computes in bf16 around its FP8 GEMMs: set train.dtype=bfloat16")
+        if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):
+            _fail("train.fp8", t.fp8, f"FP8 experts run their own grouped GEMMs, not backend.experts={b.experts!r}; "
+                  "set backend.experts=auto (or train.fp8=off)")
+        if t.fp8 != "off" and t.device == "cpu":
+            _fail("train.fp8", t.fp8, "FP8 GEMMs need a CUDA GPU of compute capability 9.0+ (Hopper); set "
+                  "train.fp8=off on CPU")
         if t.keep_checkpoints < 1:
             _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
         if p.fsdp == 0 or p.fsdp < -1:

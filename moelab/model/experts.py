@@ -53,6 +53,7 @@ class GroupedExperts(nn.Module):
         # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
         # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
         self.expert_offset = 0
+        self.fp8 = False  # train.fp8='rowwise': FP8 grouped GEMMs (moelab.model.fp8.enable_fp8)
         self.w_gate_up_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * ffn))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn, dim))
         # GPT-OSS biases; "b_" parameters start at zero (MoETransformer.init_weights).
@@ -69,6 +70,10 @@ class GroupedExperts(nn.Module):
         if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
             b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
+        if self.fp8:
+            from moelab.model.fp8 import fp8_experts
+
+            return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
         impl = self.impl
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"

@@ -68,6 +68,11 @@ class Trainer:
         # then materialise and initialise only what is left: the same weights as one process would have.
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.backend)
+        if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
+            from moelab.model.fp8 import check_fp8, enable_fp8
+
+            check_fp8(cfg, env.device)
+            enable_fp8(model)
         self.par = parallelize(model, cfg, env, self.layout)
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
@@ -102,7 +107,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
-        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses."""
+        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses. Under
+        train.fp8 with several micro batches the expert weights are quantised once for all of them."""
+        if self.cfg.train.fp8 != "off" and self.micro_per_rank > 1:
+            from moelab.model.fp8_cache import expert_weights_cached
+
+            with expert_weights_cached(self.model, self.dtype if self.env.is_cuda else None):
+                return self.micro_batches(step)
+        return self.micro_batches(step)
+
+    def micro_batches(self, step: int) -> torch.Tensor:
         t, par = self.cfg.train, self.par
         if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
             size = self.micro_per_rank * t.micro_batch_size
@@ -122,7 +136,11 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int, metrics: bool = True) -> dict:
+        """One optimizer step. metrics=False (moelab.bench's metrics-overhead variant) makes the same updates
+        (optimizer, expert learning rates, router bias, capacity) without collecting metrics: only the routing
+        counts those updates need are summed over ranks, on the device; nothing is read on the host, so there
+        is no non-finite check either. Returns {"step", "lr"} then."""
         cfg, par = self.cfg, self.par
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr)
@@ -135,6 +153,11 @@ class Trainer:
         E, n_layers = cfg.model.moe.num_experts, len(moes)
         stats = [m.router.pop_stats() if m is not None else None for m in moes]
         dev = self.env.device
+        if not metrics:
+            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=dev)
+                      for key in ("tokens_per_expert", "routed_per_expert") for s in stats]
+            self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
+            return {"step": step, "lr": lr}
         parts = [par.loss_contribution(loss_sum), grad_norm.reshape(1).float() * par.grad_norm_weight()]
         for key, size, weight in (("tokens_per_expert", E, 1.0), ("routed_per_expert", E, 1.0),
                                   ("dropped", 1, 1.0), ("aux_loss", 1, None),
@@ -171,24 +194,30 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             skipped = True
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if n_layers:
-                # the summed counts are still on the device: no host-to-device copy (it would wait for the
-                # optimizer step just queued)
-                counts, routed = packed[2: 2 + 2 * n_layers * E].view(2, n_layers, E)
-                if self.expert_lr is not None:
-                    self.expert_lr.apply(counts)
-            for i, moe in enumerate(moes):
-                if moe is not None:
-                    moe.router.update_bias(routed[i])
-                    moe.router.update_capacity(routed[i])
+            # the summed counts are still on the device: no host-to-device copy (it would wait for the
+            # optimizer step just queued)
+            self.apply_step(packed[2: 2 + 2 * n_layers * E].view(2, n_layers, E) if n_layers else None)
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
                             "dropped_tokens": per_layer["dropped"],
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
                             "capacity_factor": per_layer["capacity_factor"]}}
+
+    def apply_step(self, counts_2LE: "torch.Tensor | None") -> None:
+        """The optimizer step and the routing updates after it, from the per-expert token counts summed over
+        ranks ([tokens kept, tokens routed] x layers x experts, on the device; None without MoE layers)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if counts_2LE is None:
+            return
+        counts, routed = counts_2LE
+        if self.expert_lr is not None:
+            self.expert_lr.apply(counts)
+        for i, moe in enumerate(self.par.moe_layers_all):
+            if moe is not None:
+                moe.router.update_bias(routed[i])
+                moe.router.update_capacity(routed[i])
 
     def nonfinite_hint(self) -> str:
         """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails)."""
