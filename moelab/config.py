@@ -5,7 +5,7 @@
     save_config(cfg, "run/config.yaml"); load_config("run/config.yaml") == cfg   # True
 
 Every value is checked when a Config is built (``Config.validate``), and every error names the field, the
-value and the fix (`ConfigError`). Layout checks that need the world size live in ``check_layout``.
+value and the fix (`ConfigError`). Layout checks that need the world size live in moelab.parallel.dims (``ParallelDims``).
 Nothing here touches torch or hardware: a config can be built and planned on any machine.
 """
 from __future__ import annotations
@@ -328,11 +328,6 @@ class Config:
         if not 0 <= self.data.noise <= 1:
             _fail("data.noise", self.data.noise, "must be within [0, 1]")
 
-    # ------------------------------------------------------------------ layout
-    def resolved_parallel(self, world_size: int) -> ParallelConfig:
-        """The layout for ``world_size`` ranks, with fsdp=-1 filled in; raises ConfigError if impossible."""
-        return check_layout(self, world_size)
-
 
 def _sections(obj, prefix: str = ""):
     """(dotted name, dataclass) for every section of a config, nested ones included."""
@@ -345,41 +340,6 @@ def _sections(obj, prefix: str = ""):
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
-    p = cfg.parallel
-    rest = p.tp * p.pp * p.cp
-    if world_size % rest:
-        _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
-              f"tp*pp*cp={rest} must divide the world size {world_size}")
-    fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
-    if p.tp * p.pp * p.cp * fsdp != world_size:
-        _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
-              f"set parallel.fsdp={world_size // rest} or -1")
-    if (fsdp * p.cp * p.tp) % p.ep:
-        _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from the "
-              f"non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")
-    t = cfg.train
-    dp = fsdp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp}")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        _fail("train.seq_len", t.seq_len, f"must be a multiple of 2*cp={2 * p.cp} for load-balanced causal sharding")
-    if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
-        _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
-              f"(model.num_layers={cfg.model.num_layers})")
-    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.pp > 1 and (n_micro < p.pp or (p.vp > 1 and n_micro % p.pp)):
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least pp={p.pp}"
-              + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
-              + "; raise global_batch_size or lower micro_batch_size")
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
-              "set model.tie_embeddings=false or parallel.pp=1")
-    return dataclasses.replace(p, fsdp=fsdp)
 
 
 # ---------------------------------------------------------------------- building from dicts (YAML, CLI)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moelab.backends import import_package
+from moelab.backends.packages import import_package
 
 
 def buffer_bytes(hidden: int, num_ranks: int, dtype_bytes: int = 2) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.backends import import_package
+from moelab.backends.packages import import_package
 
 
 class TEGroupedExperts(nn.Module):

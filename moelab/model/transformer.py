@@ -18,7 +18,7 @@ from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.moe import MoE
-from moelab.model_shapes import layer_window
+from moelab.planner.shapes import layer_window
 
 
 def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelab.config import load_config, save_config
-from moelab.launch.env import DistEnv
+from moelab.parallel.env import DistEnv
 from moelab.launch.resume import resume
 from moelab.train.checkpoint import list_checkpoints, read_metadata
 from moelab.train.metrics import read_events

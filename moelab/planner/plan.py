@@ -34,9 +34,11 @@ import html
 import math
 from dataclasses import dataclass, field
 
-from moelab.config import Config, ConfigError, check_layout
-from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token
-from moelab.model_shapes import layer_window, stage_layers
+from moelab.config import Config, ConfigError
+from moelab.parallel.dims import check_layout
+from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
+from moelab.planner.shapes import layer_window
+from moelab.planner.stages import stage_layers
 
 GiB = 2**30
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelab.planner.shapes import layer_windows
+
 FLOPS_CONVENTION = ("6 x activated params (attention, dense FFN, router, shared + top-k experts, LM head; "
                     "no embedding) + causal attention 3 x 2 x ctx x heads x (d_qk + d_v) / 2 per layer")
 
@@ -69,8 +71,6 @@ def count_params(m) -> ParamCount:
 
 def attention_flops_per_token(m, seq_len: int) -> float:
     """Causal attention matmul FLOPs per token, forward + backward, summed over layers."""
-    from moelab.model_shapes import layer_windows
-
     if m.attention == "mla":
         d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     else:
