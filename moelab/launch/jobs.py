@@ -6,6 +6,7 @@
     job.outcome()        # ('success', None), ('error', traceback) or (None, None): submitit's result files
     job.log(0, "err")    # what rank 0 wrote to stderr so far
     job.timed_out()      # the job ran into its time limit
+    job.wait().summary() # block until it ends; the run's summary.json
 
 Like submitit's one Job class per executor (its LocalJob and SlurmJob), each class holds what its executor
 knows: the scheduler's state combined with the run's own stream (moelab.train.metrics), which tells how the
@@ -19,6 +20,7 @@ import os
 import pickle
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from moelab.run.folder import RunFolder
@@ -82,6 +84,17 @@ class Job:
         # the signal can also arrive before the training code runs (or be swallowed by an import): submitit's
         # handler still logs it on rank 0
         return "this job is timed-out" in self.log(0, "stderr")
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> "Job":
+        """Block until the job ends (or `timeout` seconds pass); returns self. A failed job does not raise."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.state() not in TERMINAL and (end is None or time.monotonic() < end):
+            time.sleep(poll_s)
+        return self
+
+    def summary(self) -> dict | None:
+        """The run's summary.json (rank 0 writes it at the end), None before."""
+        return self.folder.read_summary()
 
     def stream_state(self) -> str:
         """For a run without a scheduler to ask: the last terminal event of its stream."""

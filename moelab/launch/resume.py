@@ -8,6 +8,7 @@ on as many ranks as before unless told otherwise (any layout can load any other'
 
     job = resume("runs/tiny")                 # a Job (moelab.launch.jobs); inline runs have finished already
     job = resume("runs/tiny", steps=200)      # and train longer than first planned
+    summary = job.wait().summary()
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
     """Continue the run in `run_dir` from its newest intact checkpoint (from step 0 if it has none) until
     train.steps. A local or SLURM run goes back to its executor with its options (`cluster_options` replace
     them); a run trained in the foreground (inline, or started without a Session) continues in this process,
-    or on `nproc` local processes (default: as many as it had) through the local executor."""
+    or on `nproc` local processes (default: as many as it had) through the local executor. A folder that
+    cannot be continued in this process raises (ConfigError, CheckpointError, MetricsError)."""
+    from moelab.train.checkpoint import CheckpointError
     from moelab.launch.submit import run_inline, submit_folders, unlink_logs, validate
 
     folder = RunFolder(run_dir)
@@ -60,6 +63,6 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
         save_config(cfg, folder.config)  # what the ranks read
     unlink_logs(folder)  # they point at the previous job's files
     if kind == "inline":
-        return run_inline(folder)
+        return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
     root = Path(info.get("submitit_folder") or folder.submitit)
     return submit_folders(kind, [folder], nproc, options, root, world)[0]

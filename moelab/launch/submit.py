@@ -79,10 +79,11 @@ def submit_folders(kind: str, folders: list, nproc: int, options: dict, submitit
     return jobs
 
 
-def run_inline(folder: "RunFolder | str | Path") -> InlineJob:
+def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)) -> InlineJob:
     """Train in this process (blocking) and return the finished job. A failure is recorded, not raised
-    (status FAILED, the traceback in the stream), except bad input found at setup (a ConfigError: a missing
-    backend package, say), which is recorded and raised; Ctrl-C records CANCELLED and is re-raised."""
+    (status FAILED, the traceback in the stream), except the `reraise` kinds (bad input found at setup: a
+    ConfigError such as a missing backend package), which are recorded and raised; Ctrl-C records CANCELLED
+    and is re-raised."""
     from moelab.launch.entry import train_rank
 
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
@@ -94,7 +95,7 @@ def run_inline(folder: "RunFolder | str | Path") -> InlineJob:
     except KeyboardInterrupt:
         folder.update_info(status="CANCELLED")
         raise
-    except ConfigError:
+    except reraise:
         folder.update_info(status="FAILED")
         raise
     except Exception:  # noqa: BLE001 - the trainer wrote the error event; Run.error shows it
