@@ -46,6 +46,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _batch_fixes(gbs: int, mbs: int, dp: int) -> str:
+    """What makes the global batch split evenly: a larger global batch, a smaller micro batch, fewer ranks."""
+    need = mbs * dp
+    fixes = [f"set train.global_batch_size={-(-gbs // need) * need}"]
+    if gbs % dp == 0:
+        fixes.append(f"train.micro_batch_size={max(d for d in _divisors(gbs // dp) if d <= mbs)}")
+    fewer = [d for d in _divisors(gbs // mbs) if d < dp] if gbs % mbs == 0 else []
+    if fewer:
+        fixes.append(f"{max(fewer)} data-parallel ranks (fewer GPUs, or more of them in parallel.pp/cp)")
+    return ", or ".join(fixes)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """A validated layout on `world_size` ranks (build it with ParallelDims.build) and its mesh shapes.
@@ -74,7 +86,8 @@ class ParallelDims:
         dp = fsdp
         if t.global_batch_size % (t.micro_batch_size * dp):
             _fail("train.global_batch_size", t.global_batch_size,
-                  f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp}")
+                  f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = "
+                  f"{t.micro_batch_size * dp}; {_batch_fixes(t.global_batch_size, t.micro_batch_size, dp)}")
         if p.cp > 1 and t.seq_len % (2 * p.cp):
             _fail("train.seq_len", t.seq_len,
                   f"must be a multiple of 2*cp={2 * p.cp} for load-balanced causal sharding")
