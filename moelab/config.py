@@ -22,7 +22,10 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """An invalid config value. The message names the field, the value and the fix."""
+    """An invalid config value. The message names the field, the value and the fix.
+
+        load_config("tiny", ["model.moe.top_k=99"])   # ConfigError: model.moe.top_k=99: cannot exceed ...
+    """
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
@@ -31,6 +34,10 @@ def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
 
 @dataclass
 class MoEConfig:
+    """The MoE layer: experts, routing, balancing (aux loss, z-loss, aux-loss-free bias), capacity.
+
+        MoEConfig(num_experts=16, top_k=2, aux_loss_coeff=1e-3)   # or load_config("tiny", ["model.moe.top_k=1"])
+    """
     num_experts: int = 8
     top_k: int = 2
     expert_ffn_size: int = 128
@@ -74,7 +81,10 @@ class MoEConfig:
 @dataclass
 class RopeScalingConfig:
     """YaRN rotary scaling as in the published DeepSeek-V3, Kimi-K2 and GPT-OSS checkpoints (HF's "yarn").
-    It changes the rotary frequencies at every length, so loaded checkpoints need it for matching logits."""
+    It changes the rotary frequencies at every length, so loaded checkpoints need it for matching logits.
+
+        load_config("gpt-oss-20b").model.rope_scaling
+    """
     kind: Literal["none", "yarn"] = "none"
     factor: float = 1.0
     original_max_len: int = 4096
@@ -89,6 +99,11 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
+    """The decoder: sizes, attention kind (GQA or MLA, sliding windows, sinks), dense and MoE layers.
+
+        load_config("tiny").model.num_layers          # 4
+        ModelConfig(hidden_size=128, moe=MoEConfig(num_experts=16))
+    """
     vocab_size: int = 512
     hidden_size: int = 64
     num_layers: int = 4
@@ -121,7 +136,11 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp."""
+    """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp (checked
+    against a world size by moelab.parallel.dims.ParallelDims).
+
+        load_config("tiny", {"parallel.ep": 2, "parallel.fsdp": -1}).parallel
+    """
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -134,6 +153,10 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
+    """The step loop: steps, batch sizes, sequence length, optimizer, dtypes, checkpoints, failure policy.
+
+        load_config("tiny", {"train.steps": 20, "train.micro_batch_size": 2}).train
+    """
     steps: int = 50
     global_batch_size: int = 8
     micro_batch_size: int = 4
@@ -165,7 +188,10 @@ class TrainConfig:
 
 @dataclass
 class BackendConfig:
-    """The kernel switchboard. Availability of optional packages is checked by moelab.backends at run time."""
+    """The kernel switchboard. Availability of optional packages is checked by moelab.backends at run time.
+
+        load_config("tiny", ["backend.attention=eager", "backend.fallback=true"]).backend
+    """
     attention: Literal["sdpa", "flex", "eager", "te"] = "sdpa"
     experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te"] = "auto"
     dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
@@ -176,6 +202,10 @@ class BackendConfig:
 
 @dataclass
 class DataConfig:
+    """Where the tokens come from: a synthetic Markov chain, uniform random tokens, or a token file.
+
+        load_config("tiny", ["data.kind=random"]).data
+    """
     # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file
     kind: Literal["synthetic", "random", "tokens"] = "synthetic"
     path: str = ""  # a flat file of token ids for kind == "tokens"
@@ -186,6 +216,11 @@ class DataConfig:
 
 @dataclass
 class Config:
+    """A whole run: model, layout, training, backends and data, validated when built (Config.validate).
+
+        cfg = load_config("tiny", ["parallel.ep=2"])
+        cfg.replace(**{"train.steps": 10})          # a new, validated Config
+    """
     name: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -29,7 +29,10 @@ RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu
 
 
 class GalleryError(RuntimeError):
-    """An entry that cannot run here, or a gallery folder that is not well formed; the message says why."""
+    """An entry that cannot run here, or a gallery folder that is not well formed; the message says why.
+
+        run_entry("deepseek-v3-1024gpu")   # GalleryError: ... needs 1024 CUDA GPU(s) ...
+    """
 
 
 def default_root() -> Path:
@@ -40,7 +43,10 @@ def default_root() -> Path:
 @dataclass
 class Entry:
     """One gallery row. ``device`` is "cuda" or "cpu"; ``published`` holds the reference table's figures
-    (None for proxies); ``proxy_of`` names the published entry whose layer shapes a proxy keeps."""
+    (None for proxies); ``proxy_of`` names the published entry whose layer shapes a proxy keeps.
+
+        get_entry("tiny-cpu").config()          # the entry's Config, overrides applied
+    """
     name: str
     title: str
     preset: str

@@ -22,7 +22,10 @@ from moelab.config import Config, ConfigError, flatten, load_config
 
 class Session:
     """A validated Config plus submit/sweep. `source` is a preset name, a YAML path, a dict or a Config;
-    keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`)."""
+    keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`).
+
+        run = Session("tiny", train={"steps": 20}).set("parallel.ep", 2).submit("local", nproc=2)
+    """
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
         self._config = load_config(source, flatten(sections))

@@ -61,7 +61,10 @@ class _Combine(torch.autograd.Function):
 
 
 class DeepEPDispatcher:
-    """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group)."""
+    """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group).
+
+        moe.dispatcher = DeepEPDispatcher(ep_group, hidden=cfg.model.hidden_size)   # backend.dispatcher=deepep
+    """
 
     def __init__(self, group, hidden: int = 7168):
         deep_ep = import_package("deep_ep")

@@ -16,11 +16,18 @@ from moelab.config import ConfigError
 
 
 class BackendUnavailable(ConfigError):
-    """A requested backend's package is missing or unsupported here; the message says how to fix it."""
+    """A requested backend's package is missing or unsupported here; the message says how to fix it.
+
+        raise BackendUnavailable("the 'te' backend needs the package 'transformer-engine[pytorch]' ...")
+    """
 
 
 @dataclass(frozen=True)
 class Package:
+    """One optional package: what is imported, what is installed, how, and on which hardware it runs.
+
+        PACKAGES["te"].install
+    """
     key: str
     module: str  # what is imported
     pip: str  # what is installed

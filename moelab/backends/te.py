@@ -21,7 +21,11 @@ from moelab.backends.packages import import_package
 
 class TEGroupedExperts(nn.Module):
     """Routed experts as two TE GroupedLinear layers. GroupedLinear takes the rows per expert as a Python list,
-    so this path reads the counts on the host once per layer."""
+    so this path reads the counts on the host once per layer.
+
+        experts = TEGroupedExperts(num_experts=8, dim=64, ffn=128, device="cuda")
+        y_ND = experts(x_ND, counts_E)
+    """
 
     def __init__(self, num_experts: int, dim: int, ffn: int, device="meta"):
         super().__init__()
@@ -42,7 +46,10 @@ class TEGroupedExperts(nn.Module):
 
 
 class TEAttentionCore(nn.Module):
-    """TE's fused attention as GQAttention's `attend` (q [B,H,L,Dh], k/v [B,G,L,Dh] -> o [B,H,L,Dh])."""
+    """TE's fused attention as GQAttention's `attend` (q [B,H,L,Dh], k/v [B,G,L,Dh] -> o [B,H,L,Dh]).
+
+        out_BHLD = TEAttentionCore(num_heads=8, num_kv_heads=2, head_dim=64)(q_BHLD, k_BGLD, v_BGLD)
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
         super().__init__()

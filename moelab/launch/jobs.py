@@ -151,7 +151,10 @@ class ExternalJob(Job):
 
 
 class SubmititJob(Job):
-    """What the two submitit executors share: result files per task, logs, and how an ended job ended."""
+    """What the two submitit executors share: result files per task, logs, and how an ended job ended.
+
+        job.paths(0).stderr        # submitit's stderr file of task 0 (logs/rank0.err links to it)
+    """
 
     records_status = True
 

@@ -29,7 +29,11 @@ from moelab.train.metrics import MetricsError, read_events
 
 
 class RankFailed(RuntimeError):
-    """A rank of a local multi-process run failed; the message carries its traceback and log paths."""
+    """A rank of a local multi-process run failed; the message carries its traceback and log paths.
+
+        try: run_local_processes(cfg, "runs/x", 2)
+        except RankFailed as e: e.rank, e.returncode
+    """
 
     def __init__(self, message: str, rank: int, returncode: int):
         super().__init__(message)

@@ -47,7 +47,10 @@ def compare(sweep_or_runs, final_window: int | None = None, labels: list[str] | 
 class Comparison:
     """Runs compared (see the module docstring). ``.table`` has one row per run: the swept values, then
     final_loss, max_over_mean / final_max_over_mean, cv / final_cv, dropped_pct (dropped assignments, % of all)
-    and dead_experts (dead at the last step: no tokens for model.moe.dead_expert_steps steps)."""
+    and dead_experts (dead at the last step: no tokens for model.moe.dead_expert_steps steps).
+
+        cmp = compare(["runs/a", "runs/b"]); cmp.table; cmp.plot_balance()
+    """
 
     def __init__(self, sweep_or_runs, final_window: int | None = None, labels: list[str] | None = None):
         self.runs, points = _open(sweep_or_runs)

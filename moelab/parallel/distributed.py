@@ -33,7 +33,10 @@ from moelab.parallel.mesh import Meshes, build_meshes
 
 
 class DistributedParallelized(Parallelized):
-    """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized)."""
+    """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized).
+
+        par = parallelize(model_on_meta, cfg, env, ParallelDims.build(cfg, env.world_size), loss_fn)
+    """
 
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig, meshes: Meshes,
                  cp: ContextParallel | None = None):

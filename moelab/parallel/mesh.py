@@ -24,6 +24,11 @@ from moelab.parallel.dims import Coords, ParallelDims
 
 @dataclass
 class Meshes:
+    """Every DeviceMesh of a layout on this rank, and its coordinates.
+
+        meshes = build_meshes(ParallelDims.build(cfg, 4), rank, "cpu")
+        meshes.ep_group, meshes.dense, meshes.coords.pp
+    """
     layout: ParallelConfig
     coords: Coords
     world: DeviceMesh  # ("pp", "dp", "cp")

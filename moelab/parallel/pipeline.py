@@ -46,7 +46,10 @@ def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: lis
 
 class PipelineModel(nn.Module):
     """This rank's stages as one module, with the single-process parameter names ("layers.5.ffn...").
-    It only holds the parameters; the schedule runs the stages."""
+    It only holds the parameters; the schedule runs the stages.
+
+        model = PipelineModel(stages, cfg.model.num_layers); model.moe_layers()
+    """
 
     def __init__(self, stages: list[nn.Module], num_layers: int):
         super().__init__()
@@ -67,7 +70,11 @@ class PipelineModel(nn.Module):
 
 
 class PipelineRunner:
-    """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches."""
+    """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches.
+
+        runner = PipelineRunner(stages, [rank], pp, group, device, cfg, n_micro, loss_fn)
+        loss_sum = runner.forward_backward(inputs_BL, targets_BL)
+    """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device,
                  cfg: Config, n_microbatches: int, loss_fn):

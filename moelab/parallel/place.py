@@ -16,7 +16,11 @@ from moelab.parallel.env import DistEnv
 
 class Parallelized:
     """A model placed on this rank, and the facts the trainer needs about the layout (one process here;
-    moelab.parallel.distributed overrides what differs on many)."""
+    moelab.parallel.distributed overrides what differs on many).
+
+        par = parallelize(model_on_meta, cfg, DistEnv(), ParallelDims.build(cfg, 1), loss_fn)
+        par.dp_rank, par.dp_size, par.all_reduce_sum(stats)
+    """
 
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig):
         self.model, self.cfg, self.env, self.layout = model, cfg, env, layout

@@ -23,6 +23,11 @@ FLOPS_CONVENTION = ("6 x activated params (attention, dense FFN, router, shared 
 
 @dataclass
 class ParamCount:
+    """Parameter counts of a model config: total, activated per token, embedding, routed experts.
+
+        pc = count_params(load_config("qwen3-moe-30b-a3b").model)
+        pc.total / 1e9, pc.activated / 1e9        # about 30.5 and 3.0
+    """
     total: int
     activated: int
     embedding: int

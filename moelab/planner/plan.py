@@ -65,7 +65,10 @@ _TERM_HELP = {
 @dataclass
 class Plan:
     """The planner's answer for one config on one layout. Byte figures are per GPU, for the pipeline rank that
-    needs the most memory (``stage``); ``memory`` is the breakdown of ``memory_per_gpu_bytes``."""
+    needs the most memory (``stage``); ``memory`` is the breakdown of ``memory_per_gpu_bytes``.
+
+        p = plan(load_config("tiny")); p.fits, p.memory["activations"], print(p)
+    """
     name: str
     gpus: int
     layout: dict

@@ -27,7 +27,10 @@ _POLL_S = 1.0  # a scheduler is asked at most this often per Run
 
 
 class Run:
-    """A handle on one run folder. Build one with Session.submit(), Run.load(folder) or moelab.runs()."""
+    """A handle on one run folder. Build one with Session.submit(), Run.load(folder) or moelab.runs().
+
+        run = Run.load("runs/tiny-20261130-101500"); run.status, run.metrics.tail()
+    """
 
     def __init__(self, folder: "str | Path", info: dict | None = None, job: Job | None = None):
         self.run_folder = RunFolder(folder)

@@ -38,10 +38,17 @@ from moelab.train.summary import summarize
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A step's loss or gradient norm was not finite and train.on_nan='stop'.
+
+        raise NonFiniteLoss("non-finite loss at step 3: ...")
+    """
 
 
 class Trainer:
+    """The training loop of one rank: setup (model on meta, parallelize, restore), steps, checkpoints, end.
+
+        summary = Trainer(load_config("tiny"), "runs/tiny").run()
+    """
     def __init__(self, cfg: Config, run_dir: "str | Path", env: DistEnv | None = None, progress: bool = False):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.folder = RunFolder(run_dir)  # the file names of the run folder
