@@ -5,7 +5,8 @@
     run.dashboard()
 """
 from moelab.config import Config, ConfigError, load_config, save_config
-from moelab.run import Run, Sweep, runs
+from moelab.run.run import Run
+from moelab.run.sweep import Sweep, runs
 from moelab.session import Session
 
 __version__ = "0.1.0"

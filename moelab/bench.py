@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config
-from moelab.flops import FLOPS_CONVENTION
+from moelab.planner.flops import FLOPS_CONVENTION
 
 
 def commit_id() -> str:

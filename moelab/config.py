@@ -5,7 +5,7 @@
     save_config(cfg, "run/config.yaml"); load_config("run/config.yaml") == cfg   # True
 
 Every value is checked when a Config is built (``Config.validate``), and every error names the field, the
-value and the fix (`ConfigError`). Layout checks that need the world size live in ``check_layout``.
+value and the fix (`ConfigError`). Layout checks that need the world size live in moelab.parallel.dims (``ParallelDims``).
 Nothing here touches torch or hardware: a config can be built and planned on any machine.
 """
 from __future__ import annotations
@@ -22,7 +22,10 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """An invalid config value. The message names the field, the value and the fix."""
+    """An invalid config value. The message names the field, the value and the fix.
+
+        load_config("tiny", ["model.moe.top_k=99"])   # ConfigError: model.moe.top_k=99: cannot exceed ...
+    """
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
@@ -31,6 +34,10 @@ def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
 
 @dataclass
 class MoEConfig:
+    """The MoE layer: experts, routing, balancing (aux loss, z-loss, aux-loss-free bias), capacity.
+
+        MoEConfig(num_experts=16, top_k=2, aux_loss_coeff=1e-3)   # or load_config("tiny", ["model.moe.top_k=1"])
+    """
     num_experts: int = 8
     top_k: int = 2
     expert_ffn_size: int = 128
@@ -74,7 +81,10 @@ class MoEConfig:
 @dataclass
 class RopeScalingConfig:
     """YaRN rotary scaling as in the published DeepSeek-V3, Kimi-K2 and GPT-OSS checkpoints (HF's "yarn").
-    It changes the rotary frequencies at every length, so loaded checkpoints need it for matching logits."""
+    It changes the rotary frequencies at every length, so loaded checkpoints need it for matching logits.
+
+        load_config("gpt-oss-20b").model.rope_scaling
+    """
     kind: Literal["none", "yarn"] = "none"
     factor: float = 1.0
     original_max_len: int = 4096
@@ -89,6 +99,11 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
+    """The decoder: sizes, attention kind (GQA or MLA, sliding windows, sinks), dense and MoE layers.
+
+        load_config("tiny").model.num_layers          # 4
+        ModelConfig(hidden_size=128, moe=MoEConfig(num_experts=16))
+    """
     vocab_size: int = 512
     hidden_size: int = 64
     num_layers: int = 4
@@ -121,7 +136,11 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp."""
+    """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp (checked
+    against a world size by moelab.parallel.dims.ParallelDims).
+
+        load_config("tiny", {"parallel.ep": 2, "parallel.fsdp": -1}).parallel
+    """
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -134,6 +153,10 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
+    """The step loop: steps, batch sizes, sequence length, optimizer, dtypes, checkpoints, failure policy.
+
+        load_config("tiny", {"train.steps": 20, "train.micro_batch_size": 2}).train
+    """
     steps: int = 50
     global_batch_size: int = 8
     micro_batch_size: int = 4
@@ -168,7 +191,10 @@ class TrainConfig:
 
 @dataclass
 class BackendConfig:
-    """The kernel switchboard. Availability of optional packages is checked by moelab.backends at run time."""
+    """The kernel switchboard. Availability of optional packages is checked by moelab.backends at run time.
+
+        load_config("tiny", ["backend.attention=eager", "backend.fallback=true"]).backend
+    """
     attention: Literal["sdpa", "flex", "eager", "te"] = "sdpa"
     experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te"] = "auto"
     dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
@@ -182,6 +208,10 @@ class BackendConfig:
 
 @dataclass
 class DataConfig:
+    """Where the tokens come from: a synthetic Markov chain, uniform random tokens, or a token file.
+
+        load_config("tiny", ["data.kind=random"]).data
+    """
     # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file
     kind: Literal["synthetic", "random", "tokens"] = "synthetic"
     path: str = ""  # a flat file of token ids for kind == "tokens"
@@ -192,6 +222,11 @@ class DataConfig:
 
 @dataclass
 class Config:
+    """A whole run: model, layout, training, backends and data, validated when built (Config.validate).
+
+        cfg = load_config("tiny", ["parallel.ep=2"])
+        cfg.replace(**{"train.steps": 10})          # a new, validated Config
+    """
     name: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -345,11 +380,6 @@ class Config:
         if not 0 <= self.data.noise <= 1:
             _fail("data.noise", self.data.noise, "must be within [0, 1]")
 
-    # ------------------------------------------------------------------ layout
-    def resolved_parallel(self, world_size: int) -> ParallelConfig:
-        """The layout for ``world_size`` ranks, with fsdp=-1 filled in; raises ConfigError if impossible."""
-        return check_layout(self, world_size)
-
 
 def _sections(obj, prefix: str = ""):
     """(dotted name, dataclass) for every section of a config, nested ones included."""
@@ -362,41 +392,6 @@ def _sections(obj, prefix: str = ""):
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
-    p = cfg.parallel
-    rest = p.tp * p.pp * p.cp
-    if world_size % rest:
-        _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
-              f"tp*pp*cp={rest} must divide the world size {world_size}")
-    fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
-    if p.tp * p.pp * p.cp * fsdp != world_size:
-        _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
-              f"set parallel.fsdp={world_size // rest} or -1")
-    if (fsdp * p.cp * p.tp) % p.ep:
-        _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from the "
-              f"non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")
-    t = cfg.train
-    dp = fsdp
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp}")
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        _fail("train.seq_len", t.seq_len, f"must be a multiple of 2*cp={2 * p.cp} for load-balanced causal sharding")
-    if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
-        _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
-              f"(model.num_layers={cfg.model.num_layers})")
-    n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.pp > 1 and (n_micro < p.pp or (p.vp > 1 and n_micro % p.pp)):
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least pp={p.pp}"
-              + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
-              + "; raise global_batch_size or lower micro_batch_size")
-    if p.pp > 1 and cfg.model.tie_embeddings:
-        _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
-              "set model.tie_embeddings=false or parallel.pp=1")
-    return dataclasses.replace(p, fsdp=fsdp)
 
 
 # ---------------------------------------------------------------------- building from dicts (YAML, CLI)

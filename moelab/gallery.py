@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,10 @@ RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu
 
 
 class GalleryError(RuntimeError):
-    """An entry that cannot run here, or a gallery folder that is not well formed; the message says why."""
+    """An entry that cannot run here, or a gallery folder that is not well formed; the message says why.
+
+        run_entry("deepseek-v3-1024gpu")   # GalleryError: ... needs 1024 CUDA GPU(s) ...
+    """
 
 
 def default_root() -> Path:
@@ -41,7 +43,10 @@ def default_root() -> Path:
 @dataclass
 class Entry:
     """One gallery row. ``device`` is "cuda" or "cpu"; ``published`` holds the reference table's figures
-    (None for proxies); ``proxy_of`` names the published entry whose layer shapes a proxy keeps."""
+    (None for proxies); ``proxy_of`` names the published entry whose layer shapes a proxy keeps.
+
+        get_entry("tiny-cpu").config()          # the entry's Config, overrides applied
+    """
     name: str
     title: str
     preset: str
@@ -162,32 +167,31 @@ def hardware_check(entry: Entry) -> str | None:
 
 def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, command: str) -> dict:
     """Run the path of `moelab bench` (moelab.bench.bench) and return its record. Several GPUs: one process per
-    GPU through torchrun, each running ``python -m moelab.gallery RUN_DIR STEPS WARMUP`` (``_rank_main``)."""
+    GPU through moelab's local launcher, each the one rank entry point in its bench mode
+    (``python -m moelab.launch.entry RUN_DIR --bench STEPS WARMUP COMMAND``); logs in RUN_DIR/logs/."""
     from moelab.config import save_config
+    from moelab.launch.entry import BENCH_FILE
+    from moelab.launch.local import RankFailed, launch
+    from moelab.run.folder import RunFolder
 
     if gpus == 1:
         return _bench_here(cfg, steps, warmup, command)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", "moelab.gallery", str(run_dir), str(steps), str(warmup), command]
-    proc = subprocess.run(cmd)
-    if proc.returncode:
-        raise GalleryError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {run_dir}")
-    return json.loads((run_dir / "bench.json").read_text())
+    folder = RunFolder(run_dir)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, folder.config)
+    argv = [sys.executable, "-m", "moelab.launch.entry", str(folder.path), "--bench", str(steps), str(warmup),
+            command]
+    try:
+        launch(argv, gpus, folder.logs, metrics_path=folder.metrics)
+    except RankFailed as e:
+        raise GalleryError(f"{' '.join(argv)} failed: {e}") from None
+    return json.loads((folder.path / BENCH_FILE).read_text())
 
 
 def _bench_here(cfg: Config, steps: int, warmup: int, command: str) -> dict:
     from moelab.bench import bench
 
     return dict(bench(cfg, steps=steps, warmup=warmup, command=command))
-
-
-def _rank_main(run_dir: str, steps: str, warmup: str, command: str) -> None:
-    """One rank of a multi-GPU gallery run (under torchrun); rank 0 writes RUN_DIR/bench.json."""
-    record = _bench_here(load_config(Path(run_dir) / "config.yaml"), int(steps), int(warmup), command)
-    if int(os.environ.get("RANK", "0")) == 0:
-        (Path(run_dir) / "bench.json").write_text(json.dumps(record, indent=1))
 
 
 def run_entry(name: str, steps: int = 20, warmup: int = 5, out: "str | Path | None" = None,
@@ -232,7 +236,7 @@ def _fmt(v, digits: int = 0) -> str:
 
 def _planned(entry: Entry, gpu_memory_gb: float | None = None):
     """The planner's answer for an entry, or the reason there is none (a preset not there yet)."""
-    from moelab.plan import plan
+    from moelab.planner.plan import plan
 
     try:
         return plan(entry.config(), gpus=entry.gpus, gpu_memory_gb=gpu_memory_gb)
@@ -249,7 +253,7 @@ _REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "p
 def _planned_for_result(r: dict, entries: dict):
     """The plan of the config a result ran: its gallery entry, or its preset with the settings it records (a
     record without batch, dtypes and layout, e.g. an in-place variant of a benchmark script, is not planned)."""
-    from moelab.plan import plan
+    from moelab.planner.plan import plan
     from moelab.presets import preset_names
 
     try:
@@ -477,6 +481,3 @@ def main(args) -> int:
         print(f"moelab gallery: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    _rank_main(*sys.argv[1:5])

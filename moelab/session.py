@@ -22,7 +22,10 @@ from moelab.config import Config, ConfigError, flatten, load_config
 
 class Session:
     """A validated Config plus submit/sweep. `source` is a preset name, a YAML path, a dict or a Config;
-    keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`)."""
+    keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`).
+
+        run = Session("tiny", train={"steps": 20}).set("parallel.ep", 2).submit("local", nproc=2)
+    """
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
         self._config = load_config(source, flatten(sections))
@@ -39,7 +42,7 @@ class Session:
     def plan(self, gpus: int | None = None, **kwargs: Any):
         """Parameters, activated parameters, FLOPs per token and memory per GPU for this config
         (moelab.plan.plan, which takes the keywords; an HTML table in a notebook, text elsewhere)."""
-        from moelab.plan import plan
+        from moelab.planner.plan import plan
 
         return plan(self._config, gpus=gpus, **kwargs)
 
@@ -55,10 +58,12 @@ class Session:
         The layout is checked against the world size before anything is submitted.
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
+        from moelab.run.run import Run
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
         folder = prepare_folder(Path(folder) if folder else _default_folder(self._config.name), self._config)
-        return submit_folders(kind, [folder], nproc, cluster_options, folder / "submitit", world)[0]
+        job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
+        return Run(folder.path, job.info, job)
 
     def sweep(self, grid: dict, executor: str = "local", nproc: int = 1, folder: "str | Path | None" = None,
               **cluster_options: Any):
@@ -68,7 +73,9 @@ class Session:
             s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3], "model.moe.top_k": [1, 2]})   # 4 runs
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
-        from moelab.run import SWEEP_FILE, Sweep, write_json
+        from moelab.run.folder import RunFolder, write_json
+        from moelab.run.run import Run
+        from moelab.run.sweep import Sweep
 
         if not isinstance(grid, dict) or not grid:
             raise ConfigError(f"sweep grid={grid!r}: give a dict of dotted keys to lists of values, e.g. "
@@ -81,16 +88,16 @@ class Session:
         configs = [load_config(self._config, p) for p in points]  # every point is validated before any submit
         kind, world = validate(executor, nproc, cluster_options, configs)
         root = Path(folder) if folder else _default_folder(f"{self._config.name}-sweep")
-        if (root / SWEEP_FILE).exists():
+        if RunFolder(root).is_sweep():
             raise ConfigError(f"folder={str(root)!r} already holds a sweep; choose a new folder")
         root.mkdir(parents=True, exist_ok=True)
         names = [f"{i:02d}-" + ",".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in p.items())
                  for i, p in enumerate(points)]
         folders = [prepare_folder(root / n, cfg) for n, cfg in zip(names, configs)]
-        write_json(root / SWEEP_FILE, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
-                                       "runs": names, "executor": kind, "created": time.time()})
-        runs = submit_folders(kind, folders, nproc, cluster_options, root / "submitit", world)
-        return Sweep(runs, root)
+        write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
+                                                       "runs": names, "executor": kind, "created": time.time()})
+        jobs = submit_folders(kind, folders, nproc, cluster_options, RunFolder(root).submitit, world)
+        return Sweep([Run(job.folder.path, job.info, job) for job in jobs], root)
 
     def __repr__(self) -> str:
         c = self._config

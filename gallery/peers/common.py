@@ -16,7 +16,7 @@ import torch
 
 from moelab.bench import commit_id
 from moelab.config import load_config
-from moelab.flops import FLOPS_CONVENTION, flops_per_token, peak_tflops
+from moelab.planner.flops import FLOPS_CONVENTION, flops_per_token, peak_tflops
 
 
 def parser(desc: str) -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import torch
 
 from moelab.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
-from moelab.flops import FLOPS_CONVENTION
+from moelab.planner.flops import FLOPS_CONVENTION
 
 
 class RowGather(torch.autograd.Function):
@@ -180,7 +180,7 @@ def main():
             record("fake-gate-gbs2-cudnn-sdpa", "as fake-gate-gbs2 (+ fast permute) preferring cuDNN attention",
                    args.steps, 2, fake_balanced_gate=True, sdpa="cudnn first")
     if "compile" not in skip:
-        from moelab.parallel import apply_compile
+        from moelab.parallel.place import apply_compile
 
         apply_compile(tr.model, cfg.replace(**{"train.compile": True}))
         b.set_fake_gate(True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.compare import compare
+from moelab.live.compare import compare
 from moelab.session import Session
 
 GALLERY = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moelab.backends import import_package
+from moelab.backends.packages import import_package
 
 
 def buffer_bytes(hidden: int, num_ranks: int, dtype_bytes: int = 2) -> int:
@@ -61,7 +61,10 @@ class _Combine(torch.autograd.Function):
 
 
 class DeepEPDispatcher:
-    """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group)."""
+    """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group).
+
+        moe.dispatcher = DeepEPDispatcher(ep_group, hidden=cfg.model.hidden_size)   # backend.dispatcher=deepep
+    """
 
     def __init__(self, group, hidden: int = 7168):
         deep_ep = import_package("deep_ep")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.backends import BackendUnavailable, import_package
+from moelab.backends.packages import BackendUnavailable, import_package
 
 
 def _eager(module: nn.Module) -> nn.Module:

@@ -194,7 +194,10 @@ def _signal_delay(time_s: int) -> int:
 class TrainJob:
     """What every task of a submitted run executes: torch.distributed from submitit's view of the job
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), then the one entry point. Lives in the installed
-    package so that jobs unpickle anywhere; a callable class so that checkpoint() can be added for requeue."""
+    package so that jobs unpickle anywhere; a callable class so that checkpoint() can be added for requeue.
+
+        job = make_executor("local", folder, 1, {}).submit(TrainJob("runs/tiny"))
+    """
 
     def __init__(self, run_dir: "str | Path"):
         self.run_dir = str(run_dir)

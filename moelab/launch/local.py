@@ -1,7 +1,7 @@
-"""N training processes on this machine, started the way torchrun starts them.
+"""N rank processes on this machine in the foreground, started the way torchrun starts them (the gallery's
+multi-GPU benchmarks and the multi-process tests use it; runs of users go through Session and an executor).
 
     summary = run_local_processes(load_config("tiny", ["parallel.ep=2"]), "runs/ep2", nproc=2)
-    # = `moelab run tiny --nproc 2 --set parallel.ep=2 --out runs/ep2`
 
 Each rank is ``python -m moelab.launch.entry RUN_DIR`` with torchrun's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), so the same entry point runs under
@@ -23,11 +23,17 @@ import time
 from pathlib import Path
 
 from moelab.config import Config, save_config
+from moelab.parallel.dims import ParallelDims
+from moelab.run.folder import RunFolder
 from moelab.train.metrics import MetricsError, read_events
 
 
 class RankFailed(RuntimeError):
-    """A rank of a local multi-process run failed; the message carries its traceback and log paths."""
+    """A rank of a local multi-process run failed; the message carries its traceback and log paths.
+
+        try: run_local_processes(cfg, "runs/x", 2)
+        except RankFailed as e: e.rank, e.returncode
+    """
 
     def __init__(self, message: str, rank: int, returncode: int):
         super().__init__(message)
@@ -124,11 +130,9 @@ def run_local_processes(cfg: Config, run_dir: "str | Path", nproc: int, entry: s
     `entry` is the module each rank runs as ``python -m ENTRY RUN_DIR`` (tests use their own); `env` adds
     environment variables to every rank."""
     run_dir = Path(run_dir)
-    from moelab.parallel.mesh import check_supported
-
-    check_supported(cfg.resolved_parallel(nproc))  # an impossible layout fails here, before any process starts
+    ParallelDims.build(cfg, nproc)  # an impossible layout fails here, before any process starts
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    launch([sys.executable, "-m", entry, str(run_dir)], nproc, run_dir / "logs", env, grace_s,
-           metrics_path=run_dir / "metrics.jsonl")
-    return json.loads((run_dir / "summary.json").read_text())
+    folder = RunFolder(run_dir)
+    save_config(cfg, folder.config)
+    launch([sys.executable, "-m", entry, str(run_dir)], nproc, folder.logs, env, grace_s, metrics_path=folder.metrics)
+    return json.loads(folder.summary.read_text())

@@ -1,50 +1,68 @@
-"""Continue a run from its last checkpoint: what `moelab resume FOLDER` and `Run.resume()` call.
+"""Continue a run from its last checkpoint: what `moelab resume FOLDER` and `Run.resume()` both call.
 
-A run folder knows everything needed to continue: config.yaml (the config), checkpoints/ (the state) and
-metrics.jsonl (the stream, rewound to the checkpoint so no step is duplicated or missing). The trainer itself
-restores the newest intact checkpoint at setup, so resuming is simply training the folder's config again, on
-as many ranks as before unless told otherwise (any layout can load any other's checkpoint).
+A run folder knows everything needed to continue: config.yaml (the config), checkpoints/ (the state), run.json
+(the executor and its options) and metrics.jsonl (the stream, rewound to the checkpoint so no step is
+duplicated or missing). The trainer itself restores the newest intact checkpoint at setup, so resuming is
+training the folder's config again: on the same executor with the same options (those given replace them),
+on as many ranks as before unless told otherwise (any layout can load any other's checkpoint).
 
-    summary = resume("runs/tiny")               # in this process, or on the run's former number of processes
-    summary = resume("runs/tiny", steps=200)    # and train longer than first planned
+    job = resume("runs/tiny")                 # a Job (moelab.launch.jobs); inline runs have finished already
+    job = resume("runs/tiny", steps=200)      # and train longer than first planned
+    summary = job.wait().summary()
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from moelab.config import ConfigError, load_config
+from moelab.config import ConfigError, load_config, save_config
+from moelab.launch.jobs import Job
+from moelab.run.folder import RunFolder
 from moelab.train.metrics import MetricsError, read_events
 
 
 def resume_config(run_dir: "str | Path", steps: int | None = None):
     """The folder's config (with train.steps changed if `steps`); ConfigError if it is not a run folder."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"{run_dir}: not a run folder (no config.yaml); give the folder a run was started in")
-    return load_config(run_dir / "config.yaml", {"train.steps": steps} if steps is not None else None)
+    folder = RunFolder(run_dir)
+    if not folder.config.is_file():
+        raise ConfigError(f"{folder.path}: not a run folder (no config.yaml); give the folder a run was started in")
+    return load_config(folder.config, {"train.steps": steps} if steps is not None else None)
 
 
 def previous_world_size(run_dir: "str | Path") -> int:
     """How many ranks the run last trained on (its last `start` event; 1 if unknown)."""
     try:
-        starts = [e for e in read_events(Path(run_dir) / "metrics.jsonl", live=True) if e["event"] == "start"]
+        starts = [e for e in read_events(RunFolder(run_dir).metrics, live=True) if e["event"] == "start"]
     except MetricsError:
         return 1
     return int(starts[-1].get("env", {}).get("world_size") or 1) if starts else 1
 
 
-def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = None,
-           progress: bool = False) -> dict:
+def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = None, **cluster_options) -> Job:
     """Continue the run in `run_dir` from its newest intact checkpoint (from step 0 if it has none) until
-    train.steps; returns the summary. `nproc` local processes (default: as many as the run had)."""
-    run_dir = Path(run_dir)
-    cfg = resume_config(run_dir, steps)
-    nproc = nproc or previous_world_size(run_dir)
-    if nproc > 1:
-        from moelab.launch.local import run_local_processes
+    train.steps. A local or SLURM run goes back to its executor with its options (`cluster_options` replace
+    them); a run trained in the foreground (inline, or started without a Session) continues in this process,
+    or on `nproc` local processes (default: as many as it had) through the local executor. A folder that
+    cannot be continued in this process raises (ConfigError, CheckpointError, MetricsError)."""
+    from moelab.train.checkpoint import CheckpointError
+    from moelab.launch.submit import run_inline, submit_folders, unlink_logs, validate
 
-        return run_local_processes(cfg, run_dir, nproc)
-    from moelab.train.trainer import Trainer
-
-    return Trainer(cfg, run_dir, progress=progress).run()
-
+    folder = RunFolder(run_dir)
+    cfg = resume_config(folder.path, steps)
+    info = folder.read_info()
+    kind = info.get("executor")
+    if kind in ("local", "slurm"):
+        options = {**info.get("options", {}), **cluster_options}
+        nproc = nproc or (1 if options.get("gpus_per_node") else
+                          int(info.get("ntasks", 1)) // int(options.get("nodes", 1)))
+    else:
+        options = dict(cluster_options)
+        nproc = nproc or previous_world_size(folder.path)
+        kind = "inline" if nproc == 1 and not options else "local"
+    kind, world = validate(kind, nproc, options, [cfg])
+    if steps is not None:
+        save_config(cfg, folder.config)  # what the ranks read
+    unlink_logs(folder)  # they point at the previous job's files
+    if kind == "inline":
+        return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
+    root = Path(info.get("submitit_folder") or folder.submitit)
+    return submit_folders(kind, [folder], nproc, options, root, world)[0]

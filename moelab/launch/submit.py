@@ -1,10 +1,11 @@
-"""Send prepared run folders to an executor and return their Runs (Session.submit and Session.sweep end here).
+"""Send prepared run folders to an executor and return their Jobs (Session.submit and Session.sweep end here).
 
-    runs = submit_folders("slurm", [folder_a, folder_b], nproc=1, options={"time": 30}, submitit_folder=root)
+    jobs = submit_folders("slurm", [folder_a, folder_b], nproc=1, options={"time": 30}, submitit_folder=root)
     # two folders -> one SLURM job array (submitit's executor.batch())
 
-Each folder already holds its config.yaml. This module writes run.json (what Run.load needs to find the job
-again from another kernel) and logs/ links to every rank's stdout and stderr.
+Each folder already holds its config.yaml (prepare_folder). This module writes run.json (what a Run needs to
+find the job again from another kernel) and logs/ links to every rank's stdout and stderr, through
+moelab.run.folder. The layout of every config is checked by the one validator before anything is submitted.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import os
 import time
 from pathlib import Path
 
-from moelab.config import ConfigError, check_layout, load_config
+from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.executors import (TrainJob, check_options, make_executor, parse_time_s, resolve_executor,
                                      world_size)
-from moelab.run import RUN_FILE, Run, write_json
+from moelab.launch.jobs import InlineJob, Job, job_for
+from moelab.parallel.dims import check_layout
+from moelab.run.folder import RunFolder
 
 
 def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[str, int]:
@@ -35,79 +38,90 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
     return kind, world
 
 
-def submit_folders(kind: str, folders: list[Path], nproc: int, options: dict, submitit_folder: Path,
-                   world: int) -> list[Run]:
+def prepare_folder(folder: "str | Path", cfg) -> RunFolder:
+    """Create a fresh run folder holding config.yaml; refuses a folder that already holds a run."""
+    folder = RunFolder(folder)
+    if folder.holds_run():
+        raise ConfigError(f"folder={str(folder.path)!r} already holds a run; choose a new folder, continue it "
+                          f"with `moelab resume {folder.path}` (Run.load(folder).resume()), or load it with "
+                          f"moelab.Run.load")
+    folder.path.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, folder.config)
+    load_config(folder.config)  # what the job will read must load
+    return folder
+
+
+def submit_folders(kind: str, folders: list, nproc: int, options: dict, submitit_folder: "str | Path",
+                   world: int) -> list[Job]:
     """Submit one TrainJob per folder (several = one job array on SLURM); `kind` is already resolved."""
+    folders = [f if isinstance(f, RunFolder) else RunFolder(f) for f in folders]
     if kind == "inline":
         return [run_inline(f) for f in folders]
-    ex = make_executor(kind, submitit_folder, nproc, options)
-    jobs = []
+    ex = make_executor(kind, Path(submitit_folder), nproc, options)
+    handles = []
     if len(folders) == 1:
-        jobs.append(ex.submit(TrainJob(folders[0])))
+        handles.append(ex.submit(TrainJob(folders[0].path)))
     else:
         with ex.batch():
             for f in folders:
-                jobs.append(ex.submit(TrainJob(f)))
+                handles.append(ex.submit(TrainJob(f.path)))
     time_s = parse_time_s(options["time"]) if "time" in options else None
-    out = []
-    for folder, job in zip(folders, jobs):
-        array_id = str(job.job_id).split("_")[0] if "_" in str(job.job_id) else None
-        info = {"name": folder.name, "executor": kind, "created": time.time(), "job_id": str(job.job_id),
+    jobs = []
+    for folder, handle in zip(folders, handles):
+        array_id = str(handle.job_id).split("_")[0] if "_" in str(handle.job_id) else None
+        info = {"name": folder.name, "executor": kind, "created": time.time(), "job_id": str(handle.job_id),
                 "array_job_id": array_id, "submitit_folder": str(Path(submitit_folder).resolve()),
                 "ntasks": world, "time_limit_s": time_s, "options": _jsonable(options)}
-        write_json(folder / RUN_FILE, info)
-        run = Run(folder, info, job)
-        _link_logs(run, world)
-        out.append(run)
-    return out
+        folder.write_info(info)
+        job = job_for(folder, info, handle)
+        _link_logs(job, world)
+        jobs.append(job)
+    return jobs
 
 
-def run_inline(folder: Path) -> Run:
-    """Train in this process (blocking) and return the finished Run. A failure is recorded, not raised
-    (status FAILED, the traceback in .error); Ctrl-C records CANCELLED and is re-raised."""
+def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)) -> InlineJob:
+    """Train in this process (blocking) and return the finished job. A failure is recorded, not raised
+    (status FAILED, the traceback in the stream), except the `reraise` kinds (bad input found at setup: a
+    ConfigError such as a missing backend package), which are recorded and raised; Ctrl-C records CANCELLED
+    and is re-raised."""
     from moelab.launch.entry import train_rank
 
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     info = {"name": folder.name, "executor": "inline", "created": time.time(), "status": "RUNNING",
             "ntasks": 1, "pid": os.getpid()}
-    write_json(folder / RUN_FILE, info)
-    run = Run(folder, info)
+    folder.write_info(info)
     try:
-        status = train_rank(folder, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal
+        status = train_rank(folder.path, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal
     except KeyboardInterrupt:
-        run._update_info(status="CANCELLED")
+        folder.update_info(status="CANCELLED")
         raise
-    except Exception:  # noqa: BLE001 - the trainer wrote the error event; .error shows it
+    except reraise:
+        folder.update_info(status="FAILED")
+        raise
+    except Exception:  # noqa: BLE001 - the trainer wrote the error event; Run.error shows it
         status = "FAILED"
-    run._update_info(status=status)
-    return run
+    return InlineJob(folder, folder.update_info(status=status))
 
 
-def _link_logs(run: Run, world: int) -> None:
+def unlink_logs(folder: RunFolder) -> None:
+    """Drop the logs/ links of a previous job (before the folder is submitted again)."""
+    for link in folder.logs.glob("rank*"):
+        if link.is_symlink():
+            link.unlink()
+
+
+def _link_logs(job: Job, world: int) -> None:
     """logs/rank<k>.out and .err -> submitit's files, so a user finds them from the run folder."""
-    logs = run.folder / "logs"
-    logs.mkdir(exist_ok=True)
+    folder = job.folder
+    folder.logs.mkdir(exist_ok=True)
     for rank in range(world):
-        paths = run._paths(rank)
+        paths = job.paths(rank)
         for suffix, target in (("out", paths.stdout), ("err", paths.stderr)):
-            link = logs / f"rank{rank}.{suffix}"
+            link = folder.rank_log(rank, suffix)
             if not link.is_symlink() and not link.exists():
-                link.symlink_to(os.path.relpath(target, logs))
+                link.symlink_to(os.path.relpath(target, folder.logs))
 
 
 def _jsonable(options: dict) -> dict:
     return {k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
             for k, v in options.items()}
-
-
-def prepare_folder(folder: Path, cfg) -> Path:
-    """Create a fresh run folder holding config.yaml; refuses a folder that already holds a run."""
-    from moelab.config import save_config
-
-    folder = Path(folder)
-    if (folder / RUN_FILE).exists() or (folder / "metrics.jsonl").exists():
-        raise ConfigError(f"folder={str(folder)!r} already holds a run; choose a new folder (or load it with "
-                          f"moelab.Run.load)")
-    folder.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, folder / "config.yaml")
-    load_config(folder / "config.yaml")  # what the job will read must load
-    return folder

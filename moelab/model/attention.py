@@ -106,6 +106,11 @@ def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=
 
 
 class GQAttention(nn.Module):
+    """Grouped-query attention (H query heads sharing G kv heads), optional QK-norm, sliding window and sinks.
+
+        attn = GQAttention(load_config("tiny").model, BackendConfig())
+        y_BLD = attn(x_BLD, cos_LD, sin_LD)      # the rotary tables of the positions
+    """
     def __init__(self, cfg: ModelConfig, backend: BackendConfig, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -44,6 +44,11 @@ ACTIVATIONS = {"swiglu": swiglu, "gpt_oss": gpt_oss_glu}
 
 
 class GroupedExperts(nn.Module):
+    """E experts' SwiGLU FFNs as stacked weights (w_EDF), run on routed rows sorted by expert.
+
+        experts = GroupedExperts(num_experts=8, dim=64, ffn=128)
+        y_ND = experts(x_ND, counts_E)           # rows grouped by expert, counts_E rows each
+    """
     def __init__(self, num_experts: int, dim: int, ffn: int, impl: str = "auto", bias: bool = False,
                  activation: str = "swiglu"):
         super().__init__()

@@ -12,6 +12,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 and cast back to the input dtype.
+
+        y_BLD = RMSNorm(64)(x_BLD)
+    """
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -66,7 +70,10 @@ def apply_rope(x_BHLD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor)
 
 
 class SwiGLU(nn.Module):
-    """Dense feed-forward: down(silu(gate(x)) * up(x)). Also used for shared experts."""
+    """Dense feed-forward: down(silu(gate(x)) * up(x)). Also used for shared experts.
+
+        y_BLD = SwiGLU(64, 256)(x_BLD)
+    """
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()

@@ -35,8 +35,12 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
-    """    attn = MLAttention(load_config("deepseek-v3-proxy").model, BackendConfig())
-    y_BLD = attn(x_BLD, *rope_cos_sin(torch.arange(L), cfg.qk_rope_head_dim, cfg.rope_theta, x_BLD.dtype))"""
+    """Multi-head latent attention (DeepSeek-V3): low-rank query and key-value projections, a decoupled
+    rotary part of the query and key.
+
+        attn = MLAttention(load_config("deepseek-v3-proxy").model, BackendConfig())
+        y_BLD = attn(x_BLD, *rope_cos_sin(torch.arange(L), cfg.qk_rope_head_dim, cfg.rope_theta, x_BLD.dtype))
+    """
 
     def __init__(self, cfg: ModelConfig, backend: BackendConfig):
         super().__init__()

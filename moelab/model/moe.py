@@ -21,7 +21,10 @@ class AttachLoss(torch.autograd.Function):
     """Identity on `x` whose backward also sends gradient `scale` into `loss`.
 
     This lets router losses train without being returned through every layer (and through pipeline stages):
-    the trainer sets ``MoE.loss_scale`` to the weight of one micro batch in the step's loss."""
+    the trainer sets ``MoE.loss_scale`` to the weight of one micro batch in the step's loss.
+
+        y_BLD = AttachLoss.apply(y_BLD, aux_loss, scale)   # y unchanged; backward adds d(scale * loss)
+    """
 
     @staticmethod
     def forward(ctx, x, loss, scale: float):
@@ -36,7 +39,10 @@ class AttachLoss(torch.autograd.Function):
 
 
 class LocalDispatcher:
-    """All experts on this rank: sort the N = T*K assignments by expert, and undo it after."""
+    """All experts on this rank: sort the N = T*K assignments by expert, and undo it after.
+
+        x_ND, counts_E, order_N = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
+    """
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
         T, K = experts_TK.shape
@@ -63,6 +69,12 @@ class LocalDispatcher:
 
 
 class MoE(nn.Module):
+    """A MoE FFN: router -> dispatch (local, or all-to-all under EP) -> grouped experts -> combine, plus shared
+    experts; the router's losses are attached to the output for backward.
+
+        moe = MoE(64, load_config("tiny").model.moe, BackendConfig())
+        y_BLD = moe(x_BLD)
+    """
     def __init__(self, dim: int, cfg: MoEConfig, backend: BackendConfig):
         super().__init__()
         self.num_experts = cfg.num_experts

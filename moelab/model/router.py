@@ -16,6 +16,12 @@ from moelab.config import MoEConfig
 
 
 class Router(nn.Module):
+    """Top-k routing (softmax or sigmoid scores, expert groups, aux-loss-free bias, capacity) and the step's
+    routing statistics (pop_stats).
+
+        router = Router(64, load_config("tiny").model.moe)
+        weights_TK, experts_TK, keep_TK, loss = router(x_BLD)   # keep_TK: None without capacity dropping
+    """
     def __init__(self, dim: int, cfg: MoEConfig, fake_balanced_gate: bool = False, fake_gate_noise: float = 0.0):
         super().__init__()
         self.cfg = cfg

@@ -18,7 +18,7 @@ from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.moe import MoE
-from moelab.model_shapes import layer_window
+from moelab.planner.shapes import layer_window
 
 
 def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:
@@ -30,6 +30,11 @@ def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.
 
 
 class Block(nn.Module):
+    """One decoder block: pre-norm attention and pre-norm FFN (dense or MoE by index), residual around each.
+
+        block = Block(cfg.model, cfg.backend, index=1)
+        y_BLD = block(x_BLD, cos_LD, sin_LD)
+    """
     def __init__(self, cfg: ModelConfig, backend: BackendConfig, index: int):
         super().__init__()
         self.index = index
@@ -45,6 +50,12 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
+    """The whole decoder: embedding, blocks (a ModuleDict by layer index, so pipeline stages can drop layers),
+    final norm, LM head. Pure PyTorch, no parallelism.
+
+        model = MoETransformer(load_config("tiny").model)
+        logits_BLV = model(tokens_BL, torch.arange(tokens_BL.shape[1]))
+    """
     def __init__(self, cfg: ModelConfig, backend: BackendConfig | None = None):
         super().__init__()
         backend = backend or BackendConfig()

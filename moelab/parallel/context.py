@@ -79,6 +79,11 @@ class _MeanOverRanks(torch.autograd.Function):
 
 
 class ContextParallel:
+    """Context parallelism over one process group: shard sequences, give positions, attend over all chunks.
+
+        cp = ContextParallel(meshes.cp_group)
+        tokens_BL = cp.shard(tokens_BS)         # this rank's two chunks of every sequence
+    """
     def __init__(self, group):
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)

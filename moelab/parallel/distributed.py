@@ -1,7 +1,7 @@
 """Many ranks: device meshes, expert, context and pipeline parallelism and FSDP2, applied to a model built on the
 meta device.
 
-    par = parallelize_distributed(model_on_meta, cfg, env, layout)   # called by moelab.parallel.parallelize
+    par = parallelize_distributed(model_on_meta, cfg, env, dims, loss_fn)   # called by moelab.parallel.apply.parallelize
 
 Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
 install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
@@ -24,15 +24,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moelab.config import Config, ConfigError, ParallelConfig
-from moelab.launch.env import DistEnv
-from moelab.parallel import Parallelized, apply_activation_checkpointing, apply_compile, materialize
+from moelab.parallel.env import DistEnv
+from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import AllToAllDispatcher, scale_expert_gradients, shard_experts
-from moelab.parallel.mesh import Meshes, build_meshes, check_supported
+from moelab.parallel.dims import ParallelDims
+from moelab.parallel.mesh import Meshes, build_meshes
 
 
 class DistributedParallelized(Parallelized):
-    """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized)."""
+    """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized).
+
+        par = parallelize(model_on_meta, cfg, env, ParallelDims.build(cfg, env.world_size), loss_fn)
+    """
 
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig, meshes: Meshes,
                  cp: ContextParallel | None = None):
@@ -134,11 +138,12 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
     fully_shard(model, mesh=meshes.dense, mp_policy=mp)
 
 
-def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig) -> Parallelized:
-    check_supported(layout)
-    meshes = build_meshes(layout, env.world_size, env.rank, "cuda" if env.is_cuda else "cpu")
+def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,
+                            loss_fn=None) -> Parallelized:
+    layout = dims.layout
+    meshes = build_meshes(dims, env.rank, "cuda" if env.is_cuda else "cpu")
     if layout.pp > 1:
-        return parallelize_pipeline(model, cfg, env, layout, meshes)
+        return parallelize_pipeline(model, cfg, env, dims, meshes, loss_fn)
     cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
     place_stage(model, cfg, env, meshes, cp)
     return DistributedParallelized(model, cfg, env, layout, meshes, cp)
@@ -155,21 +160,21 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
     apply_fsdp(model, cfg, meshes)
 
 
-def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig,
-                         meshes: Meshes) -> Parallelized:
+def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes,
+                         loss_fn) -> Parallelized:
     """Cut the model into pp * vp stages; place this rank's stages (r, r + pp, ...) like a whole model."""
-    from moelab.model_shapes import stage_layers
+    from moelab.planner.stages import stage_layers
     from moelab.parallel.pipeline import PipelineModel, PipelineRunner, build_stage_modules
 
-    num_stages = layout.pp * layout.vp
+    layout, num_stages = dims.layout, dims.num_stages
     stage_ids = [meshes.coords.pp + k * layout.pp for k in range(layout.vp)]
     stages = build_stage_modules(model, stage_layers(cfg.model, num_stages), stage_ids)
     for stage in stages:
         place_stage(stage, cfg, env, meshes)
     t = cfg.train
-    n_micro = t.global_batch_size // (t.micro_batch_size * layout.fsdp)
+    n_micro = dims.n_microbatches
     par = DistributedParallelized(PipelineModel(stages, cfg.model.num_layers), cfg, env, layout, meshes)
-    par.pipeline = PipelineRunner(stages, stage_ids, num_stages, meshes.pp_group, env.device, cfg, n_micro)
+    par.pipeline = PipelineRunner(stages, stage_ids, num_stages, meshes.pp_group, env.device, cfg, n_micro, loss_fn)
     par.pipeline.infer_shapes(par.model, n_micro * t.micro_batch_size, t.seq_len, env.device)
     return par
 

@@ -71,7 +71,10 @@ class AllToAllDispatcher:
     """Token dispatch over an expert-parallel process group with torch.distributed's all-to-all.
 
     The MoE layer keeps `num_experts` global (routing picks among all experts); the experts module holds only
-    this rank's X = E/R experts, and receives `counts_X` for them."""
+    this rank's X = E/R experts, and receives `counts_X` for them.
+
+        moe.dispatcher = AllToAllDispatcher(meshes.ep_group)
+    """
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group

@@ -1,8 +1,8 @@
 """Pipeline parallelism on torch.distributed.pipelining: stages by layers, 1F1B or interleaved 1F1B schedules.
 
-    split = stage_layers(model_cfg, num_stages=4)      # moelab.model_shapes: layer indices of every stage
+    split = stage_layers(model_cfg, num_stages=4)      # moelab.planner.stages: layer indices of every stage
     stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
-    runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches)
+    runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches, loss_fn)
     runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
     loss_sum = runner.forward_backward(inputs_BL, targets_BL)   # trainer hook: the schedule runs the micro batches
 
@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from moelab.config import Config
-from moelab.train.loss import cross_entropy
 
 
 def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: list[int]) -> list[nn.Module]:
@@ -47,7 +46,10 @@ def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: lis
 
 class PipelineModel(nn.Module):
     """This rank's stages as one module, with the single-process parameter names ("layers.5.ffn...").
-    It only holds the parameters; the schedule runs the stages."""
+    It only holds the parameters; the schedule runs the stages.
+
+        model = PipelineModel(stages, cfg.model.num_layers); model.moe_layers()
+    """
 
     def __init__(self, stages: list[nn.Module], num_layers: int):
         super().__init__()
@@ -68,18 +70,22 @@ class PipelineModel(nn.Module):
 
 
 class PipelineRunner:
-    """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches."""
+    """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches.
+
+        runner = PipelineRunner(stages, [rank], pp, group, device, cfg, n_micro, loss_fn)
+        loss_sum = runner.forward_backward(inputs_BL, targets_BL)
+    """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device,
-                 cfg: Config, n_microbatches: int):
+                 cfg: Config, n_microbatches: int, loss_fn):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        self.n_microbatches, self.compiled = n_microbatches, cfg.train.compile
+        self.n_microbatches, self.micro_loss = n_microbatches, loss_fn
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
                        for m, s in zip(stages, stage_ids)]
         kind = cfg.parallel.pp_schedule
-        if len(pipe_stages) > 1:  # vp > 1: interleaved 1F1B (moelab.parallel.mesh.check_supported)
+        if len(pipe_stages) > 1:  # vp > 1: interleaved 1F1B (moelab.parallel.dims.ParallelDims)
             self.schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches, loss_fn=self.loss_fn,
                                                     scale_grads=False)
         else:
@@ -99,7 +105,7 @@ class PipelineRunner:
 
     def loss_fn(self, logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
         """One micro batch's loss, pre-divided by the number of micro batches (gradient accumulation)."""
-        return cross_entropy(logits_BLV, targets_BL, compiled=self.compiled) / self.n_microbatches
+        return self.micro_loss(logits_BLV, targets_BL) / self.n_microbatches
 
     def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns

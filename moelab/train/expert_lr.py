@@ -57,6 +57,9 @@ class ExpertLR:
 
     `moe_layers` has one entry per MoE layer of the whole model (None where another pipeline stage holds it),
     in the order of the counts given to ``apply``.
+
+        expert_lr = ExpertLR.attach(optimizer, moe_layers, cfg)   # None unless train.expert_lr_scaling
+        expert_lr.apply(counts_LE)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, moe_layers: Sequence, power: float, max_scale: float):

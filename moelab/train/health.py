@@ -26,7 +26,10 @@ def load_shares(tokens_per_expert: list[list[float]]) -> list[list[float]]:
 
 
 class ExpertHealth:
-    """Tracks every (layer, expert) across steps. Holds only host-side lists: no device work, no sync."""
+    """Tracks every (layer, expert) across steps. Holds only host-side lists: no device work, no sync.
+
+        health = ExpertHealth(cfg.model.moe); record, warnings = health.observe(step, routed_LE)
+    """
 
     def __init__(self, cfg: MoEConfig):
         self.dead_steps, self.overload_factor = cfg.dead_expert_steps, cfg.overload_factor

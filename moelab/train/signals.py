@@ -19,6 +19,12 @@ import threading
 
 
 class StopSignals:
+    """SIGTERM / SIGUSR1 / submitit's preemption signal, turned into a stop at the next step boundary.
+
+        stop = StopSignals(); stop.install()
+        ...; stop.requested                 # True once a signal came; the trainer checkpoints and stops
+        stop.restore()
+    """
     def __init__(self):
         names = ["SIGTERM", "SIGUSR1", "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
         self.signals = [getattr(signal, n) for n in dict.fromkeys(names) if hasattr(signal, n)]

@@ -16,13 +16,16 @@ import resource
 import socket
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from moelab.config import Config, save_config
-from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
-from moelab.launch.env import DistEnv
+from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
+from moelab.parallel.dims import ParallelDims
+from moelab.parallel.env import DistEnv
+from moelab.run.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.expert_lr import ExpertLR
@@ -35,12 +38,20 @@ from moelab.train.summary import summarize
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A step's loss or gradient norm was not finite and train.on_nan='stop'.
+
+        raise NonFiniteLoss("non-finite loss at step 3: ...")
+    """
 
 
 class Trainer:
+    """The training loop of one rank: setup (model on meta, parallelize, restore), steps, checkpoints, end.
+
+        summary = Trainer(load_config("tiny"), "runs/tiny").run()
+    """
     def __init__(self, cfg: Config, run_dir: "str | Path", env: DistEnv | None = None, progress: bool = False):
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.folder = RunFolder(run_dir)  # the file names of the run folder
         self.env = env or DistEnv.from_environ(cfg.train.device)
         self.progress = progress and self.env.rank == 0
         self.writer: MetricsWriter | None = None
@@ -52,17 +63,18 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from moelab.model import MoETransformer
-        from moelab.parallel import parallelize
+        from moelab.parallel.apply import parallelize
 
         cfg, env = self.cfg, self.env
         self.stop.install()
         env.init(cfg.train.collective_timeout_s)
-        self.layout = cfg.resolved_parallel(env.world_size)
+        self.dims = ParallelDims.build(cfg, env.world_size)  # the one layout validator
+        self.layout = self.dims.layout
         torch.manual_seed(cfg.train.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpointer = Checkpointer(self.run_dir, cfg, env, self.layout)  # refuses another config's folder
         if env.rank == 0:
-            save_config(cfg, self.run_dir / "config.yaml")
+            save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
         # Build on the meta device, parallelize (which may drop layers and experts this rank does not own),
         # then materialise and initialise only what is left: the same weights as one process would have.
@@ -73,7 +85,7 @@ class Trainer:
 
             check_fp8(cfg, env.device)
             enable_fp8(model)
-        self.par = parallelize(model, cfg, env, self.layout)
+        self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
@@ -87,12 +99,12 @@ class Trainer:
         self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
         self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
         # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
-        self.restored = self.checkpointer.restore(self.model, self.optimizer, self.run_dir / "metrics.jsonl",
+        self.restored = self.checkpointer.restore(self.model, self.optimizer, self.folder.metrics,
                                                   meshes=getattr(self.par, "meshes", None))
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         if env.rank == 0:
-            self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+            self.writer = MetricsWriter(self.folder.metrics)
             self.writer.write(
                 "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
                 resumed_from=str(self.restored.path) if self.restored.path else None,
@@ -290,7 +302,7 @@ class Trainer:
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step)
         if self.writer:
             self.writer.write("end", step=self.step, status=status, summary=summary)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.folder.summary.write_text(json.dumps(summary, indent=1))
         self.env.shutdown()
         return summary
 
@@ -329,7 +341,7 @@ class Trainer:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            append_event(self.run_dir / "metrics.jsonl", "error", step=self.step, rank=self.env.rank,
+            append_event(self.folder.metrics, "error", step=self.step, rank=self.env.rank,
                          message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         except OSError:
             pass

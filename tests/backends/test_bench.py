@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from moelab.flops import FLOPS_CONVENTION
+from moelab.planner.flops import FLOPS_CONVENTION
 
 REQUIRED = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_memory_gb",
             "flops_convention", "command", "commit", "torch_version")

@@ -9,7 +9,7 @@ import torch
 from moelab.cli import main
 from moelab.gallery import (RESULT_FIELDS, GalleryError, default_root, get_entry, load_entries, render_report,
                             run_entry)
-from moelab.plan import plan
+from moelab.planner.plan import plan
 from moelab.presets import preset_names
 
 # The reference table (../shared/seeds: DGX H100, BF16), transcribed independently of gallery/entries:
@@ -142,8 +142,9 @@ def test_bad_gallery_folder(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_entry_runs_through_torchrun(gallery, tmp_path):
-    """The multi-GPU path (torchrun, one bench per rank) on two CPU processes with gloo."""
+def test_two_process_entry_runs_through_the_rank_entry(gallery, tmp_path):
+    """The multi-GPU path (moelab's local launcher, the one rank entry point in its bench mode) on two CPU
+    processes with gloo."""
     (gallery / "entries" / "tiny-cpu-ep2.yaml").write_text(
         "name: tiny-cpu-ep2\ntitle: tiny EP=2 on CPU\npreset: tiny\ngpus: 2\ndevice: cpu\n"
         "layout: {tp: 1, pp: 1, cp: 1, ep: 2, vp: 1, fsdp: 2}\n"
@@ -151,6 +152,8 @@ def test_two_process_entry_runs_through_torchrun(gallery, tmp_path):
     result = run_entry("tiny-cpu-ep2", steps=2, warmup=1, out=tmp_path / "run", root=gallery)
     assert result["gpus"] == 2 and result["layout"]["ep"] == 2 and result["tokens_per_s_per_gpu"] > 0
     assert json.loads((gallery / "results" / "tiny-cpu-ep2--moelab.json").read_text())["workload"] == "tiny-cpu-ep2"
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank0.err", "rank0.out", "rank1.err",
+                                                                           "rank1.out"]
 
 
 def test_a_bench_run_of_the_same_config_counts_for_its_entry(gallery):

@@ -3,8 +3,9 @@ router, MLA), exercised on CPU at reduced width."""
 import pytest
 import torch
 
-from moelab.config import check_layout, load_config
-from moelab.flops import count_params
+from moelab.config import load_config
+from moelab.parallel.dims import check_layout
+from moelab.planner.flops import count_params
 from moelab.model import build_model
 from moelab.model.experts import gpt_oss_glu, grouped_mm_swiglu, loop_swiglu
 

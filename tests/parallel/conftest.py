@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelab.config import load_config
-from moelab.launch.env import DistEnv
+from moelab.parallel.env import DistEnv
 from moelab.launch.local import run_local_processes
 from moelab.train.metrics import read_events
 from moelab.train.trainer import Trainer

@@ -6,7 +6,7 @@ import torch
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.launch.local import run_local_processes
-from moelab.parallel.mesh import coords_of
+from moelab.parallel.dims import check_layout, coords_of
 
 
 @pytest.mark.slow
@@ -46,11 +46,11 @@ def test_impossible_layouts_fail_before_any_process_starts(overrides, nproc, mat
 
 def test_rank_layout_puts_ep_peers_next_to_each_other():
     cfg = load_config("tiny", ["parallel.ep=2", "parallel.cp=2", "train.micro_batch_size=2"])
-    layout = cfg.resolved_parallel(8)  # fsdp = 4, cp = 2
+    layout = check_layout(cfg, 8)  # fsdp = 4, cp = 2
     coords = [coords_of(layout, r) for r in range(8)]
     assert [(c.dp, c.cp) for c in coords] == [(d, c) for d in range(4) for c in range(2)]
     assert [c.ep for c in coords] == [0, 1] * 4 and [c.efsdp for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
-    pp = load_config("tiny", ["parallel.pp=2", "parallel.ep=2", "train.micro_batch_size=2"]).resolved_parallel(4)
+    pp = check_layout(load_config("tiny", ["parallel.pp=2", "parallel.ep=2", "train.micro_batch_size=2"]), 4)
     assert [(coords_of(pp, r).pp, coords_of(pp, r).ep) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 

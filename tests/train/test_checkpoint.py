@@ -121,7 +121,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resume_is_exact(baseline, 
     assert any(e["event"] == "warning" and e["kind"] == "preempted" and "SIGTERM" in e["message"] for e in events)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the trainer puts the previous handler back"
 
-    summary = resume(run)
+    summary = resume(run).wait().summary()
     assert summary["status"] == "COMPLETED" and summary["steps"] == STEPS
     assert summary["first_loss"] == _losses(baseline)[1], "the summary covers the steps before the resume"
     _assert_same_losses(run, _losses(baseline))
@@ -231,7 +231,7 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(basel
     run = _copy_run(baseline, tmp_path / "run")
     _flip(run / "checkpoints/step_000008/__0_0.distcp")
     rewind = (run / "metrics.jsonl").read_text()
-    summary = resume(run)
+    summary = resume(run).wait().summary()
     assert summary["status"] == "COMPLETED"
     events = read_events(run / "metrics.jsonl")
     warnings = [e for e in events if e["event"] == "warning" and e["kind"] == "corrupt_checkpoint"]

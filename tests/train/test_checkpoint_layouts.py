@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelab.config import load_config, save_config
-from moelab.launch.env import DistEnv
+from moelab.parallel.env import DistEnv
 from moelab.launch.resume import resume
 from moelab.train.checkpoint import list_checkpoints, read_metadata
 from moelab.train.metrics import read_events
@@ -43,7 +43,7 @@ def test_one_process_to_ep2_and_back(tmp_path):
     shutil.copytree(base, run)
     shutil.rmtree(run / "checkpoints/step_000004")
     save_config(cfg.replace(**{"parallel.ep": 2}), run / "config.yaml")
-    summary = resume(run, nproc=2)
+    summary = resume(run, nproc=2).wait().summary()
     assert summary["status"] == "COMPLETED"
     events = read_events(run / "metrics.jsonl")
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
@@ -102,7 +102,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resume_continues(tm
     assert 2 <= stopped < 8
     meta = read_metadata(run / f"checkpoints/step_{stopped:06d}")
     assert meta["world_size"] == 2, "both ranks wrote the checkpoint at the same step"
-    assert resume(run)["status"] == "COMPLETED"  # on 2 processes again: the run's former world size
+    assert resume(run).wait().summary()["status"] == "COMPLETED"  # on 2 processes again: the run's former world size
     events = read_events(run / "metrics.jsonl")
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 9))
     assert [e["env"]["world_size"] for e in events if e["event"] == "start"] == [2, 2]

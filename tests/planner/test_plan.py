@@ -8,8 +8,8 @@ import torch
 from moelab.cli import main
 from moelab.config import load_config
 from moelab.model import MoETransformer, build_model
-from moelab.model_shapes import stage_layers
-from moelab.plan import plan, split_layers
+from moelab.planner.stages import stage_layers
+from moelab.planner.plan import plan, split_layers
 
 # Published totals and activated parameters (model cards / papers), in billions, and the tolerance on totals.
 # Activated counts are published with different conventions (embedding in or out), so they get 10%.

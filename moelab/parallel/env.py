@@ -14,6 +14,11 @@ import torch
 
 @dataclass
 class DistEnv:
+    """Rank, world size, local rank and device of this process.
+
+        env = DistEnv.from_environ()      # torchrun's or SLURM's variables; one process without them
+        env.init(); ...; env.shutdown()
+    """
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -1,28 +1,27 @@
-"""The `moelab` command: a thin shell over the Python API.
+"""The tool verbs of the `moelab` command: presets, plan, bench, report, compare, gallery.
 
-    moelab run tiny --steps 50 --out runs/tiny
-    moelab run tiny --nproc 2 --set parallel.ep=2
-    moelab resume runs/tiny            # continue from the last checkpoint
-    moelab run tiny --executor local   # or slurm: submit through submitit and follow the job
-    moelab status runs/tiny-...        # moelab cancel runs/tiny-...
     moelab presets
+    moelab plan qwen3-moe-30b-a3b --gpus 8
     moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
+    moelab report runs/tiny-20261130-101500          # throughput, memory and routing PNGs
+    moelab compare runs/my-sweep --out routing.png   # a sweep folder, or run folders
+    moelab gallery list | run NAME | report
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import json
+import os
 
-from moelab.config import ConfigError
 
-
-def _config_args(p: argparse.ArgumentParser) -> None:
+def config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a preset name (see `moelab presets`) or a YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set model.moe.num_experts=16 (repeatable)")
 
 
-def _load(args):
+def load_args(args):
+    """The Config that `config` and `--set` (and `--steps`, where the command has it) name."""
     from moelab.config import load_config
 
     overrides = list(args.overrides)
@@ -31,49 +30,9 @@ def _load(args):
     return load_config(args.config, overrides)
 
 
-def cmd_run(args) -> int:
-    from pathlib import Path
-
-    from moelab.train.summary import format_summary
-
-    cfg = _load(args)
-    if args.executor:
-        from moelab.launch.follow import submit_and_follow
-
-        return submit_and_follow(cfg, args.executor, args.nproc, args.out, args.cluster)
-    out = Path(args.out or f"runs/{cfg.name}")
-    if args.nproc > 1:
-        from moelab.launch.local import run_local_processes
-
-        summary = run_local_processes(cfg, out, args.nproc)
-    else:
-        from moelab.train.trainer import Trainer
-
-        summary = Trainer(cfg, out, progress=True).run()
-    print(format_summary(summary))
-    print(f"run folder: {out}")
-    return 0
-
-
-def cmd_resume(args) -> int:
-    from moelab.launch.resume import resume
-    from moelab.train.checkpoint import CheckpointError
-    from moelab.train.metrics import MetricsError
-    from moelab.train.summary import format_summary
-
-    try:
-        summary = resume(args.folder, steps=args.steps, nproc=args.nproc, progress=True)
-    except (CheckpointError, MetricsError) as e:
-        print(f"moelab: cannot resume: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(summary))
-    print(f"run folder: {args.folder}")
-    return 0 if summary["status"] == "COMPLETED" else 3
-
-
 def cmd_presets(args) -> int:
     from moelab.config import load_config
-    from moelab.flops import count_params
+    from moelab.planner.flops import count_params
     from moelab.presets import preset_names
 
     for name in preset_names():
@@ -86,11 +45,9 @@ def cmd_presets(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    import json
+    from moelab.planner.plan import plan
 
-    from moelab.plan import plan
-
-    p = plan(_load(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb)
+    p = plan(load_args(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p)
     return 0
 
@@ -103,6 +60,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from moelab.live.compare import main
+
+    return main(args.argv)
+
+
 def cmd_bench(args) -> int:
     from moelab.bench import bench, format_result, write_result
     from moelab.config import load_config
@@ -110,7 +73,7 @@ def cmd_bench(args) -> int:
     cfg = load_config(args.config, args.overrides)
     r = bench(cfg, steps=args.steps, warmup=args.warmup, peak_tflops=args.peak_tflops,
               real_router=not args.no_real_router, metrics_overhead=not args.no_metrics_overhead)
-    if int(__import__("os").environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         print(format_result(r))
         if args.json:
             write_result(r, args.json)
@@ -124,32 +87,12 @@ def cmd_gallery(args) -> int:
     return gallery_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moelab", description="Mixture-of-Experts training lab")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("run", help="train a config in-process (or on N local processes)")
-    _config_args(p)
-    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
-    p.add_argument("--out", help="run folder (default runs/<config name>)")
-    p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun-style ranks)")
-    from moelab.launch.follow import add_job_arguments, add_parsers
-
-    add_job_arguments(p)
-    p.set_defaults(func=cmd_run)
-    add_parsers(sub)  # status, cancel
-
-    p = sub.add_parser("resume", help="continue a run folder from its last checkpoint")
-    p.add_argument("folder", help="the run folder (holds config.yaml and checkpoints/)")
-    p.add_argument("--steps", type=int, help="train until this step instead of the config's train.steps")
-    p.add_argument("--nproc", type=int, help="local processes (default: as many as the run had)")
-    p.set_defaults(func=cmd_resume)
-
+def add_parsers(sub) -> None:
     p = sub.add_parser("presets", help="list the named configs")
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU, communication and a fits verdict")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--gpus", type=int, help="world size (default: the product of the config's layout)")
     p.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: this CUDA device, else 80, an H100)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -160,8 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default FOLDER/report)")
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("compare", help="compare runs: a table and loss / balance / routing figures",
+                       add_help=False)
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="a sweep folder or run folders; --out FIG.png; --last N")
+    p.set_defaults(func=cmd_compare)
+
     p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--json", help="write the result record to this JSON file")
@@ -172,24 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("gallery", help="benchmark gallery: list | run NAME | report")
-    from moelab.gallery import add_arguments as _gallery_arguments
+    from moelab.gallery import add_arguments
 
-    _gallery_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=cmd_gallery)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as e:
-        print(f"moelab: config error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"moelab: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,8 @@
 """Per-layer facts from a ModelConfig: sliding windows and the pipeline's cost-balanced stage split."""
 from moelab.config import load_config
-from moelab.flops import attention_params
-from moelab.model_shapes import layer_costs, layer_windows, stage_layers
+from moelab.planner.flops import attention_params
+from moelab.planner.shapes import layer_windows
+from moelab.planner.stages import layer_costs, stage_layers
 
 
 def test_alternating_sliding_window_starts_with_a_windowed_layer():

@@ -1,7 +1,8 @@
 """Config errors name the field, the value and the fix; YAML round trips; dotted overrides."""
 import pytest
 
-from moelab.config import ConfigError, check_layout, load_config, save_config
+from moelab.config import ConfigError, load_config, save_config
+from moelab.parallel.dims import check_layout
 
 
 def test_yaml_round_trip_is_equal(tmp_path):

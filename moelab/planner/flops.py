@@ -15,12 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moelab.planner.shapes import layer_windows
+
 FLOPS_CONVENTION = ("6 x activated params (attention, dense FFN, router, shared + top-k experts, LM head; "
                     "no embedding) + causal attention 3 x 2 x ctx x heads x (d_qk + d_v) / 2 per layer")
 
 
 @dataclass
 class ParamCount:
+    """Parameter counts of a model config: total, activated per token, embedding, routed experts.
+
+        pc = count_params(load_config("qwen3-moe-30b-a3b").model)
+        pc.total / 1e9, pc.activated / 1e9        # about 30.5 and 3.0
+    """
     total: int
     activated: int
     embedding: int
@@ -69,8 +76,6 @@ def count_params(m) -> ParamCount:
 
 def attention_flops_per_token(m, seq_len: int) -> float:
     """Causal attention matmul FLOPs per token, forward + backward, summed over layers."""
-    from moelab.model_shapes import layer_windows
-
     if m.attention == "mla":
         d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     else:

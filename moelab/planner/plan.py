@@ -34,15 +34,21 @@ import html
 import math
 from dataclasses import dataclass, field
 
-from moelab.config import Config, ConfigError, check_layout
-from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token
-from moelab.model_shapes import layer_window, stage_layers
+from moelab.config import Config, ConfigError
+from moelab.parallel.dims import ParallelDims
+from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
+from moelab.planner.shapes import layer_window
+from moelab.planner.stages import stage_layers
 
 GiB = 2**30
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
 
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "activations", "logits", "dispatcher")
+# how the table names each memory term ("parameters" there is a count; the memory they take is "weights")
+MEMORY_LABELS = {"parameters": "weights", "gradients": "gradients", "optimizer": "optimizer state",
+                 "gathered_params": "gathered weights", "activations": "activations", "logits": "logits",
+                 "dispatcher": "dispatcher buffers"}
 _TERM_HELP = {
     "parameters": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gradients": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
@@ -59,7 +65,10 @@ _TERM_HELP = {
 @dataclass
 class Plan:
     """The planner's answer for one config on one layout. Byte figures are per GPU, for the pipeline rank that
-    needs the most memory (``stage``); ``memory`` is the breakdown of ``memory_per_gpu_bytes``."""
+    needs the most memory (``stage``); ``memory`` is the breakdown of ``memory_per_gpu_bytes``.
+
+        p = plan(load_config("tiny")); p.fits, p.memory["activations"], print(p)
+    """
     name: str
     gpus: int
     layout: dict
@@ -95,32 +104,32 @@ class Plan:
 
     # ------------------------------------------------------------------ views
     def _rows(self) -> list[tuple[str, str]]:
+        """(label, text) rows: sizes in the unit that suits them (a tiny model reads in KiB and MFLOP)."""
         L = self.layout
         rows = [
             ("config", self.name),
             ("GPUs / layout", f"{self.gpus}  [TP {L['tp']}, PP {L['pp']}, CP {L['cp']}, EP {L['ep']}, VP {L['vp']}, "
                               f"FSDP {L['fsdp']}]  expert-FSDP {L['efsdp']}"),
             ("parameters", f"{_num(self.total_params)} total, {_num(self.activated_params)} activated per token"),
-            ("FLOPs per token", f"{self.flops_per_token / 1e9:,.2f} GFLOP at seq {self.seq_len} "
-                                f"({self.flops_convention})"),
+            ("FLOPs per token", f"{_flop(self.flops_per_token)} at seq {self.seq_len} ({self.flops_convention})"),
             ("batch", f"global {self.global_batch_size} x seq {self.seq_len}, micro batch {self.micro_batch_size}, "
                       f"{self.micro_batches_per_step} micro batches per rank per step"),
-            ("params per GPU", f"{_num(self.params_per_gpu)} (pipeline rank {self.stage})"),
+            ("parameters per GPU", f"{_num(self.params_per_gpu)} (pipeline rank {self.stage})"),
+            ("memory per GPU", f"{_bytes(self.memory_per_gpu_bytes)} of {self.gpu_memory_gb:.1f} GiB "
+                               f"({self.gpu_memory_source})"),
         ]
-        for term in MEMORY_TERMS:
-            rows.append((f"  {term}", _gib(self.memory[term])))
-        rows.append(("memory per GPU", f"{_gib(self.memory_per_gpu_bytes)} of {self.gpu_memory_gb:.1f} GiB "
-                                       f"({self.gpu_memory_source})"))
+        rows += [(f"  {MEMORY_LABELS[term]}", _bytes(self.memory[term])) for term in MEMORY_TERMS]
         a = self.activations_per_micro_batch
-        rows.append(("activations / micro batch", f"none {_gib(a['none'])}, selective {_gib(a['selective'])}, "
-                                                  f"full {_gib(a['full'])} (using: {self.activation_checkpointing})"))
+        rows.append(("activations / micro batch", f"none {_bytes(a['none'])}, selective {_bytes(a['selective'])}, "
+                                                  f"full {_bytes(a['full'])} (using: {self.activation_checkpointing})"))
         c = self.comm
         rows += [
-            ("all-to-all per MoE layer", f"{_gib(c['all_to_all_bytes_per_moe_layer'])} fwd+bwd per micro batch"),
-            ("comm per step per GPU", f"all-to-all {_gib(c['all_to_all_bytes_per_step'])}, FSDP all-gather "
-                                      f"{_gib(c['fsdp_all_gather_bytes_per_step'])}, reduce-scatter "
-                                      f"{_gib(c['fsdp_reduce_scatter_bytes_per_step'])}, pipeline "
-                                      f"{_gib(c['pipeline_send_bytes_per_step'])}, cp {_gib(c['cp_bytes_per_step'])}"),
+            ("all-to-all per MoE layer", f"{_bytes(c['all_to_all_bytes_per_moe_layer'])} fwd+bwd per micro batch"),
+            ("comm per step per GPU", f"all-to-all {_bytes(c['all_to_all_bytes_per_step'])}, FSDP all-gather "
+                                      f"{_bytes(c['fsdp_all_gather_bytes_per_step'])}, reduce-scatter "
+                                      f"{_bytes(c['fsdp_reduce_scatter_bytes_per_step'])}, pipeline "
+                                      f"{_bytes(c['pipeline_send_bytes_per_step'])}, cp "
+                                      f"{_bytes(c['cp_bytes_per_step'])}"),
         ]
         if self.layout["pp"] > 1:
             pl = self.pipeline
@@ -154,8 +163,24 @@ def _num(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.2f} GiB"
+def _scaled(n: float, units: tuple) -> str:
+    """n in the largest of `units` ((name, scale), ascending) that keeps it at 1 or more, 3 significant digits."""
+    name, scale = units[0]
+    for unit in units:
+        if abs(n) >= unit[1]:
+            name, scale = unit
+    v = n / scale
+    return f"{v:,.0f} {name}" if scale == 1 or abs(v) >= 100 else f"{v:,.{2 if abs(v) < 10 else 1}f} {name}"
+
+
+def _bytes(n: float) -> str:
+    """0 B, 512 B, 3.25 KiB, 12.4 MiB, 71.9 GiB."""
+    return _scaled(n, (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", GiB), ("TiB", 2**40)))
+
+
+def _flop(n: float) -> str:
+    """1.20 MFLOP, 19.1 GFLOP, ..."""
+    return _scaled(n, (("FLOP", 1), ("KFLOP", 1e3), ("MFLOP", 1e6), ("GFLOP", 1e9), ("TFLOP", 1e12)))
 
 
 # ---------------------------------------------------------------------- inputs
@@ -265,8 +290,32 @@ def _in_flight(p, rank: int, m: int) -> float:
 
 
 # ---------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class _Sizes:
+    """What every part of the plan derives from the config and the validated layout."""
+    cfg: Config
+    p: object  # the resolved ParallelConfig
+    world: int
+    shard: int  # ranks sharing one pipeline stage (fsdp*cp*tp)
+    efsdp: int  # ranks holding the same experts
+    m: int  # micro batches per rank per step
+    a: int  # compute dtype bytes
+    pb: int  # stored parameter (and state) bytes
+    T: int  # tokens of one micro batch on one rank
+
+
+def _sizes(cfg: Config, world: int) -> _Sizes:
+    p = ParallelDims.build(cfg, world).layout
+    t = cfg.train
+    shard = p.fsdp * p.cp * p.tp
+    return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
+                  2 if t.dtype == "bfloat16" else 4, 2 if getattr(t, "param_dtype", "float32") == "bfloat16" else 4,
+                  t.micro_batch_size * t.seq_len // p.cp)
+
+
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None) -> Plan:
-    """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU.
+    """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
+    memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -278,19 +327,43 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     world = gpus if gpus is not None else default_world(cfg)
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
-    p = check_layout(cfg, world)
-    mdl, t, moe_cfg = cfg.model, cfg.train, cfg.model.moe
-    shard = p.fsdp * p.cp * p.tp  # ranks sharing one pipeline stage
-    efsdp = shard // p.ep
-    m = t.global_batch_size // (t.micro_batch_size * p.fsdp)  # micro batches per rank per step
-    a = 2 if t.dtype == "bfloat16" else 4  # compute dtype bytes
-    pb = 2 if getattr(t, "param_dtype", "float32") == "bfloat16" else 4  # stored parameter (and state) bytes
-    T = t.micro_batch_size * t.seq_len // p.cp  # tokens of one micro batch on one rank
-    pieces = _pieces(mdl)
-    counts = count_params(mdl)
-    fpt = flops_per_token(mdl, t.seq_len)
+    z = _sizes(cfg, world)
+    mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
+    per_rank, logit_bytes = _memory(z, ranks)
+    worst = max(per_rank, key=lambda x: x["total"])
+    comm = _communication(z, worst)
+    capacity_gb, source = gpu_memory(gpu_memory_gb)
+    fits, biggest, verdict = _verdict(z, worst, capacity_gb)
+    act_moe, act_dense = _act_bytes_per_token(cfg, True, z.a), _act_bytes_per_token(cfg, False, z.a)
+    per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
+               "block_input": act_moe["input"], "logits": logit_bytes}
+    counts = count_params(mdl)
+    return Plan(
+        name=cfg.name, gpus=world, layout={**{k: getattr(p, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                                          "efsdp": z.efsdp},
+        dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, seq_len=t.seq_len,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, micro_batches_per_step=z.m,
+        total_params=counts.total, activated_params=counts.activated, flops_per_token=flops_per_token(mdl, t.seq_len),
+        flops_convention=FLOPS_CONVENTION, params_per_gpu=worst["local"], stage=worst["rank"],
+        stage_layers=[list(x) for x in ranks], stage_params=[x["dense"] + x["experts"] for x in per_rank],
+        memory=dict(worst["mem"]), memory_per_gpu_bytes=worst["total"],
+        activations_per_micro_batch=dict(worst["act"]), activation_bytes_per_token_per_layer=per_tok,
+        comm=comm, pipeline={"schedule": p.pp_schedule if p.pp > 1 else "none", "stages": p.pp * p.vp,
+                             "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
+                             "in_flight_micro_batches": worst["flight"]},
+        gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m))
+
+
+def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
+    """Per pipeline rank: its layers, parameters, activations and memory terms (bytes); and the logit bytes
+    per token."""
+    cfg, p, a, T = z.cfg, z.p, z.a, z.T
+    mdl, t = cfg.model, cfg.train
+    pieces = _pieces(mdl)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
+
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
         b = cfg.backend.attention
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
@@ -299,8 +372,6 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     # per token at the loss (moelab.train.loss): eager keeps the logits, fp32 log-probabilities, and in backward
     # their fp32 gradient and the gradient of the upcast; compiled on a GPU, logits and their gradient only
     logit_bytes = mdl.vocab_size * (2 * a if t.compile else a + 12)
-    act_moe, act_dense = _act_bytes_per_token(cfg, True, a), _act_bytes_per_token(cfg, False, a)
-
     per_rank = []
     for r, layers in enumerate(ranks):
         n_moe = sum(is_moe[i] for i in layers)
@@ -308,17 +379,17 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         experts = n_moe * pieces.moe_experts
         dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
                  + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
-        local = math.ceil(dense / shard) + math.ceil(experts / (p.ep * efsdp))
+        local = math.ceil(dense / z.shard) + math.ceil(experts / (p.ep * z.efsdp))
         # the largest unit FSDP gathers at once: a block (its dense part whole, its experts per EP rank)
         units = [pieces.moe_layer - pieces.moe_experts + pieces.moe_experts // p.ep if is_moe[i]
                  else pieces.dense_layer for i in layers]
         units += [pieces.embedding] if r == 0 else []
         units += [pieces.head] if r == p.pp - 1 else []
         biggest_unit = max(units) if units else 0
-        if world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
+        if z.world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
             gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
         else:
-            gathered = local * a if a < pb else 0  # autocast's bf16 copy of every fp32 weight
+            gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         per_layer = [acts[i] for i in layers]
         act = {
             "none": T * sum(x["attention"] + x["ffn"] for x in per_layer),
@@ -330,73 +401,58 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         if r == p.pp - 1:  # the final norm before the LM head is never checkpointed
             for key in act:
                 act[key] += T * mdl.hidden_size * (4 + 2 * a)
-        flight = _in_flight(p, r, m)
+        flight = _in_flight(p, r, z.m)
         mem = {
-            "parameters": local * pb,
-            "gradients": local * pb,
-            "optimizer": local * 2 * pb,
+            "parameters": local * z.pb,
+            "gradients": local * z.pb,
+            "optimizer": local * 2 * z.pb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
             "logits": T * logit_bytes if r == p.pp - 1 else 0,
-            "dispatcher": 2 * T * moe_cfg.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
+            "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, total=_peak(mem, m)))
-    worst = max(per_rank, key=lambda x: x["total"])
+                             act=act, flight=flight, mem=mem, total=_peak(mem, z.m)))
+    return per_rank, logit_bytes
 
-    # ------------------------------------------------------------------ communication (bytes sent per GPU)
-    frac = lambda n: (n - 1) / n if n > 1 else 0.0
+
+def _communication(z: _Sizes, worst: dict) -> dict:
+    """Bytes sent per GPU, for the rank that needs the most memory."""
+    p, a, T, m = z.p, z.a, z.T, z.m
+    mdl, t = z.cfg.model, z.cfg.train
+    frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
-    a2a_layer = int(a2a_passes * T * moe_cfg.top_k * mdl.hidden_size * a * frac(p.ep))
+    a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    ag = int(2 * m * a * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
-    rs = int(m * 4 * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
+    ag = int(2 * m * a * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(z.efsdp)))
+    rs = int(m * 4 * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(z.efsdp)))
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
     else:
         kv_tok = 2 * mdl.num_kv_heads * mdl.head_dim * a
     cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
-    comm = {"all_to_all_bytes_per_moe_layer": a2a_layer,
+    return {"all_to_all_bytes_per_moe_layer": a2a_layer,
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
             "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes}
-    bubble = (p.pp - 1) / (p.vp * m + p.pp - 1) if p.pp > 1 else 0.0
 
-    # ------------------------------------------------------------------ verdict
-    capacity_gb, source = gpu_memory(gpu_memory_gb)
+
+def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str]:
+    """(fits, the biggest memory term, the verdict with what to change when it does not fit)."""
     usable = capacity_gb * GiB * (1 - RESERVE)
     total = worst["total"]
     biggest = max(MEMORY_TERMS, key=lambda k: worst["mem"][k])
-    fits = total <= usable
-    if fits:
-        verdict = (f"fits: {_gib(total)} of {capacity_gb:.1f} GiB per GPU "
-                   f"({100 * total / (capacity_gb * GiB):.0f}%; the biggest term is {biggest}, "
-                   f"{_gib(worst['mem'][biggest])})")
-    else:
-        verdict = (f"does not fit: needs {_gib(total)} per GPU but {capacity_gb:.1f} GiB x {1 - RESERVE:.2f} = "
-                   f"{_gib(usable)} is usable; the biggest term is {biggest} ({_gib(worst['mem'][biggest])}): "
-                   f"{_TERM_HELP[biggest]}")
-        if biggest == "activations" and t.activation_checkpointing != "full":
-            alt = int(worst["flight"] * worst["act"]["full"])
-            verdict += f" (full checkpointing: activations {_gib(alt)})"
-
-    per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
-               "block_input": act_moe["input"], "logits": logit_bytes}
-    return Plan(
-        name=cfg.name, gpus=world, layout={**{k: getattr(p, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
-                                          "efsdp": efsdp},
-        dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, seq_len=t.seq_len,
-        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, micro_batches_per_step=m,
-        total_params=counts.total, activated_params=counts.activated, flops_per_token=fpt,
-        flops_convention=FLOPS_CONVENTION, params_per_gpu=worst["local"], stage=worst["rank"],
-        stage_layers=[list(x) for x in ranks], stage_params=[x["dense"] + x["experts"] for x in per_rank],
-        memory=dict(worst["mem"]), memory_per_gpu_bytes=total,
-        activations_per_micro_batch=dict(worst["act"]), activation_bytes_per_token_per_layer=per_tok,
-        comm=comm, pipeline={"schedule": p.pp_schedule if p.pp > 1 else "none", "stages": p.pp * p.vp,
-                             "bubble_fraction": bubble, "in_flight_micro_batches": worst["flight"]},
-        gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, shard, efsdp, m))
+    if total <= usable:
+        return True, biggest, (f"fits: {_bytes(total)} of {capacity_gb:.1f} GiB per GPU "
+                               f"({100 * total / (capacity_gb * GiB):.0f}%; the biggest term is "
+                               f"{MEMORY_LABELS[biggest]}, {_bytes(worst['mem'][biggest])})")
+    verdict = (f"does not fit: needs {_bytes(total)} per GPU but {capacity_gb:.1f} GiB x {1 - RESERVE:.2f} = "
+               f"{_bytes(usable)} is usable; the biggest term is {MEMORY_LABELS[biggest]} "
+               f"({_bytes(worst['mem'][biggest])}): {_TERM_HELP[biggest]}")
+    if biggest == "activations" and z.cfg.train.activation_checkpointing != "full":
+        verdict += f" (full checkpointing: activations {_bytes(int(worst['flight'] * worst['act']['full']))})"
+    return False, biggest, verdict
 
 
 def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:

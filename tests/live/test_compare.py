@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from moelab import compare as compare_mod
-from moelab.compare import compare
+from moelab.live import compare as compare_mod
+from moelab.live.compare import compare
 from moelab.run import Run
 from moelab.session import Session
 from moelab.train.metrics import read_events

@@ -1,0 +1,84 @@
+"""The optional packages of the kernel switchboard: what each is, whether it is installed, how to import it.
+
+    detected()                   # {'grouped_gemm': False, 'te': False, 'deep_ep': False}
+    import_package("te")         # the module, or BackendUnavailable saying how to install it
+
+Detection runs once, at import (``importlib.util.find_spec``: cheap, imports nothing heavy); the switchboard
+itself (which config asks for which package, and the hardware checks) is moelab.backends.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+from moelab.config import ConfigError
+
+
+class BackendUnavailable(ConfigError):
+    """A requested backend's package is missing or unsupported here; the message says how to fix it.
+
+        raise BackendUnavailable("the 'te' backend needs the package 'transformer-engine[pytorch]' ...")
+    """
+
+
+@dataclass(frozen=True)
+class Package:
+    """One optional package: what is imported, what is installed, how, and on which hardware it runs.
+
+        PACKAGES["te"].install
+    """
+    key: str
+    module: str  # what is imported
+    pip: str  # what is installed
+    install: str  # how to install it
+    needs: str  # hardware it needs
+
+
+PACKAGES = {
+    "grouped_gemm": Package(
+        "grouped_gemm", "grouped_gemm", "grouped_gemm",
+        "pip install --no-build-isolation grouped_gemm==0.3.0 (builds CUDA kernels with nvcc; on a cluster "
+        "without internet see gallery/scripts/build_backends.sh)", "a CUDA GPU (sm80+)"),
+    "te": Package(
+        "te", "transformer_engine.pytorch", "transformer-engine[pytorch]",
+        "pip install --no-build-isolation 'transformer-engine[pytorch]' (or the transformer-engine-cu12/cu13 "
+        "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
+    "deep_ep": Package(
+        "deep_ep", "deep_ep", "deep-ep",
+        "build DeepEP from its source repository against NVSHMEM (pip install nvidia-nvshmem-cu13 first; "
+        "gallery/scripts/build_backends.sh builds an sdist that has its headers: the PyPI sdist of deep-ep 1.0.0 "
+        "lacks them)", "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
+}
+
+def _find(module: str) -> bool:
+    try:
+        # the top-level package only: finding a submodule would import its parent
+        return importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+_DETECTED = {key: _find(p.module) for key, p in PACKAGES.items()}  # read-only after import
+
+
+def detected() -> dict[str, bool]:
+    """Which optional packages are installed (detected at import time)."""
+    return dict(_DETECTED)
+
+
+def import_package(key: str):
+    """Import a backend package, or raise BackendUnavailable naming it and how to install it."""
+    p = PACKAGES[key]
+    if not _DETECTED[key]:
+        raise BackendUnavailable(f"the '{key}' backend needs the package {p.pip!r}, which is not installed. "
+                                 f"Install: {p.install}. Or set backend.fallback=true to use the torch path.")
+    try:
+        return importlib.import_module(p.module)
+    except Exception as e:  # installed but broken (wrong CUDA/torch ABI): say so, with the original error
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the innermost error names the cause
+            cause = cause.__cause__ or cause.__context__
+        detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause is not e else "")
+        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but {p.module} does not "
+                                 f"import ({detail}). Reinstall it for this torch/CUDA: {p.install}") from e

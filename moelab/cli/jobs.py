@@ -1,0 +1,169 @@
+"""The job verbs of the `moelab` command: run, resume, status, cancel (a thin shell over Session and Run).
+
+    moelab run tiny --steps 50                                          # in this process (inline)
+    moelab run tiny --nproc 2 --set parallel.ep=2                       # 2 local processes, followed until the end
+    moelab run tiny --executor local --nproc 2 --set parallel.ep=2      # the same, said explicitly
+    moelab resume runs/tiny-20261130-101500                             # continue from the last checkpoint
+    moelab run tiny --executor slurm --cluster gpus_per_node=8 --cluster time=60 --cluster partition=gpu
+    moelab status runs/tiny-20261130-101500       # one run, or every run under a folder
+    moelab cancel runs/tiny-20261130-101500
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from moelab.cli.tools import config_args, load_args
+from moelab.config import parse_override
+from moelab.run.folder import RunFolder
+from moelab.run.run import TERMINAL, Run
+from moelab.run.sweep import Sweep, runs
+
+
+def cmd_run(args) -> int:
+    """Through Session.submit, like a notebook: the same run.json, folder rules and executors. Without
+    --executor: in this process for one rank, on the local executor for --nproc N."""
+    from moelab.session import Session
+
+    executor = args.executor or ("inline" if args.nproc == 1 else "local")
+    options = dict(parse_override(item) for item in args.cluster)
+    run = Session(load_args(args)).submit(executor, nproc=args.nproc, folder=args.out, **options)
+    return finish(run)
+
+
+def cmd_resume(args) -> int:
+    from moelab.launch.resume import resume
+    from moelab.train.checkpoint import CheckpointError
+    from moelab.train.metrics import MetricsError
+
+    options = dict(parse_override(item) for item in args.cluster)
+    try:
+        job = resume(args.folder, steps=args.steps, nproc=args.nproc, **options)
+    except (CheckpointError, MetricsError) as e:
+        print(f"moelab: cannot resume: {e}", file=sys.stderr)
+        return 2
+    return finish(Run(args.folder, job.info, job), failed_code=3)
+
+
+def finish(run: Run, failed_code: int = 1) -> int:
+    """Follow a submitted run until it ends (Ctrl-C cancels the job), then report it; an inline run has
+    finished already. Exit code 0 only if it COMPLETED."""
+    if run.executor != "inline":
+        print(f"submitted {run.name}: executor {run.executor}, job {run.job_id or '-'}, folder {run.folder}")
+        try:
+            follow(run)
+        except KeyboardInterrupt:
+            print("\ninterrupted: cancelling the job", file=sys.stderr)
+            run.cancel()
+            run.wait(60)
+    return _report(run, failed_code)
+
+
+def follow(run: Run, poll_s: float = 1.0, stream=None) -> Run:
+    """Print one progress line per change until the run ends (rewritten in place on a terminal)."""
+    stream = stream or sys.stdout
+    tty = stream.isatty()
+    last = None
+    while True:
+        line = progress_line(run)
+        if line != last:
+            stream.write(("\r\033[K" + line) if tty else line + "\n")
+            stream.flush()
+            last = line
+        if run.status in TERMINAL:
+            break
+        time.sleep(poll_s)
+    if tty:
+        stream.write("\n")
+    return run
+
+
+def progress_line(run: Run) -> str:
+    p = run.progress()
+    parts = [f"[{p['status']}]", f"step {p['step']}/{p['total_steps'] or '?'}"]
+    if p["loss"] is not None:
+        parts.append(f"loss {p['loss']:.4f}")
+    if p["tokens_per_s"]:
+        parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+    return "  ".join(parts)
+
+
+def _report(run: Run, failed_code: int = 1) -> int:
+    status = run.status
+    if status == "COMPLETED" and run.summary:
+        from moelab.train.summary import format_summary
+
+        print(format_summary(run.summary))
+    elif run.error:
+        print(run.error.rstrip(), file=sys.stderr)
+    print(f"{run.name}: {status}  (run folder: {run.folder})")
+    return 0 if status == "COMPLETED" else failed_code
+
+
+def cmd_status(args) -> int:
+    """One line per run: the folder itself, a sweep, or every run under a folder."""
+    selected = _select(Path(args.folder))
+    for run in selected:
+        print(f"{str(run.folder):50s} {progress_line(run)}  {run.executor} {run.job_id or ''}".rstrip())
+        if run.status in ("FAILED", "TIMEOUT") and run.error and len(selected) == 1:
+            print(run.error.rstrip())
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    selected = [r for r in _select(Path(args.folder)) if r.status not in TERMINAL]
+    if not selected:
+        print(f"nothing to cancel under {args.folder}: no run there is pending or running")
+        return 0
+    for run in selected:
+        run.cancel()
+    for run in selected:
+        run.wait(args.wait)
+        print(f"{run.name}: {run.status}")
+    return 0 if all(r.status == "CANCELLED" for r in selected) else 1
+
+
+def _select(folder: Path) -> list[Run]:
+    if RunFolder(folder).holds_run():
+        return [Run.load(folder)]
+    if RunFolder(folder).is_sweep():
+        return list(Sweep.load(folder))
+    found = runs(folder)
+    if not found:
+        raise FileNotFoundError(f"no moelab run under {folder}")
+    return found
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("run", help="train a config: in this process, on N local processes, or on SLURM")
+    config_args(p)
+    p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
+    p.add_argument("--out", help="run folder (default runs/<config name>-<time>); must not hold a run yet")
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (default 1)")
+    p.add_argument("--executor", choices=["inline", "local", "slurm", "auto"],
+                   help="inline (this process), local (background processes), slurm (sbatch), auto (slurm where "
+                        "sbatch exists); default: inline for one rank, local for --nproc N")
+    _cluster_argument(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("resume", help="continue a run folder from its last checkpoint")
+    p.add_argument("folder", help="the run folder (holds config.yaml and checkpoints/)")
+    p.add_argument("--steps", type=int, help="train until this step instead of the config's train.steps")
+    p.add_argument("--nproc", type=int, help="local processes (default: as many as the run had)")
+    _cluster_argument(p)
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("status", help="status of a run folder, a sweep, or every run under a folder")
+    p.add_argument("folder")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("cancel", help="cancel the pending or running job(s) of a run folder or sweep")
+    p.add_argument("folder")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the scheduler to confirm")
+    p.set_defaults(func=cmd_cancel)
+
+
+def _cluster_argument(p) -> None:
+    p.add_argument("--cluster", action="append", default=[], metavar="KEY=VALUE",
+                   help="cluster option, e.g. --cluster time=60 --cluster gpus_per_node=8 "
+                        "(see moelab.launch.executors; repeatable)")

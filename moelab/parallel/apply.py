@@ -1,0 +1,33 @@
+"""Parallelism, applied to a model that has none: ``parallelize(model, cfg, env, dims, loss_fn) -> Parallelized``.
+
+    par = parallelize(model_on_meta, cfg, DistEnv(), ParallelDims.build(cfg, 1), loss_fn)   # one process
+
+One process: moelab.parallel.place; several: moelab.parallel.distributed (meshes, EP, FSDP2, PP, CP).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from moelab.config import Config
+from moelab.parallel.dims import ParallelDims
+from moelab.parallel.env import DistEnv
+from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
+
+
+def parallelize(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, loss_fn=None) -> Parallelized:
+    """Place `model` (built on the meta device) for this rank, initialise it, and return the Parallelized.
+    `dims`: the validated layout (moelab.parallel.dims); `loss_fn(logits_BLV, targets_BL)`: the loss a
+    pipeline schedule calls on the last stage (the trainer's own)."""
+    from moelab.backends import apply_backends
+
+    apply_backends(model, cfg, env.device, env.world_size)  # the switchboard's packages, checked and swapped in
+    if env.world_size > 1:
+        from moelab.parallel.distributed import parallelize_distributed
+
+        return parallelize_distributed(model, cfg, env, dims, loss_fn)
+    materialize(model, cfg, env.device)
+    apply_activation_checkpointing(model, cfg)
+    apply_compile(model, cfg)
+    par = Parallelized(model, cfg, env, dims.layout)
+    par.casts_params = cfg.train.param_dtype == "bfloat16"  # bf16 parameters: no autocast needed
+    return par

@@ -1,0 +1,175 @@
+"""The one layout validator: can this config run on this many ranks, and with which mesh shapes.
+
+    dims = ParallelDims.build(load_config("tiny", ["parallel.ep=2"]), world_size=4)
+    dims.fsdp, dims.ep              # 4, 2 (fsdp=-1 filled in from the world size)
+    dims.layout                     # the resolved ParallelConfig the trainer and the planner use
+    dims.coords(3)                  # Coords(pp=0, dp=3, cp=0, ep=1, efsdp=1)
+    dims.world_shape                # (pp, dp, cp): the shape of the ranks' DeviceMesh (moelab.parallel.mesh)
+
+Like torchtitan's ParallelDims, one object holds the validation and the shapes derived from it. Everything
+the ranks would reject is rejected here, before anything is submitted: the planner, Session.submit, the
+`moelab` command and the trainer all build one. Every error is a ConfigError naming the field, the value and
+the fix. Torch-free (only moelab.config), so it imports anywhere.
+
+Rank order (innermost last): rank = (pp_rank * dp + dp_rank) * cp + cp_rank, tp being 1. Within a pipeline
+stage the dp*cp ranks are numbered s = dp_rank * cp + cp_rank; expert parallelism carves them as
+s = efsdp_rank * ep + ep_rank, so EP peers are neighbours (one node when ep <= GPUs per node), borrowed from
+the CP ranks first and then from the data-parallel ranks (torchtitan's and NeMo's convention).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moelab.config import Config, ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Coords:
+    """This rank's position: pipeline stage, data-parallel index, context-parallel index, EP index and
+    expert-FSDP index (the last two within the stage's dp*cp ranks).
+
+        ParallelDims.build(cfg, 4).coords(1)    # Coords(pp=0, dp=1, cp=0, ep=1, efsdp=0) with ep=2
+    """
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    efsdp: int
+
+
+def _fail(field_name: str, value, fix: str):
+    raise ConfigError(f"{field_name}={value!r}: {fix}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch_fixes(gbs: int, mbs: int, dp: int) -> str:
+    """What makes the global batch split evenly: a larger global batch, a smaller micro batch, fewer ranks."""
+    need = mbs * dp
+    fixes = [f"set train.global_batch_size={-(-gbs // need) * need}"]
+    if gbs % dp == 0:
+        fixes.append(f"train.micro_batch_size={max(d for d in _divisors(gbs // dp) if d <= mbs)}")
+    fewer = [d for d in _divisors(gbs // mbs) if d < dp] if gbs % mbs == 0 else []
+    if fewer:
+        fixes.append(f"{max(fewer)} data-parallel ranks (fewer GPUs, or more of them in parallel.pp/cp)")
+    return ", or ".join(fixes)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """A validated layout on `world_size` ranks (build it with ParallelDims.build) and its mesh shapes.
+
+        dims = ParallelDims.build(cfg, world_size=8)     # ConfigError if the ranks could not run it
+        dims.dp, dims.num_stages, dims.n_microbatches    # data-parallel ranks, pp*vp, micro batches per dp rank
+    """
+    layout: ParallelConfig
+    world_size: int
+    n_microbatches: int  # micro batches per data-parallel rank and step
+
+    @classmethod
+    def build(cls, cfg: Config, world_size: int) -> "ParallelDims":
+        p, t = cfg.parallel, cfg.train
+        rest = p.tp * p.pp * p.cp
+        if world_size % rest:
+            _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
+                  f"tp*pp*cp={rest} must divide the world size {world_size}")
+        fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
+        if p.tp * p.pp * p.cp * fsdp != world_size:
+            _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
+                  f"set parallel.fsdp={world_size // rest} or -1")
+        if (fsdp * p.cp * p.tp) % p.ep:
+            _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from "
+                  f"the non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")
+        dp = fsdp
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"must be a multiple of micro_batch_size*dp = {t.micro_batch_size}*{dp} = "
+                  f"{t.micro_batch_size * dp}; {_batch_fixes(t.global_batch_size, t.micro_batch_size, dp)}")
+        if p.cp > 1 and t.seq_len % (2 * p.cp):
+            _fail("train.seq_len", t.seq_len,
+                  f"must be a multiple of 2*cp={2 * p.cp} for load-balanced causal sharding")
+        if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
+            _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
+                  f"(model.num_layers={cfg.model.num_layers})")
+        n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.pp > 1 and (n_micro < p.pp or (p.vp > 1 and n_micro % p.pp)):
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least "
+                  f"pp={p.pp}" + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
+                  + "; raise global_batch_size or lower micro_batch_size")
+        if p.pp > 1 and cfg.model.tie_embeddings:
+            _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
+                  "set model.tie_embeddings=false or parallel.pp=1")
+        # what the ranks cannot run yet (a valid layout otherwise; the planner could estimate it)
+        if p.vp > 1 and p.pp_schedule != "interleaved_1f1b":
+            _fail("parallel.pp_schedule", p.pp_schedule, f"runs one stage per rank; with parallel.vp={p.vp} "
+                  f"virtual stages use interleaved_1f1b")
+        if p.cp > 1 and p.pp > 1:
+            raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp}: context parallelism does not "
+                              f"compose with pipeline stages yet; use one of them")
+        return cls(dataclasses.replace(p, fsdp=fsdp), world_size, n_micro)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.fsdp
+
+    @property
+    def fsdp(self) -> int:
+        return self.layout.fsdp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def vp(self) -> int:
+        return self.layout.vp
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.pp * self.layout.vp
+
+    # ------------------------------------------------------------------ mesh shapes
+    @property
+    def world_shape(self) -> tuple[int, int, int]:
+        """("pp", "dp", "cp"): every rank."""
+        return self.pp, self.dp, self.cp
+
+    @property
+    def dense_shape(self) -> tuple[int, int]:
+        """("pp", "dp_cp"): FSDP2 shards dense parameters over a stage's dp*cp ranks."""
+        return self.pp, self.dp * self.cp
+
+    @property
+    def expert_shape(self) -> tuple[int, int, int]:
+        """("pp", "efsdp", "ep"): EP peers innermost, expert-FSDP over the ranks that hold the same experts."""
+        return self.pp, self.dp * self.cp // self.ep, self.ep
+
+    def coords(self, rank: int) -> Coords:
+        return coords_of(self.layout, rank)
+
+
+def coords_of(layout: ParallelConfig, rank: int) -> Coords:
+    """Where `rank` sits in a resolved layout (see the rank order in the module docstring)."""
+    dp, cp, ep = layout.fsdp, layout.cp, layout.ep
+    pp_rank, s = divmod(rank, dp * cp)
+    dp_rank, cp_rank = divmod(s, cp)
+    efsdp_rank, ep_rank = divmod(s, ep)
+    return Coords(pp_rank, dp_rank, cp_rank, ep_rank, efsdp_rank)
+
+
+def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
+    """The resolved layout for `world_size` ranks (ParallelDims.build(cfg, world_size).layout)."""
+    return ParallelDims.build(cfg, world_size).layout

@@ -1,0 +1,101 @@
+"""A model placed on one process, and the interface the trainer sees for every layout (``Parallelized``); the
+placement steps every layout shares (materialise, activation checkpointing, compile).
+
+The trainer talks to parallelism only through the returned ``Parallelized``: which share of the batch this rank
+trains, how the sequence is split, how statistics are summed over ranks, how gradients are clipped. One process
+is the trivial case of the same interface, so the trainer has a single code path.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelab.config import Config, ParallelConfig
+from moelab.parallel.env import DistEnv
+
+
+class Parallelized:
+    """A model placed on this rank, and the facts the trainer needs about the layout (one process here;
+    moelab.parallel.distributed overrides what differs on many).
+
+        par = parallelize(model_on_meta, cfg, DistEnv(), ParallelDims.build(cfg, 1), loss_fn)
+        par.dp_rank, par.dp_size, par.all_reduce_sum(stats)
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig):
+        self.model, self.cfg, self.env, self.layout = model, cfg, env, layout
+        self.dp_rank, self.dp_size = 0, 1
+        # Parameters already in the compute dtype (FSDP2 mixed precision, or a bf16 model): no autocast needed.
+        self.casts_params = False
+        # Pipeline parallel: a moelab.parallel.pipeline.PipelineRunner that runs the step's micro batches
+        # through its schedule (the trainer hands it the batch instead of looping itself).
+        self.pipeline = None
+
+    # which MoE layers exist here: `moe_layers` are this rank's; `moe_layers_all` has one entry per MoE layer
+    # of the whole model, None where another pipeline stage holds it
+    @property
+    def moe_layers(self) -> list:
+        return [m for m in self.moe_layers_all if m is not None]
+
+    @property
+    def moe_layers_all(self) -> list:
+        return self.model.moe_layers()
+
+    def shard_sequence(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        return tokens_BL
+
+    def positions(self, seq_len: int, device) -> torch.Tensor | None:
+        return None
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    # Statistics are summed over all ranks; these weights make that sum the right global value.
+    def loss_contribution(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum.reshape(1)
+
+    def grad_norm_weight(self) -> float:
+        return 1.0
+
+    def stat_weight(self) -> float:
+        return 1.0
+
+    def rank_slot(self) -> int:
+        return self.env.rank
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def materialize(model: nn.Module, cfg: Config, device) -> None:
+    """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
+    model.to_empty(device=device)
+    model.init_weights(cfg.train.seed)
+    if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
+    """Recompute each block in backward ("full"), or only its attention ("selective")."""
+    mode = cfg.train.activation_checkpointing
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for key, block in list(model.layers.items()):
+        if mode == "full":
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, cfg: Config) -> None:
+    """torch.compile each block in place (train.compile): fuses norms, rotary, SwiGLU and the router's
+    elementwise work; blocks share one compiled graph (parameters are graph inputs)."""
+    if cfg.train.compile:
+        for block in model.layers.values():
+            block.compile()

@@ -1,0 +1,254 @@
+"""A Run: one training run in a folder, followed from any kernel while it runs and after it ends.
+
+    run = Session("tiny", train={"steps": 50}).submit("local")
+    run.status            # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT or PREEMPTED
+    run.resume()          # a stopped run (PREEMPTED, TIMEOUT, FAILED, ...) continues from its last checkpoint
+    run.metrics.tail()    # the step events so far (a pandas DataFrame where pandas is installed)
+    run.wait().summary    # blocks until the run ends; never raises because the run failed: status tells
+    run.error             # the failing rank's traceback
+    Run.load("runs/tiny-20261130-101500")   # the same run, from another kernel
+
+Everything a Run knows is in its folder (moelab.run.folder names the files): config.yaml, metrics.jsonl (the
+stream the trainer writes; see moelab.train.metrics), summary.json, run.json (executor, job id and submitit
+folder, written at submission), logs/ (each rank's stdout and stderr). A Run only reads; the state comes from
+its Job (moelab.launch.jobs: the scheduler combined with the stream and submitit's result files).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from moelab.launch.jobs import STATES, TERMINAL, Job, job_for
+from moelab.run.folder import RunFolder
+
+__all__ = ["Run", "STATES", "TERMINAL"]
+_POLL_S = 1.0  # a scheduler is asked at most this often per Run
+
+
+class Run:
+    """A handle on one run folder. Build one with Session.submit(), Run.load(folder) or moelab.runs().
+
+        run = Run.load("runs/tiny-20261130-101500"); run.status, run.metrics.tail()
+    """
+
+    def __init__(self, folder: "str | Path", info: dict | None = None, job: Job | None = None):
+        self.run_folder = RunFolder(folder)
+        self.folder = self.run_folder.path
+        self._info = info if info is not None else self.run_folder.read_info()
+        self._job = job                 # the launcher's Job when this kernel submitted it
+        self._checked = (0.0, None)     # (time, status) of the last scheduler query
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def load(cls, folder: "str | Path") -> "Run":
+        """Reopen a run (finished or running, submitted from any kernel) from its folder."""
+        if not RunFolder(folder).is_run():
+            raise FileNotFoundError(f"{folder} is not a moelab run folder (no run.json, config.yaml or "
+                                    f"metrics.jsonl)")
+        return cls(folder)
+
+    @property
+    def name(self) -> str:
+        return self._info.get("name") or self.folder.name
+
+    @property
+    def executor(self) -> str:
+        """'inline', 'local' or 'slurm' ('external' for a folder written without a Session, e.g. torchrun)."""
+        return self._info.get("executor", "external")
+
+    @property
+    def job_id(self) -> str | None:
+        return self._info.get("job_id")
+
+    @property
+    def config(self):
+        from moelab.config import load_config
+
+        return load_config(self.run_folder.config)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def status(self) -> str:
+        final = self._info.get("status")
+        if final in TERMINAL:
+            return final
+        when, cached = self._checked
+        if cached is not None and time.monotonic() - when < _POLL_S:
+            return cached
+        # another kernel may have cancelled it, or seen it end
+        self._info = self.run_folder.read_info() or self._info
+        final = self._info.get("status")
+        if final in TERMINAL:
+            return final
+        job = self.job
+        status = job.state()
+        self._checked = (time.monotonic(), status)
+        if status in TERMINAL and job.records_status:
+            self._update_info(status=status)
+        return status
+
+    @property
+    def job(self) -> Job:
+        """This run's Job (moelab.launch.jobs), which asks its executor."""
+        if self._job is None:
+            self._job = job_for(self.run_folder, self._info)
+        self._job.info = self._info
+        return self._job
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> "Run":
+        """Block until the run ends (or `timeout` seconds pass); returns self. A failed run does not raise:
+        look at .status and .error."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.status not in TERMINAL:
+            if end is not None and time.monotonic() >= end:
+                break
+            time.sleep(poll_s)
+        return self
+
+    def cancel(self) -> None:
+        """Stop the run (scancel on SLURM, SIGINT to the local job's controller). Its status becomes
+        CANCELLED once the scheduler confirms."""
+        if self.status in TERMINAL:
+            return
+        self._update_info(cancel_requested=True)
+        self._checked = (0.0, None)
+        self.job.cancel()
+
+    def resume(self, **cluster_options) -> "Run":
+        """Continue a stopped run from its last checkpoint, on the same executor with the same options (those
+        given replace them); returns this Run, which now follows the new job. The metrics stream continues
+        with no step missing or repeated. Not needed after a SLURM preemption or time limit: the job requeues
+        itself and this Run follows it.
+
+            run = Run.load("runs/tiny-20261130-101500")   # PREEMPTED
+            run.resume().wait().status                     # COMPLETED
+        """
+        from moelab.launch.resume import resume
+
+        if not self.done:
+            raise RuntimeError(f"run {self.name} is {self.status}; resume it once it has stopped (or cancel it)")
+        self._job = resume(self.folder, **cluster_options)
+        self._info, self._checked = self._job.info, (0.0, None)
+        return self
+
+    # ------------------------------------------------------------------ what the run wrote
+    @property
+    def events(self) -> list[dict]:
+        """All events of metrics.jsonl so far (see moelab.train.metrics for the schema)."""
+        from moelab.train.metrics import read_events
+
+        return read_events(self.run_folder.metrics, live=True)
+
+    @property
+    def metrics(self):
+        """The step events as a table: scalar fields and memory.* columns (routing is in .routing())."""
+        rows = []
+        for e in self.events:
+            if e["event"] != "step":
+                continue
+            row = {k: v for k, v in e.items() if k not in ("event", "schema", "routing", "health", "memory")}
+            row.update({f"memory.{k}": v for k, v in (e.get("memory") or {}).items() if k != "per_rank"})
+            rows.append(row)
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
+
+    def routing(self):
+        """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
+        import numpy as np
+
+        steps = [e["routing"]["tokens_per_expert"] for e in self.events if e["event"] == "step" and e.get("routing")]
+        if steps:
+            return np.asarray(steps, dtype=np.float64)
+        m = self.config.model
+        return np.zeros((0, m.num_layers - m.num_dense_layers, m.moe.num_experts))
+
+    @property
+    def summary(self) -> dict | None:
+        data = self.run_folder.read_summary()
+        if data is not None:
+            return data
+        for e in reversed(self.events):
+            if e["event"] == "end":
+                return e.get("summary")
+        return None
+
+    @property
+    def error(self) -> str | None:
+        """The failing rank's traceback (from the stream's error event, else submitit's record of the
+        exception, else the tail of rank 0's stderr); None while nothing failed."""
+        errors = [e for e in self.events if e["event"] == "error"]
+        if errors:
+            first = errors[0]
+            return f"rank {first.get('rank')} at step {first.get('step')}: {first.get('message')}\n" \
+                   f"{first.get('traceback', '')}"
+        kind, text = self.job.outcome()
+        if kind == "error":
+            return text
+        if self.status in ("FAILED", "TIMEOUT"):
+            tail = self.job.log(0, "stderr").splitlines()[-40:]
+            return "\n".join(tail) or f"the job ended as {self.status} without an error message"
+        return None
+
+    def logs(self, rank: int = 0) -> str:
+        """What `rank` has printed so far (stdout, then stderr). Empty for inline runs: their output went to
+        the calling process."""
+        out, err = self.job.log(rank, "stdout"), self.job.log(rank, "stderr")
+        return out + (("\n" if out and not out.endswith("\n") else "") + err if err else "")
+
+    # ------------------------------------------------------------------ views (other modules draw them)
+    def dashboard(self):
+        """A live widget (moelab.live) that follows this run."""
+        from moelab.live import dashboard
+
+        return dashboard(self)
+
+    def plot_throughput(self):
+        from moelab.live.plots import plot_throughput
+
+        return plot_throughput(self)
+
+    def plot_memory(self):
+        from moelab.live.plots import plot_memory
+
+        return plot_memory(self)
+
+    def plot_routing(self, layer: int | None = None):
+        from moelab.live.plots import plot_routing
+
+        return plot_routing(self, layer=layer)
+
+    def progress(self) -> dict:
+        """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s."""
+        events = self.events
+        total = next((e.get("total_steps") for e in events if e["event"] == "start"), None)
+        last = next((e for e in reversed(events) if e["event"] == "step"), None)
+        return {"status": self.status, "step": last["step"] if last else 0, "total_steps": total,
+                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None}
+
+    def __repr__(self) -> str:
+        p = self.progress()
+        loss = f", loss {p['loss']:.4f}" if p["loss"] is not None else ""
+        job = f", job {self.job_id}" if self.job_id else ""
+        return f"Run({self.name!r}, {p['status']}, step {p['step']}/{p['total_steps'] or '?'}{loss}, " \
+               f"{self.executor}{job}, folder={str(self.folder)!r})"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<code>{html.escape(repr(self))}</code>"
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _update_info(self, **fields: Any) -> None:
+        """What this Run learnt (a final status, a cancel request) goes to run.json; a folder written without
+        a Session has none, and gets none."""
+        self._info.update(fields)
+        if self.executor != "external":
+            self.run_folder.write_info(self._info)

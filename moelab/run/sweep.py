@@ -1,0 +1,80 @@
+"""A Sweep: the runs of one Session.sweep(), and `runs()`: every run under a folder.
+
+    sweep = Sweep.load("runs/tiny-sweep-20261130-101500")   # from sweep.json, in any kernel
+    sweep.status                                           # one status per run
+    runs("runs")                                           # every run folder under runs/, oldest first
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from moelab.run.folder import INFO, METRICS, SWEEP, RunFolder, read_json
+from moelab.run.run import Run
+
+
+class Sweep(list):
+    """The runs of one Session.sweep(): a list of Runs with group operations.
+
+        sweep = Session("tiny").sweep({"model.moe.aux_loss_coeff": [0, 1e-3, 1e-2]}, executor="slurm")
+        sweep.wait().status      # ['COMPLETED', 'COMPLETED', 'COMPLETED']
+        sweep.compare()
+    """
+
+    def __init__(self, runs=(), folder: "str | Path | None" = None):
+        super().__init__(runs)
+        self.folder = Path(folder) if folder is not None else None
+
+    @classmethod
+    def load(cls, folder: "str | Path") -> "Sweep":
+        folder = Path(folder)
+        info = read_json(RunFolder(folder).sweep_path)
+        if info is None:
+            raise FileNotFoundError(f"{folder} is not a sweep folder (no {SWEEP})")
+        return cls([Run.load(folder / r) for r in info["runs"]], folder)
+
+    @property
+    def status(self) -> list[str]:
+        return [r.status for r in self]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self)
+
+    @property
+    def job_ids(self) -> list[str | None]:
+        return [r.job_id for r in self]
+
+    def wait(self, timeout: float | None = None) -> "Sweep":
+        end = None if timeout is None else time.monotonic() + timeout
+        for r in self:
+            r.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return self
+
+    def cancel(self) -> None:
+        for r in self:
+            r.cancel()
+
+    def dashboard(self):
+        from moelab.live import dashboard
+
+        return dashboard(self)
+
+    def compare(self):
+        from moelab.live.compare import compare
+
+        return compare(self)
+
+    def __repr__(self) -> str:
+        where = f" in {str(self.folder)!r}" if self.folder else ""
+        return f"Sweep({len(self)} runs{where}: " + ", ".join(f"{r.name}: {r.status}" for r in self) + ")"
+
+
+def runs(root: "str | Path" = "runs") -> list[Run]:
+    """Every run folder under `root` (sweeps included), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = {p.parent for name in (INFO, METRICS)
+             for p in list(root.glob(f"*/{name}")) + list(root.glob(f"*/*/{name}")) + list(root.glob(name))}
+    return [Run(f) for f in sorted(found, key=lambda f: (RunFolder(f).created(), str(f)))]

@@ -1,0 +1,149 @@
+"""The package's imports point one way: every module's imports (read with ast, the ones inside functions
+included) form no cycle, and none points up the layers
+
+    contract (run/folder.py, presets/) -> config -> layout (parallel/dims.py) -> planner -> model, backends
+    -> parallel, hf -> train, bench -> launch -> run, session -> live, cli, gallery, the package's face
+
+A module may import its own layer and any layer below it. A package face (an __init__.py that lower layers
+pass through when they import one of its modules) imports nothing at module level, so that passing through it
+loads nothing from a higher layer.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "moelab"
+# (layer name, path prefixes relative to moelab/), lowest first; the longest matching prefix wins
+LAYERS = [
+    ("contract", ["run/folder.py", "presets/"]),
+    ("config", ["config.py"]),
+    ("layout", ["parallel/dims.py"]),
+    ("planner", ["planner/", "model_shapes.py"]),
+    ("model", ["model/", "backends/"]),
+    ("parallel", ["parallel/", "hf.py"]),
+    ("train", ["train/", "bench.py"]),
+    ("launch", ["launch/"]),
+    ("run", ["run/", "session.py"]),
+    ("views", ["live/", "cli/", "gallery.py", "compare.py", "__init__.py", "__main__.py"]),
+]
+RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
+# A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),
+# sweep.compare()): the views read runs, and a Run offers them. These imports, and only these, point up.
+VIEW_HOOKS = {("moelab.run.run", "moelab.live"), ("moelab.run.run", "moelab.live.plots"),
+              ("moelab.run.sweep", "moelab.live"), ("moelab.run.sweep", "moelab.live.compare")}
+# (the views import Run, never the other way round at module level; a hook is no cycle of module-level imports)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).as_posix()
+    best = max(((len(prefix), name) for name, prefixes in LAYERS for prefix in prefixes
+                if rel == prefix or (prefix.endswith("/") and rel.startswith(prefix))), default=None)
+    assert best is not None, f"moelab/{rel} is on no layer: add it to LAYERS"
+    return best[1]
+
+
+def imports(path: Path, known: dict[str, Path], module_level_only: bool = False) -> set[str]:
+    """The moelab modules `path` imports (an imported name that is a module counts as that module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    found = set()
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name.startswith("moelab") and name != me:
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) for name, path in known.items()}
+
+
+def test_every_module_is_on_a_layer_and_no_import_points_up():
+    known = modules()
+    upward = []
+    for name, targets in graph().items():
+        for target in targets:
+            if (name, target) in VIEW_HOOKS:
+                continue
+            if RANK[layer_of(known[target])] > RANK[layer_of(known[name])]:
+                upward.append(f"{name} ({layer_of(known[name])}) -> {target} ({layer_of(known[target])})")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_the_view_hooks_are_still_needed():
+    g = graph()
+    stale = [hook for hook in VIEW_HOOKS if hook[1] not in g.get(hook[0], set())]
+    assert not stale, f"allowed upward imports that no longer exist (remove them from VIEW_HOOKS): {stale}"
+
+
+def test_no_import_cycle():
+    """A view hook is the one import that points back (the view imports the noun); every other loop fails."""
+    g = {name: {t for t in targets if (name, t) not in VIEW_HOOKS} for name, targets in graph().items()}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(g[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_package_faces_that_lower_layers_pass_through_load_nothing():
+    """Importing moelab.run.folder runs moelab/run/__init__.py first: it must not load Run (a higher layer)."""
+    known = modules()
+    for name, path in known.items():
+        if path.name != "__init__.py" or name == "moelab":
+            continue
+        members = [p for n, p in known.items() if n.startswith(name + ".")]
+        lowest = min(RANK[layer_of(p)] for p in members) if members else RANK[layer_of(path)]
+        loaded = [t for t in imports(path, known, module_level_only=True)
+                  if RANK[layer_of(known[t])] > lowest]
+        assert not loaded, f"{name}/__init__.py loads {loaded} at import, above its lowest member's layer"
+
+
+def test_the_checker_sees_imports_that_point_up(tmp_path):
+    """The checker itself: a lazy import inside a function is read, and an upward one is found."""
+    src = tmp_path / "moelab" / "config.py"
+    src.parent.mkdir()
+    src.write_text("def f():\n    from moelab.cli import main\n")
+    (tmp_path / "moelab" / "cli.py").write_text("")
+    known = {"moelab.config": src, "moelab.cli": tmp_path / "moelab" / "cli.py"}
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        assert imports(src, known) == {"moelab.cli"}
+    finally:
+        ROOT = old
