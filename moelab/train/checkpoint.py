@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moelab.config import Config, ConfigError
-from moelab.train.metrics import parse_line
+from moelab.train.metrics import MetricsError, parse_lines
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -312,9 +312,8 @@ class Checkpointer:
                     f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
                     f"onto {now['world_size']} ranks with layout {now['layout']}")})
         if self._rank == 0 and metrics_path is not None:
-            out.records, cut = rewind_metrics(metrics_path, out.step)
-            if cut:
-                out.warnings.append({"kind": "truncated_metrics_line", "message": cut})
+            out.records, notes = rewind_metrics(metrics_path, out.step)
+            out.warnings.extend(notes)
         for w in out.warnings:
             w["step"] = out.step
         self._barrier()
@@ -383,30 +382,39 @@ def _copy_back(view, state) -> None:
 
 
 # ---------------------------------------------------------------------- the metrics stream on resume
-def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], str]:
+def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict]]:
     """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
-    writes them again, so every step appears exactly once. Returns the kept step events and, if the last line
-    was cut by a kill mid-write, a message saying it was dropped. A corrupt complete line raises MetricsError."""
+    writes them again, so every step appears exactly once. Returns the kept step events and warnings for the
+    stream ({kind, message}; none when all was well): a half-written last line (a kill mid-write: dropped) and
+    damaged lines (not valid events: kept as they are, for a person to look at, and skipped by every reader)."""
     path = Path(path)
     if not path.exists():
         return [], ""
-    lines = path.read_bytes().split(b"\n")
-    tail = lines.pop()
-    kept, records = [], []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        event = parse_line(line, f"{path}:{i}")
-        if event["event"] in ("step", "checkpoint") and event.get("step", 0) > step:
+    data = path.read_bytes()
+    parsed, tail = parse_lines(data, path)
+    kept, records, damaged, damaged_why = [], [], [], []
+    for i, line, event in parsed:
+        if isinstance(event, MetricsError):
+            damaged.append(str(i))
+            damaged_why.append(str(event).split(": ", 1)[-1])
+        elif event["event"] == "step" and event["step"] <= step:
+            records.append(event)
+        elif event["event"] in ("step", "checkpoint") and event["step"] > step:
             continue
         kept.append(line)
-        if event["event"] == "step":
-            records.append(event)
     tmp = path.with_name(path.name + ".rewind")
     _write_durably(tmp, b"".join(line + b"\n" for line in kept))
     os.replace(tmp, path)
-    cut = f"{path}:{len(lines) + 1}: dropped a half-written last line ({len(tail)} bytes)" if tail.strip() else ""
-    return records, cut
+    notes = []
+    if tail.strip():
+        last = data.count(b"\n") + 1
+        notes.append({"kind": "truncated_metrics_line",
+                      "message": f"{path}:{last}: dropped a half-written last line ({len(tail)} bytes)"})
+    if damaged:
+        notes.append({"kind": "damaged_metrics_line", "message": (
+            f"{path}: line(s) {', '.join(damaged)} are not valid events ({damaged_why[0]}); kept as they are "
+            f"and skipped by every reader")})
+    return records, notes
 
 
 # ---------------------------------------------------------------------- helpers
