@@ -18,10 +18,10 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
 - ``warning``: step, kind, message. Reliability kinds (moelab.train.checkpoint): "preempted" (a stop signal;
   a checkpoint was saved), "corrupt_checkpoint" (a damaged checkpoint was skipped on resume), "layout_changed"
-  (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume), "damaged_metrics_line" (lines
-  that are not valid events were kept as they are and skipped), "disk_full" (a checkpoint could not be saved for
-  lack of space; the run stopped after the previous checkpoint). Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes
-  dead or overloaded, not while it stays so) also carry layer and expert, and "overloaded_expert" its share.
+  (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume),
+  "damaged_metrics_line" (lines that are not valid events were kept as they are, and are skipped by readers).
+  Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes dead or overloaded, not while it
+  stays so) also carry layer and expert, and "overloaded_expert" its share.
 - ``checkpoint``: step, path (written once the checkpoint folder is complete).
 - ``end``: step, status ("COMPLETED" | "PREEMPTED" | "STOPPED"), summary.
 - ``error``: step, rank, message, traceback.
@@ -32,7 +32,7 @@ or a ``step`` / ``checkpoint`` event lacks an integer step, ...) is damage: ever
 by file and line number, once (``read_events`` as a MetricsWarning, ``JsonlTail`` in ``errors``, a resume as a
 ``damaged_metrics_line`` warning event); ``read_events(..., strict=True)`` raises MetricsError instead.
 
-Resume (moelab.train.checkpoint.rewind_metrics): a run continued from its checkpoint at step k first rewrites
+Resume (rewind_metrics, below): a run continued from its checkpoint at step k first rewrites
 this file once, atomically (temp file + rename), without the ``step`` and ``checkpoint`` events after k (the run
 computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
@@ -222,3 +222,47 @@ class JsonlTail:
                 self._delivered.add(key)
                 out.append(event)
         return out
+
+
+# ---------------------------------------------------------------------- the stream on resume
+def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict]]:
+    """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
+    writes them again, so every step appears exactly once. Returns the kept step events and warnings for the
+    stream ({kind, message}; none when all was well): a half-written last line (a kill mid-write: dropped) and
+    damaged lines (not valid events: kept as they are, for a person to look at, and skipped by every reader)."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    data = path.read_bytes()
+    parsed, tail = parse_lines(data, path)
+    kept, records, damaged, damaged_why = [], [], [], []
+    for i, line, event in parsed:
+        if isinstance(event, MetricsError):
+            damaged.append(str(i))
+            damaged_why.append(str(event).split(": ", 1)[-1])
+        elif event["event"] == "step" and event["step"] <= step:
+            records.append(event)
+        elif event["event"] in ("step", "checkpoint") and event["step"] > step:
+            continue
+        kept.append(line)
+    tmp = path.with_name(path.name + ".rewind")
+    write_durably(tmp, b"".join(line + b"\n" for line in kept))
+    os.replace(tmp, path)
+    notes = []
+    if tail.strip():
+        last = data.count(b"\n") + 1
+        notes.append({"kind": "truncated_metrics_line",
+                      "message": f"{path}:{last}: dropped a half-written last line ({len(tail)} bytes)"})
+    if damaged:
+        notes.append({"kind": "damaged_metrics_line", "message": (
+            f"{path}: line(s) {', '.join(damaged)} are not valid events ({damaged_why[0]}); kept as they are "
+            f"and skipped by every reader")})
+    return records, notes
+
+
+def write_durably(path: Path, data: "str | bytes") -> None:
+    """Write a whole file and fsync it before returning (callers then rename it into place)."""
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
