@@ -195,7 +195,7 @@ class Run:
         if state == "UNKNOWN":
             # not in accounting yet (just submitted), or accounting is off: finished tasks leave result files
             return self._ended_status() if self._outcome()[0] is not None else "PENDING"
-        status = _SLURM_STATES.get(state, "PENDING")
+        status = self._controller_status(str(self.job_id), _SLURM_STATES.get(state, "PENDING"))
         if status == "FAILED" and self._timed_out():
             status = "TIMEOUT"
         return status
@@ -229,7 +229,25 @@ class Run:
         except (OSError, subprocess.SubprocessError):
             lines = []
         states = [line.split()[0].rstrip("+") for line in lines if line.strip()]  # "CANCELLED by 0"
-        return _SLURM_STATES.get(states[-1], "PENDING") if states else self._stream_status()
+        status = _SLURM_STATES.get(states[-1], "PENDING") if states else self._stream_status()
+        return self._controller_status(job_id, status)
+
+    def _controller_status(self, job_id: str, status: str) -> str:
+        """Accounting (sacct) lags the controller: a job that has ended can still read RUNNING there for a while.
+        Once the stream's last attempt has ended (an `end` or `error` event after its last `start`) and sacct is
+        not terminal yet, the controller's state (squeue) decides, or the stream's when the controller no longer
+        knows the job (issue 21)."""
+        events = self.events
+        starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+        if status in TERMINAL or not any(e["event"] in ("end", "error") for e in events[starts[-1] if starts else 0:]):
+            return status
+        from moelab.launch.slurm_checks import queue_state
+
+        state = queue_state(job_id)
+        if state == "":
+            return self._stream_status()
+        ended = _SLURM_STATES.get(state or "")
+        return ended if ended in TERMINAL else status
 
     def _stream_status(self) -> str:
         """For a run without a scheduler to ask: the last terminal event of its stream."""

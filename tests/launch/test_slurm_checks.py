@@ -149,3 +149,57 @@ def test_without_sinfo_nothing_is_checked(monkeypatch, tmp_path):
     assert partitions() is None
     check_request({"nodes": 10**6, "gpus_per_node": 64}, None)
     assert pending_reason("1") is None
+
+
+# ---------------------------------------------------------------------- accounting lags the controller
+def _finished_job() -> str:
+    job = _sbatch()
+    end = time.monotonic() + 120
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < end, f"job {job} still queued"
+        time.sleep(0.3)
+    return job
+
+
+def test_the_controller_knows_a_job_has_ended_before_accounting_may(slurm_cluster):
+    from moelab.launch.slurm_checks import queue_state
+
+    job = _finished_job()
+    assert queue_state(job) == "COMPLETED"
+    assert queue_state("999999999") == ""  # not known to the controller
+
+
+@pytest.fixture
+def lagging_sacct(tmp_path, monkeypatch):
+    """sacct as it answers while slurmdbd has not yet recorded a job's end: still RUNNING. (The lag cannot be
+    produced on demand on a live cluster; squeue, the run folder and everything else stay real.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho RUNNING\n")
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+
+
+def _external_run(folder, job: str, end: "str | None"):
+    """A run folder as slurm/moelab.sbatch leaves it: a start event naming the SLURM job, maybe an end."""
+    from moelab.train.metrics import MetricsWriter
+
+    folder.mkdir()
+    w = MetricsWriter(folder / "metrics.jsonl")
+    w.write("start", total_steps=1, start_step=0, env={"slurm_job_id": job, "world_size": 1})
+    w.write("step", step=1, loss=1.0)
+    if end:
+        w.write("end", step=1, status=end, summary={})
+    w.close()
+
+
+def test_a_run_whose_job_ended_is_not_running_while_accounting_lags(slurm_cluster, lagging_sacct, tmp_path):
+    from moelab import Run
+
+    job = _finished_job()
+    _external_run(tmp_path / "done", job, "COMPLETED")
+    assert Run.load(tmp_path / "done").status == "COMPLETED"  # the controller says COMPLETED
+    _external_run(tmp_path / "gone", "999999999", "COMPLETED")
+    assert Run.load(tmp_path / "gone").status == "COMPLETED"  # the controller forgot it: the stream's end
+    _external_run(tmp_path / "live", job, None)
+    assert Run.load(tmp_path / "live").status == "RUNNING"  # no end in the stream: accounting is not overruled
