@@ -167,20 +167,24 @@ def test_moelab_status_and_resume_work_past_a_damaged_line(tmp_path, capsys):
     assert events[-1]["event"] == "end" and events[-1]["status"] == "COMPLETED"
 
 
+def _append(path, *items) -> None:
+    """Append to a stream: events as {"event": kind, **fields} through the writer, bytes as they are."""
+    for item in items:
+        if isinstance(item, bytes):
+            with open(path, "ab") as f:
+                f.write(item)
+        else:
+            w = MetricsWriter(path)
+            w.write(**item)
+            w.close()
+
+
 def test_a_tail_reports_a_damaged_line_once_across_a_rewind(tmp_path):
-    from moelab.train.checkpoint import rewind_metrics
+    from moelab.train.metrics import rewind_metrics
 
     path = tmp_path / "metrics.jsonl"
-    w = MetricsWriter(path)
-    w.write("start", total_steps=4)
-    w.write("step", step=1, loss=1.0)
-    w.close()
-    with open(path, "ab") as f:
-        f.write(b"not json\n")
-    w = MetricsWriter(path)
-    w.write("step", step=2, loss=0.5)
-    w.write("step", step=3, loss=0.25)
-    w.close()
+    _append(path, {"event": "start", "total_steps": 4}, {"event": "step", "step": 1, "loss": 1.0}, b"not json\n",
+            {"event": "step", "step": 2, "loss": 0.5}, {"event": "step", "step": 3, "loss": 0.25})
     tail = JsonlTail(path)
     assert [e.get("step") for e in tail.poll()] == [None, 1, 2, 3] and len(tail.errors) == 1
     rewind_metrics(path, 2)  # a resume rewrites the file: the damaged line is read again from the top
@@ -191,11 +195,7 @@ def test_a_torn_last_line_stays_silent_until_it_is_completed(tmp_path):
     import warnings
 
     path = tmp_path / "metrics.jsonl"
-    w = MetricsWriter(path)
-    w.write("start", total_steps=2)
-    w.close()
-    with open(path, "ab") as f:
-        f.write(b'{"event": "step", "schema": 1, "step": 1, "lo')
+    _append(path, {"event": "start", "total_steps": 2}, b'{"event": "step", "schema": 1, "step": 1, "lo')
     tail = JsonlTail(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning fails the test
