@@ -137,3 +137,22 @@ def test_no_space_is_recognised_from_a_real_enospc_and_under_torchs_runtime_erro
     assert free > 0 and diskspace.shortage(free + 1, free) == 1 and diskspace.shortage(free, free) is None
     assert diskspace.left_too_little(need=10 << 20, written=1 << 20, free=5 << 20)
     assert not diskspace.left_too_little(need=10 << 20, written=9 << 20, free=5 << 20)
+
+
+def test_two_ranks_refuse_together_and_resume_once_space_is_freed(small_disk):
+    """With 2 gloo processes every rank raises the same DiskFullError at the same step (none waits in a
+    collective for a peer that gave up), and the run resumes on 2 processes once space is freed."""
+    from moelab.launch.local import RankFailed, run_local_processes
+
+    disk, resize = small_disk
+    run = disk / "run"
+    with pytest.raises(RankFailed, match="DiskFullError: disk full: checkpoint step 4"):
+        run_local_processes(_cfg(), run, 2)
+    errors = [e for e in read_events(run / "metrics.jsonl") if e["event"] == "error"]
+    assert sorted(e["rank"] for e in errors) == [0, 1]
+    assert all(e["step"] == 4 and e["message"].startswith("DiskFullError: disk full") for e in errors)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
+    assert verify(run / "checkpoints/step_000002") == []
+    resize("20m")
+    assert resume(run)["status"] == "COMPLETED"
+    assert sorted(_steps(run)) == [1, 2, 3, 4]
