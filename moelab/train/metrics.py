@@ -59,7 +59,7 @@ class MetricsError(ValueError):
 
 class MetricsWarning(UserWarning):
     """A damaged metrics.jsonl line that a reader skipped; the message names the file and the line, e.g.
-    ``runs/tiny/metrics.jsonl:5: not valid JSON (...); the line was skipped``. Python shows each once."""
+    ``runs/tiny/metrics.jsonl:5: not valid JSON (...): a damaged line, skipped``. Python shows each once."""
 
 
 class MetricsWriter:
@@ -175,8 +175,8 @@ def read_events(path: "str | Path", live: bool = False, strict: bool = False) ->
 
 class JsonlTail:
     """Incremental reader for a live stream: returns new complete events on each poll, keeps a half-written
-    last line for the next poll, and reports each damaged complete line once through `errors` (never raises). When the
-    file is replaced (a resume rewinds it, see above) it is read again from the top and only events not
+    last line for the next poll, and reports each damaged complete line once through `errors` (never raises).
+    When the file is replaced (a resume rewinds it, see above) it is read again from the top and only events not
     delivered before are returned; `rewinds` counts such replacements."""
 
     def __init__(self, path: "str | Path"):
@@ -236,9 +236,9 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict
     data = path.read_bytes()
     parsed, tail = parse_lines(data, path)
     kept, records, damaged, damaged_why = [], [], [], []
-    for i, line, event in parsed:
+    for _, line, event in parsed:
         if isinstance(event, MetricsError):
-            damaged.append(str(i))
+            damaged.append(str(len(kept) + 1))  # its line in the rewritten file
             damaged_why.append(str(event).split(": ", 1)[-1])
         elif event["event"] == "step" and event["step"] <= step:
             records.append(event)

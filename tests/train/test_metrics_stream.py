@@ -203,3 +203,17 @@ def test_a_torn_last_line_stays_silent_until_it_is_completed(tmp_path):
         with open(path, "ab") as f:
             f.write(b'ss": 2.0}\n')
         assert read_events(path)[-1]["loss"] == 2.0 and tail.poll()[0]["loss"] == 2.0 and not tail.errors
+
+
+def test_a_rewind_keeps_a_damaged_line_and_names_where_it_now_is(tmp_path):
+    from moelab.train.metrics import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    _append(path, {"event": "start"}, *({"event": "step", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)),
+            b"\x00garbage\n", {"event": "step", "step": 5, "loss": 1.0})
+    records, notes = rewind_metrics(path, 2)
+    assert [r["step"] for r in records] == [1, 2]
+    assert path.read_bytes().split(b"\n")[3] == b"\x00garbage"  # line 4 of the rewritten file (was line 6)
+    assert notes == [{"kind": "damaged_metrics_line", "message": f"{path}: line(s) 4 are not valid events (not "
+                      f"valid JSON (Expecting value: line 1 column 1 (char 0))); kept as they are and skipped by "
+                      f"every reader"}]
