@@ -186,7 +186,8 @@ class JsonlTail:
         self._line = 0
         self._inode: int | None = None
         self._delivered: set[int] = set()
-        self._damaged: set[int] = set()
+        self._damaged: set[tuple[int, int]] = set()  # (line hash, its n-th copy in the file): reported
+        self._copies: dict[int, int] = {}  # damaged line hash -> copies seen in this reading of the file
         self.rewinds = 0
         self.errors: list[str] = []
 
@@ -195,7 +196,7 @@ class JsonlTail:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
                 if self._inode is not None and (st.st_ino != self._inode or st.st_size < self._pos):
-                    self._pos, self._partial, self._line = 0, b"", 0
+                    self._pos, self._partial, self._line, self._copies = 0, b"", 0, {}
                     self.rewinds += 1
                 self._inode = st.st_ino
                 f.seek(self._pos)
@@ -213,8 +214,9 @@ class JsonlTail:
                 try:
                     event = parse_line(line, f"{self.path}:{self._line}")
                 except MetricsError as e:
-                    if key not in self._damaged:  # once, even when a rewound file shows it again
-                        self._damaged.add(key)
+                    self._copies[key] = self._copies.get(key, 0) + 1
+                    if (key, self._copies[key]) not in self._damaged:  # once, even when a rewound file shows
+                        self._damaged.add((key, self._copies[key]))   # it again
                         self.errors.append(str(e))
                     continue
                 if self.rewinds and key in self._delivered:

@@ -184,11 +184,12 @@ def test_a_tail_reports_a_damaged_line_once_across_a_rewind(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     _append(path, {"event": "start", "total_steps": 4}, {"event": "step", "step": 1, "loss": 1.0}, b"not json\n",
-            {"event": "step", "step": 2, "loss": 0.5}, {"event": "step", "step": 3, "loss": 0.25})
+            {"event": "step", "step": 2, "loss": 0.5}, b"not json\n", {"event": "step", "step": 3, "loss": 0.25})
     tail = JsonlTail(path)
-    assert [e.get("step") for e in tail.poll()] == [None, 1, 2, 3] and len(tail.errors) == 1
-    rewind_metrics(path, 2)  # a resume rewrites the file: the damaged line is read again from the top
-    assert tail.poll() == [] and tail.rewinds == 1 and len(tail.errors) == 1
+    assert [e.get("step") for e in tail.poll()] == [None, 1, 2, 3]
+    assert [m.split(": ")[0][-2:] for m in tail.errors] == [":3", ":5"]  # two copies: two damaged lines
+    rewind_metrics(path, 2)  # a resume rewrites the file: the damaged lines are read again from the top
+    assert tail.poll() == [] and tail.rewinds == 1 and len(tail.errors) == 2
 
 
 def test_a_torn_last_line_stays_silent_until_it_is_completed(tmp_path):
