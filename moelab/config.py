@@ -20,6 +20,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from moelab.yaml_loader import DuplicateKey, UniqueKeyLoader
+
 
 class ConfigError(ValueError):
     """An invalid config value. The message names the field, the value and the fix.
@@ -255,11 +257,6 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         m, moe, p, t, b = self.model, self.model.moe, self.parallel, self.train, self.backend
-        for section, obj in _sections(self):
-            for f in fields(obj):
-                v = getattr(obj, f.name)
-                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
-                    _fail(f"{section}.{f.name}", v, "must be >= 0")
         _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                      ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                      ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
@@ -270,6 +267,13 @@ class Config:
                      ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
                      ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
                      ("parallel.ep", p.ep), ("parallel.vp", p.vp)]
+        at_least_one = {name for name, _ in _positive}  # one rule for these: -5 and 0 both say ">= 1"
+        for section, obj in _sections(self):
+            for f in fields(obj):
+                v = getattr(obj, f.name)
+                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0 \
+                        and f"{section}.{f.name}" not in at_least_one:
+                    _fail(f"{section}.{f.name}", v, "must be >= 0")
         for name, v in _positive:
             if v < 1:
                 _fail(name, v, "must be >= 1")
@@ -488,13 +492,24 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example model.moe.num_experts=16")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw, f"--set {key.strip()}", file=False) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
 # ---------------------------------------------------------------------- loading and saving
+def _yaml_load(text: str, where: str, file: bool = True):
+    """YAML text -> Python, refusing duplicated keys with a ConfigError naming the key (and its lines in a
+    `file`)."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKey as e:
+        lines = f"{where}:{e.line}: key {e.key!r} is given twice (first on line {e.first})" if file else \
+            f"{where}: key {e.key!r} is given twice"
+        raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
+
+
 def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None) -> Config:
     """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
 
@@ -528,7 +543,7 @@ def _read_source(source: str, _seen: tuple = ()) -> dict:
         raise ConfigError(f"unknown preset {source!r}.{hint} Presets: {', '.join(preset_names())} "
                           f"(or give a path to a YAML file)")
     try:
-        data = yaml.safe_load(path.read_text())  # safe_load: a config never executes code
+        data = _yaml_load(path.read_text(), str(path))
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except OSError as e:

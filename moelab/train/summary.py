@@ -21,16 +21,38 @@ def balance(counts: list[float]) -> dict:
             "dead": sum(1 for c in counts if c == 0)}
 
 
+def _well_formed(r: dict, layers: int) -> bool:
+    """A step record with every field the summary reads, `layers` MoE layers of routing (a step event read
+    back from a damaged stream may parse and still lack them)."""
+    num = (int, float)
+    routing, memory = r.get("routing"), r.get("memory")
+    return (isinstance(r.get("loss"), num) and isinstance(memory, dict)
+            and isinstance(memory.get("max_peak_allocated_gb"), num) and isinstance(routing, dict)
+            and isinstance(routing.get("tokens_per_expert"), list) and len(routing["tokens_per_expert"]) == layers
+            and all(isinstance(c, list) and all(isinstance(x, num) for x in c)
+                    for c in routing["tokens_per_expert"])
+            and isinstance(routing.get("dropped_tokens"), list)
+            and all(isinstance(x, num) for x in routing["dropped_tokens"]))
+
+
 def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0) -> dict:
-    """Throughput is averaged over steps after the first two of this process (start-up and warm-up)."""
-    timed = records[2:] if len(records) > 3 else records
+    """Throughput is averaged over steps after the first two of this process (start-up and warm-up). Records
+    that lack a field the summary reads (read back from a damaged stream) are left out and counted in
+    `unreadable_steps`."""
+    counts = [len(r["routing"]["tokens_per_expert"]) for r in records
+              if isinstance(r.get("routing"), dict) and isinstance(r["routing"].get("tokens_per_expert"), list)]
+    layers = max(set(counts), key=counts.count) if counts else 0  # what nearly every record has
+    usable = [r for r in records if _well_formed(r, layers)]
     out: dict = {"name": cfg.name, "status": status, "steps": records[-1]["step"] if records else start_step,
                  "total_steps": cfg.train.steps, "start_step": start_step}
+    if len(usable) < len(records):
+        out["unreadable_steps"] = len(records) - len(usable)
+    records = usable
+    timed = records[2:] if len(records) > 3 else records
     if not records:
         return out
     mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / max(
         sum(1 for r in timed if r.get(key) is not None), 1)
-    layers = len(records[-1]["routing"]["tokens_per_expert"])
     totals = [[sum(c) for c in zip(*(r["routing"]["tokens_per_expert"][i] for r in records))]
               for i in range(layers)]
     out.update(
