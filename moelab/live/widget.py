@@ -213,6 +213,7 @@ class WidgetView:
     def __init__(self, names: list, cancels: list, cancel_all=None, chart_every_s: float = 1.0):
         self.lock = threading.RLock()  # the monitor holds it while it folds events and updates the view
         self.panels = [RunPanel(c, chart_every_s, self.lock) for c in cancels]
+        self.answered_while_busy = False  # set by display()
         self.table = self.tabs = self.header = self.cancel_all = None
         if len(self.panels) == 1:
             self.box = self.panels[0].box
@@ -259,4 +260,9 @@ class WidgetView:
     def display(self) -> None:
         from IPython.display import display
 
+        from moelab.live.kernel import answer_while_busy
+
+        # Cancel, the layer selector and the tabs answer while a cell blocks (run.wait()): their messages go to
+        # a kernel subshell (moelab.live.kernel); `answered_while_busy` says whether this kernel allows it
+        self.answered_while_busy = answer_while_busy(self.widgets())
         display(self.box)
