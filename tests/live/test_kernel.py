@@ -81,3 +81,25 @@ def test_cancel_clicked_while_a_cell_blocks_takes_effect(tmp_path):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_config_error_in_a_notebook_is_its_message_without_the_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
+    try:
+        msg_id = kc.execute("from moelab import Session\nSession('tiny', train={'steps': 0})", stop_on_error=False)
+        while True:
+            msg = kc.get_iopub_msg(timeout=120)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "error":
+                break
+        assert msg["content"]["ename"] == "ConfigError"
+        shown = msg["content"]["traceback"]
+        assert len(shown) == 2 and "ConfigError\x1b[0m: train.steps=0: must be >= 1" in shown[0], shown
+        assert "raised in " in shown[1] and "config.py" in shown[1]
+        tb_text: list = []
+        tb = kc.execute_interactive("import sys, traceback; traceback.print_exception(sys.last_value)", timeout=120, output_hook=lambda m: tb_text.append(m["content"]))
+        assert tb["content"]["status"] == "ok"
+        assert any("Traceback" in str(c) for c in tb_text), tb_text  # the full traceback is still one command away
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
