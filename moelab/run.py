@@ -284,7 +284,9 @@ class Run:
 
     @property
     def metrics(self):
-        """The step events as a table: scalar fields and memory.* columns (routing is in .routing())."""
+        """The step events as a table: scalar fields and memory.* columns (routing is in .routing()); `time` is
+        a UTC datetime (a float of unix seconds without pandas) and `elapsed_s` the seconds since the first step
+        event."""
         rows = []
         for e in self.events:
             if e["event"] != "step":
@@ -292,11 +294,17 @@ class Run:
             row = {k: v for k, v in e.items() if k not in ("event", "schema", "routing", "health", "memory")}
             row.update({f"memory.{k}": v for k, v in (e.get("memory") or {}).items() if k != "per_rank"})
             rows.append(row)
+        for row in rows:
+            row["elapsed_s"] = row["time"] - rows[0]["time"]
         try:
             import pandas as pd
         except ImportError:
             return rows
-        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
+        if not rows:
+            return pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
+        df = pd.DataFrame(rows)
+        df["time"] = pd.to_datetime(df["time"], unit="s")
+        return df
 
     def routing(self):
         """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
@@ -385,8 +393,8 @@ class Run:
         p = self.progress()
         loss = f", loss {p['loss']:.4f}" if p["loss"] is not None else ""
         job = f", job {self.job_id}" if self.job_id else ""
-        return f"Run({self.name!r}, {p['status']}, step {p['step']}/{p['total_steps'] or '?'}{loss}, " \
-               f"{self.executor}{job}, folder={str(self.folder)!r})"
+        steps = f"step {p['step']}/{p['total_steps']}" if p["total_steps"] else "not started"
+        return f"Run({self.name!r}, {p['status']}, {steps}{loss}, {self.executor}{job}, folder={str(self.folder)!r})"
 
     def _repr_html_(self) -> str:
         import html
@@ -466,14 +474,42 @@ class Sweep(list):
         return f"Sweep({len(self)} runs{where}: " + ", ".join(f"{r.name}: {r.status}" for r in self) + ")"
 
 
-def runs(root: "str | Path" = "runs") -> list[Run]:
-    """Every run folder under `root` (sweeps included), oldest first."""
+class RunList(list):
+    """What moelab.runs() returns: a list of Runs that shows itself as a table, one row per run.
+
+        rs = moelab.runs("runs")
+        rs.table        # a pandas DataFrame: name, status, step, total_steps, loss, executor, job_id, folder
+        rs[-1].wait()   # still a list of Runs
+    """
+
+    @property
+    def table(self):
+        rows = [{"name": r.name, **r.progress(), "executor": r.executor, "job_id": r.job_id, "folder": str(r.folder)}
+                for r in self]
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame(rows, columns=["name", "status", "step", "total_steps", "loss", "tokens_per_s",
+                                           "executor", "job_id", "folder"])
+
+    def __repr__(self) -> str:
+        table = self.table
+        return table.to_string(index=False) if hasattr(table, "to_string") and self else repr(list(self))
+
+    def _repr_html_(self) -> str:
+        table = self.table
+        return table.to_html(index=False) if hasattr(table, "to_html") else f"<pre>{self!r}</pre>"
+
+
+def runs(root: "str | Path" = "runs") -> RunList:
+    """Every run folder under `root` (sweeps included), oldest first, as a RunList (a table in Jupyter)."""
     root = Path(root)
     if not root.is_dir():
-        return []
+        return RunList()
     found = {p.parent for name in (RUN_FILE, "metrics.jsonl")
              for p in list(root.glob(f"*/{name}")) + list(root.glob(f"*/*/{name}")) + list(root.glob(name))}
-    return [Run(f) for f in sorted(found, key=lambda f: (_created(f), str(f)))]
+    return RunList(Run(f) for f in sorted(found, key=lambda f: (_created(f), str(f))))
 
 
 def _created(folder: Path) -> float:
