@@ -61,3 +61,14 @@ def test_moelab_report_writes_pngs(tiny_folder, tmp_path, capsys):
 def test_moelab_report_of_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_plot_routing_titles_fit_inside_the_png(tiny_folder):
+    fig = plot_routing(tiny_folder)
+    fig.canvas.draw()
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    texts = [ax.title for ax in fig.axes] + [ax._left_title for ax in fig.axes] + [fig._suptitle]
+    for t in texts:
+        if t is not None and t.get_text():
+            ext = t.get_window_extent(renderer)
+            assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and ext.y1 <= box.y1, t.get_text()
