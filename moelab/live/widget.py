@@ -226,6 +226,8 @@ class RunPanel:
             self._drawn["routing"] = (-1, 0.0)
         if self._due("routing", st, force):
             self.routing_chart.value = plots.to_png(plots.routing_figure(st, layer))
+            self.routing_chart.tooltip = (f"routing: layer x expert heatmap, {st.layer_name(layer)}: histogram and "
+                                          "load over steps")
             self.routing_chart.layout.display = None
             balance = plots.balance_text(st.layer_balance(layer), len(st.routing_LE()[layer]))
             self.balance.value = (f"<span style='font-size:12px;padding-left:10px'>{st.span_text()} (mean over "
