@@ -196,6 +196,8 @@ def draw_memory_history(ax, st: DashState) -> None:
         _, lo = thin_points(st.steps[-len(st.memory_min):], st.memory_min)
         ax.plot(xs, lo, color="tab:orange", lw=1.0, ls="--", label="min over ranks")
         ax.legend(fontsize=7)
+    if st.total_steps:
+        ax.set_xlim(0, max(st.total_steps, xs[-1]))
     style_axes(ax, f"memory over steps ({_memory_label(st)})", "step", "GB")
 
 

@@ -144,6 +144,7 @@ class RunPanel:
                                 style={"description_width": "initial"})
         self.balance = w.HTML()
         self.routing_chart = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
+        self.routing_chart.add_class("moelab-routing")  # found by the browser test
         self.messages = w.HTML()
         self.box = w.VBox([
             w.HBox([self.header, self.cancel_button],
@@ -226,8 +227,6 @@ class RunPanel:
             self._drawn["routing"] = (-1, 0.0)
         if self._due("routing", st, force):
             self.routing_chart.value = plots.to_png(plots.routing_figure(st, layer))
-            self.routing_chart.tooltip = (f"routing: layer x expert heatmap, {st.layer_name(layer)}: histogram and "
-                                          "load over steps")
             self.routing_chart.layout.display = None
             balance = plots.balance_text(st.layer_balance(layer), len(st.routing_LE()[layer]))
             self.balance.value = (f"<span style='font-size:12px;padding-left:10px'>{st.span_text()} (mean over "
@@ -355,6 +354,7 @@ class WidgetView:
                      _img(p.train_chart.value), _img(p.routing_chart.value)]
         else:
             parts = [self.header.value, self.table.value, _img(self.overlay.value)]
+        parts = [f"<div>{x}</div>" for x in parts if x]
         note = ("<div style='color:#777;font-size:10px'>a static snapshot of the dashboard at its end (the live "
                 "widget needs the kernel that drew it)</div>")
         return f"{SNAPSHOT_CSS}<div class='moelab-snapshot'>{note}{''.join(parts)}</div>"

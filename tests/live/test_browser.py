@@ -124,22 +124,30 @@ def lab(tmp_path):
         log.close()
 
 
+def _run_all(p, tmp_path: Path, port: int, name: str):
+    """Chromium on the notebook, its kernel idle, then run-all; returns (browser context, page)."""
+    ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM, headless=True,
+                                               args=CHROME_ARGS, viewport={"width": 1280, "height": 1800})  # the whole dashboard
+    try:
+        page = ctx.pages[0] if ctx.pages else ctx.new_page()
+        page.goto(f"http://127.0.0.1:{port}/lab/tree/{name}?token={TOKEN}&reset", wait_until="domcontentloaded")
+        page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
+        # run-all returns a promise that settles when every cell finished: do not wait for it here
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return 1; }")
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx, page
+
+
 def test_quickstart_dashboard_is_live_in_jupyterlab(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
     port, root = lab
     timeline, shots = [], {}
     with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM,
-                                                   headless=True, args=CHROME_ARGS,
-                                                   viewport={"width": 1280, "height": 1000})
+        ctx, page = _run_all(p, tmp_path, port, "01_quickstart.ipynb")
         try:
-            page = ctx.pages[0] if ctx.pages else ctx.new_page()
-            page.goto(f"http://127.0.0.1:{port}/lab/tree/01_quickstart.ipynb?token={TOKEN}&reset",
-                      wait_until="domcontentloaded")
-            page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
-            # run-all returns a promise that settles when every cell finished: do not wait for it here
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return 1; }")
             t0 = time.monotonic()
             while time.monotonic() - t0 < 600:
                 time.sleep(0.5)
@@ -156,7 +164,7 @@ def test_quickstart_dashboard_is_live_in_jupyterlab(lab, tmp_path):
             final = page.evaluate(PROBE)
             shots["done"] = _shoot(page, tmp_path / "dashboard-done.png")
             page.screenshot(path=str(tmp_path / "page.png"))
-            heatmap = page.locator("img.widget-image[title*='load over steps']").count()
+            heatmap = page.evaluate(ROUTING_ASPECT)
             live_snapshot = page.evaluate(SNAPSHOT)
             reopened = _reopen(page, port, "01_quickstart.ipynb", tmp_path / "reopened.png")
         finally:
@@ -173,20 +181,36 @@ def test_quickstart_dashboard_is_live_in_jupyterlab(lab, tmp_path):
     assert any(f"{STEPS} / {STEPS} steps" in h for h in final["html"]), final["html"]
     assert not final["errs"], final["errs"]
     assert "live" in shots, "no screenshot while the run was between 50% and 90%"
-    assert heatmap == 1, "the routing chart with the load-over-steps heatmap is missing"
+    # the routing chart has the load-over-steps heatmap as a third panel under the other two (a 12 x 5 inch
+    # figure; without it 10 x 2.4)
+    assert heatmap > 0.35, f"the routing chart's height / width is {heatmap}: no load-over-steps heatmap"
     # the snapshot is in the output, hidden while the live widget renders; reopened without widget state it shows
     assert live_snapshot == {"count": 1, "visible": 0, "images": 2}, live_snapshot
     assert reopened["count"] == 1 and reopened["visible"] == 1 and reopened["images"] == 2, reopened
     if os.environ.get("MOELAB_UPDATE_SCREENSHOT") == "1":
         shutil.copy(shots["live"], REPO / "gallery" / "dashboard.png")
         shutil.copy(shots["done"], REPO / "gallery" / "dashboard-done.png")
+        shutil.copy(tmp_path / "reopened.png", REPO / "gallery" / "dashboard-snapshot.png")
 
 
+ROUTING_ASPECT = """() => {
+  const i = document.querySelector('img.widget-image.moelab-routing');
+  return i && i.naturalWidth > 0 ? i.naturalHeight / i.naturalWidth : 0;
+}"""
 # The static snapshot left by dash.wait(): how many, how many visible, how many loaded images in it.
 SNAPSHOT = """() => {
   const snaps = [...document.querySelectorAll('.moelab-snapshot')];
   return {count: snaps.length, visible: snaps.filter(e => e.offsetParent !== null).length,
           images: snaps.flatMap(e => [...e.querySelectorAll('img')]).filter(i => i.naturalWidth > 0).length};
+}"""
+
+
+SCROLL_TO_DASHBOARD = """async () => {
+  const nb = window.jupyterapp.shell.currentWidget.content;
+  const i = nb.widgets.findIndex(c => c.model.sharedModel.getSource().startsWith('dash = run.dashboard()'));
+  nb.activeCellIndex = i;
+  await nb.scrollToCell(nb.widgets[i]);
+  return i;
 }"""
 
 
@@ -198,11 +222,15 @@ def _reopen(page, port: int, name: str, shot: Path) -> dict:
         _api(port, f"kernels/{k['id']}", "DELETE")
     page.goto(f"http://127.0.0.1:{port}/lab/tree/{name}?token={TOKEN}&reset", wait_until="domcontentloaded")
     try:
+        page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
+        page.evaluate(SCROLL_TO_DASHBOARD)  # a notebook may render only the cells in view
         page.wait_for_function(f"() => ({SNAPSHOT})().visible > 0", timeout=60_000)
         page.wait_for_function(f"() => ({SNAPSHOT})().images >= 2", timeout=30_000)
     except Exception:  # reported by the caller's assertion, with what the page shows
         pass
-    page.screenshot(path=str(shot))
+    snap = page.locator(".moelab-snapshot")
+    if snap.count():
+        snap.first.screenshot(path=str(shot))
     return page.evaluate(SNAPSHOT)
 
 
@@ -232,15 +260,8 @@ def test_cancel_during_a_blocking_wait(lab, tmp_path, request, executor):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(root / "cancel.ipynb"))
     with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM,
-                                                   headless=True, args=CHROME_ARGS,
-                                                   viewport={"width": 1280, "height": 1000})
+        ctx, page = _run_all(p, tmp_path, port, "cancel.ipynb")
         try:
-            page = ctx.pages[0] if ctx.pages else ctx.new_page()
-            page.goto(f"http://127.0.0.1:{port}/lab/tree/cancel.ipynb?token={TOKEN}&reset",
-                      wait_until="domcontentloaded")
-            page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return 1; }")
             page.wait_for_function(FIRST_METRIC, timeout=300_000, polling=200)
             first_seen = time.time()
             page.wait_for_function(f"() => ({CELL_PROMPT})(1).includes('[*]')", timeout=60_000)  # blocked in wait()
