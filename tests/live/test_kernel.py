@@ -26,20 +26,27 @@ class FakeRun:  # a run folder that never ends until cancelled; cancel() records
         self.cancelled.set()
 
 folder = pathlib.Path({folder!r}); folder.mkdir()
-(folder / "metrics.jsonl").write_text(json.dumps({{"event": "start", "time": 1.0, "total_steps": 10}}) + "\\n")
+step = {{"event": "step", "time": 2.0, "step": 1, "loss": 1.0,
+         "routing": {{"routed_per_expert": [[1, 2], [3, 3]], "dropped_tokens": [0, 0]}}}}
+(folder / "metrics.jsonl").write_text(json.dumps({{"event": "start", "time": 1.0, "total_steps": 10}}) + "\\n"
+                                      + json.dumps(step) + "\\n")
 run = FakeRun(folder)
 dash = dashboard(run)
-print(json.dumps({{"cancel": dash.widget_view.panels[0].cancel_button.model_id,
+panel = dash.widget_view.panels[0]
+print(json.dumps({{"cancel": panel.cancel_button.model_id, "layer": panel.layer.model_id,
                   "routed": dash.widget_view.answered_while_busy}}))
 """
 # The blocking cell: waits for the click as run.wait() waits for a run (a sleeping loop on the main thread).
 BLOCK = """
-print("blocking", flush=True)
+while not panel.layer.options:  # the monitor thread fills the layer selector from the first step
+    time.sleep(0.05)
+print("blocking at layer", panel.layer.value, flush=True)
 for _ in range(600):
-    if run.cancelled.is_set():
+    if run.cancelled.is_set() and panel.layer.value == 1:
         break
     time.sleep(0.1)
 print("cancelled while blocked" if run.cancelled.is_set() else "not cancelled", run.__dict__.get("cancel_thread"))
+print("layer", panel.layer.value, "while blocked")
 """
 
 
@@ -63,7 +70,7 @@ def _outputs(kc, msg_id: str, until: str | None = None, timeout: float = 120) ->
             return text
 
 
-def test_cancel_clicked_while_a_cell_blocks_takes_effect(tmp_path):
+def test_cancel_and_the_layer_selector_act_while_a_cell_blocks(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MOELAB_UI", None)
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path))
@@ -72,12 +79,15 @@ def test_cancel_clicked_while_a_cell_blocks_takes_effect(tmp_path):
         ids = json.loads(out.strip().splitlines()[-1])
         assert ids["routed"], "this kernel did not accept the dashboard's subshell"
         block = kc.execute(BLOCK)
-        _outputs(kc, block, until="blocking")
-        # what a browser sends when the button is clicked (ipywidgets' custom message)
-        kc.session.send(kc.shell_channel.socket, kc.session.msg(
-            "comm_msg", {"comm_id": ids["cancel"], "data": {"method": "custom", "content": {"event": "click"}}}))
+        assert "blocking at layer 0" in _outputs(kc, block, until="blocking")  # layer 0: the less balanced
+        # what a browser sends when a layer is picked and when the button is clicked (ipywidgets' messages)
+        send = lambda comm, data: kc.session.send(kc.shell_channel.socket, kc.session.msg(
+            "comm_msg", {"comm_id": comm, "data": data}))
+        send(ids["layer"], {"method": "update", "state": {"index": 1}, "buffer_paths": []})
+        send(ids["cancel"], {"method": "custom", "content": {"event": "click"}})
         out = _outputs(kc, block)
         assert "cancelled while blocked" in out and "subshell" in out, out
+        assert "layer 1 while blocked" in out, out
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
