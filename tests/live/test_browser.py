@@ -127,7 +127,7 @@ def lab(tmp_path):
 def _run_all(p, tmp_path: Path, port: int, name: str):
     """Chromium on the notebook, its kernel idle, then run-all; returns (browser context, page)."""
     ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM, headless=True,
-                                               args=CHROME_ARGS, viewport={"width": 1280, "height": 1800})  # the whole dashboard
+                                               args=CHROME_ARGS, viewport={"width": 1280, "height": 1800})  # all of it
     try:
         page = ctx.pages[0] if ctx.pages else ctx.new_page()
         page.goto(f"http://127.0.0.1:{port}/lab/tree/{name}?token={TOKEN}&reset", wait_until="domcontentloaded")
@@ -241,7 +241,8 @@ CANCEL_NOTEBOOK = [
     "dash = run.dashboard()",
     "run.wait()\ndash.wait()\nprint('ended', run.status, 'at step', dash.state.step)",
 ]
-FIRST_METRIC = r"""() => [...document.querySelectorAll('.widget-html-content')].some(e => /loss\s*[0-9]/.test(e.textContent))"""
+FIRST_METRIC = r"""() => [...document.querySelectorAll('.widget-html-content')]
+  .some(e => /loss\s*[0-9]/.test(e.textContent))"""
 CELL_PROMPT = """(i) => document.querySelectorAll('.jp-CodeCell')[i].querySelector('.jp-InputPrompt').textContent"""
 CELL_OUTPUT = """(i) => document.querySelectorAll('.jp-CodeCell')[i].querySelector('.jp-OutputArea').textContent"""
 
