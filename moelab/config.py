@@ -26,8 +26,19 @@ from moelab.yaml_loader import DuplicateKey, UniqueKeyLoader
 class ConfigError(ValueError):
     """An invalid config value. The message names the field, the value and the fix.
 
-        load_config("tiny", ["model.moe.top_k=99"])   # ConfigError: model.moe.top_k=99: cannot exceed ...
+        Session("tiny", train={"steps": 0})   # ConfigError: train.steps=0: must be >= 1
     """
+
+    def _render_traceback_(self) -> list:
+        """How IPython and Jupyter show it: the message and where it was raised, the traceback folded away."""
+        tb, where = self.__traceback__, ""
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f"raised in {tb.tb_frame.f_code.co_name} ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}); "
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}",
+                f"\x1b[2m({where}the whole traceback: import sys, traceback; "
+                "traceback.print_exception(sys.last_value))\x1b[0m"]
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:

@@ -12,7 +12,11 @@ import yaml
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
-    """A mapping that gives `key` twice: on line `line`, first on line `first` (1-based)."""
+    """A mapping that gives `key` twice: on line `line`, first on line `first` (1-based).
+
+        try: yaml.load("a: 1\na: 2", Loader=UniqueKeyLoader)
+        except DuplicateKey as e: e.key, e.line, e.first     # ('a', 2, 1)
+    """
 
     def __init__(self, key, line: int, first: int):
         super().__init__(None, None, f"key {key!r} given twice (lines {first} and {line})")
@@ -21,7 +25,10 @@ class DuplicateKey(yaml.constructor.ConstructorError):
 
 class UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader that raises DuplicateKey for a key given twice in one mapping (a merge, `<<: *base`,
-    followed by an overriding key stays allowed)."""
+    followed by an overriding key stays allowed).
+
+        yaml.load("base: &b {x: 1}\nrun: {<<: *b, x: 2}", Loader=UniqueKeyLoader)   # {'base': {'x': 1}, 'run': {'x': 2}}
+    """
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):

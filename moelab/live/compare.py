@@ -14,7 +14,8 @@ Balance is measured on the router's demand, the tokens routed to each expert BEF
 (``routing.routed_per_expert`` of the step events; older streams fall back to ``tokens_per_expert``), so a
 capacity factor cannot hide an imbalance; what it dropped is its own column. Per step and MoE layer:
 max/mean = the busiest expert's load over the mean load, cv = std/mean of the load (population std); both are
-averaged over layers. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
+averaged over layers (moelab.train.summary.step_balance, the one definition the dashboard and summary.json use
+too), then over steps. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
 
 Shape legend: S steps, L MoE layers, E experts.
 """
@@ -33,6 +34,7 @@ from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 from moelab.run.folder import RunFolder, read_json
 from moelab.run.run import Run
+from moelab.train.summary import demand_LE, step_balance
 
 COLUMNS = ("run", "status", "steps", "final_loss", "max_over_mean", "final_max_over_mean", "cv", "final_cv",
            "dropped_pct", "dead_experts")
@@ -196,19 +198,13 @@ class _RunData:
         self.steps = [e["step"] for e in steps]
         self.loss = [e.get("loss") for e in steps]
         routing = [e.get("routing") or {} for e in steps]
-        demand = [r.get("routed_per_expert") or r.get("tokens_per_expert") for r in routing]
+        demand = [demand_LE(e) for e in steps]
         self.load_SLE = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
         if self.load_SLE.ndim != 3:
             self.load_SLE = np.zeros((len(steps), 0, 0))
-        L, E = self.load_SLE.shape[1:]
-        if L and E:
-            mean_SL = self.load_SLE.mean(-1)
-            ok_SL = mean_SL > 0
-            safe_SL = np.where(ok_SL, mean_SL, 1.0)
-            self.max_over_mean_S = list(np.where(ok_SL, self.load_SLE.max(-1) / safe_SL, np.nan).mean(-1))
-            self.cv_S = list(np.where(ok_SL, self.load_SLE.std(-1) / safe_SL, np.nan).mean(-1))
-        else:
-            self.max_over_mean_S = self.cv_S = [None] * len(steps)
+        per_step = [step_balance(c) for c in self.load_SLE] if self.load_SLE.size else [None] * len(steps)
+        self.max_over_mean_S = [b["max_over_mean"] if b else None for b in per_step]
+        self.cv_S = [b["cv"] if b else None for b in per_step]
         self.dropped = sum(sum(r.get("dropped_tokens") or []) for r in routing)
         self.assignments = float(self.load_SLE.sum())
         self.dead_at_end = len((steps[-1].get("health") or {}).get("dead_experts", [])) if steps else 0
