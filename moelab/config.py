@@ -117,6 +117,14 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # The gate's activation in the dense FFN, shared experts and swiglu experts, act(gate) * up, by transformers'
+    # hidden_act names (moelab.model.layers.HIDDEN_ACTS; GPT-OSS experts keep their own clamped activation).
+    hidden_act: Literal["silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
+                        "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
+                        "sigmoid", "tanh", "mish", "hardswish", "laplace", "linear"] = "silu"
+    # Padding token id (-1 = none): its embedding row gets no gradient (nn.Embedding padding_idx), and targets
+    # equal to it (or to -100) are left out of the loss and of the routing statistics and aux losses.
+    pad_token_id: int = -1
 
 
 @dataclass
@@ -217,7 +225,7 @@ class Config:
         for section, obj in _sections(self):
             for f in fields(obj):
                 v = getattr(obj, f.name)
-                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
+                if f.type in ("int", int) and f.name not in ("fsdp", "seed", "pad_token_id") and v < 0:
                     _fail(f"{section}.{f.name}", v, "must be >= 0")
         _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                      ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
@@ -239,6 +247,9 @@ class Config:
             _fail("model.num_kv_heads", m.num_kv_heads,
                   f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
                   f"by num_heads/num_kv_heads query heads)")
+        if not -1 <= m.pad_token_id < m.vocab_size:
+            _fail("model.pad_token_id", m.pad_token_id, f"must be -1 (no padding) or a token id below "
+                  f"model.vocab_size={m.vocab_size}")
         if m.num_dense_layers > m.num_layers:
             _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
         if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
@@ -376,6 +387,9 @@ def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
               f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least pp={p.pp}"
               + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
               + "; raise global_batch_size or lower micro_batch_size")
+    if p.pp > 1 and cfg.model.pad_token_id >= 0:
+        _fail("model.pad_token_id", cfg.model.pad_token_id, "padding masks are not carried through pipeline stages; "
+              "set model.pad_token_id=-1 or parallel.pp=1")
     if p.pp > 1 and cfg.model.tie_embeddings:
         _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
               "set model.tie_embeddings=false or parallel.pp=1")
