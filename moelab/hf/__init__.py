@@ -104,7 +104,7 @@ def load_hf(path: "str | Path", dtype: torch.dtype | None = None, device: "str |
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise ConfigError(f"{path}: the checkpoint lacks {len(missing)} tensors moelab needs, e.g. {missing[:3]}")
-    unused = [k for k in tensors.names() if k not in tensors.used and not ignorable(k, cfg.model.num_layers)]
+    unused = [k for k in tensors.names() if k not in tensors.used and not ignorable(k, cfg.model.num_layers, tensors)]
     if unused:
         raise ConfigError(f"{path}: {len(unused)} checkpoint tensors have no place in the moelab model, e.g. "
                           f"{unused[:3]}; is config.json the one of these weights?")

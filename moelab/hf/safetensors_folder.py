@@ -97,9 +97,12 @@ class SafetensorsFolder:
         return t.float()
 
 
-def ignorable(name: str, num_layers: int) -> bool:
-    """Checkpoint tensors moelab does not model: rotary caches, and DeepSeek's multi-token-prediction layers."""
+def ignorable(name: str, num_layers: int, folder: SafetensorsFolder | None = None) -> bool:
+    """Checkpoint tensors moelab does not model: rotary caches, DeepSeek's multi-token-prediction layers, and
+    empty tensors (transformers' DeepSeek-V3 with n_shared_experts=0 saves shared experts of width 0)."""
     if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if folder is not None and ".shared_experts." in name and folder.get(name).numel() == 0:
         return True
     parts = name.split(".")
     return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= num_layers
