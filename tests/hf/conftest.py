@@ -86,4 +86,4 @@ def hf_memory_layout(family: str, out: dict[str, torch.Tensor]) -> dict[str, tor
 
 @pytest.fixture(scope="session")
 def hfm():
-    return SimpleNamespace(V=V, build=build, randomize=randomize, close=close, hf_memory_layout=hf_memory_layout)
+    return SimpleNamespace(V=V, BASE=BASE, build=build, randomize=randomize, close=close, hf_memory_layout=hf_memory_layout)
