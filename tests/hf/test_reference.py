@@ -106,7 +106,7 @@ def _compare(h, family, tmp_path, changes, aux=False, pad_id=None, step=True):
         return ref, ours
     # one optimizer step on both, then logits and the round trip
     for model in (ref, ours):
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
         model.eval()
     with torch.no_grad():
         ref_logits = ref(ids).logits
