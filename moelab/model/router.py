@@ -16,6 +16,13 @@ from moelab.config import MoEConfig
 
 
 class Router(nn.Module):
+    """Scores experts, picks each token's top-k (optionally group-limited and biased), weighs them, and keeps
+    the step's routing statistics; in training its loss (aux + z) carries gradient.
+
+        router = Router(64, MoEConfig(num_experts=8, top_k=2)); router.reset_buffers()
+        weights_TK, experts_TK, keep_TK, loss = router(x_BLD)
+    """
+
     def __init__(self, dim: int, cfg: MoEConfig, fake_balanced_gate: bool = False, fake_gate_noise: float = 0.0):
         super().__init__()
         self.cfg = cfg

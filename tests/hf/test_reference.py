@@ -124,7 +124,7 @@ CASES = {
         dict(num_experts_per_tok=1, norm_topk_prob=True),  # issue 16.1
         dict(num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True, attention_bias=True),
         dict(hidden_act="gelu", mlp_only_layers=[0, 1], use_sliding_window=True, sliding_window=5),
-        dict(hidden_act="relu", decoder_sparse_step=1, mlp_only_layers=[],
+        dict(hidden_act="relu", decoder_sparse_step=3, mlp_only_layers=[],  # layers 0 and 1 dense
              rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                               "original_max_position_embeddings": 32}),
     ],
