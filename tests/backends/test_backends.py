@@ -138,3 +138,12 @@ def test_grouped_backends_refuse_experts_they_would_compute_wrongly(monkeypatch,
     gpt_oss_like = {"backend.experts": experts, "model.moe.expert_proj_bias": True, "model.moe.activation": "gpt_oss"}
     with pytest.raises(BackendUnavailable, match="plain SwiGLU experts.*use backend.experts=auto"):
         check_backends(cfg(**gpt_oss_like), device="cuda")
+
+
+@pytest.mark.parametrize("experts", ["grouped_gemm", "te"])
+def test_grouped_backends_refuse_another_hidden_act(monkeypatch, experts):
+    # their kernels compute silu(gate) * up: a gelu model would be computed wrongly, silently
+    monkeypatch.setitem(backends._DETECTED, "grouped_gemm", True)
+    monkeypatch.setitem(backends._DETECTED, "te", True)
+    with pytest.raises(BackendUnavailable, match="model.hidden_act='gelu'"):
+        check_backends(cfg(**{"backend.experts": experts, "model.hidden_act": "gelu"}), device="cuda")
