@@ -49,7 +49,9 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s):
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / max(high - low, 1e-3)
+    if high == low:  # as transformers: a range that collapsed (or is reversed, for short original contexts)
+        high += 0.001  # keeps its sign, so a reversed one keeps every original frequency
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)
     keep = 1 - ramp.clamp(0, 1)  # 1 = keep the original (extrapolated) frequency
     inv_freq = inv_freq / s.factor * (1 - keep) + inv_freq * keep
     if s.mscale and s.mscale_all_dim:

@@ -125,8 +125,8 @@ CASES = {
         dict(num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True, attention_bias=True),
         dict(hidden_act="gelu", mlp_only_layers=[0, 1], use_sliding_window=True, sliding_window=5),
         dict(hidden_act="relu", decoder_sparse_step=3, mlp_only_layers=[],  # layers 0 and 1 dense
-             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                              "original_max_position_embeddings": 32}),
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "beta_slow": 2.0,
+                              "truncate": False, "original_max_position_embeddings": 8}),  # yarn's ramp reversed
     ],
     "deepseek_v3": [
         dict(num_experts_per_tok=1, norm_topk_prob=True, n_group=1, topk_group=1),  # issue 16.1
@@ -169,10 +169,21 @@ def test_padding_is_left_out_of_loss_aux_and_embedding_gradient(family, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- hypothesis
+def _rope(d, family):
+    if family != "gpt_oss" and not d(st.booleans()):
+        return {"rope_type": "default", "rope_theta": d(st.sampled_from([1e4, 5e5]))}
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": d(st.sampled_from([2.0, 8.0, 40.0])),
+            "original_max_position_embeddings": d(st.sampled_from([8, 64])), "truncate": d(st.booleans()),
+            "beta_fast": d(st.sampled_from([32.0, 16.0])), "beta_slow": d(st.sampled_from([1.0, 2.0]))}
+    if family == "deepseek_v3" and d(st.booleans()):
+        rope.update(mscale=d(st.sampled_from([0.707, 1.0])), mscale_all_dim=d(st.sampled_from([0.707, 1.0])))
+    return rope
+
+
 def _draw(family, d):
     top_k = d(st.integers(1, 4))
     c = {"num_experts_per_tok": top_k, "tie_word_embeddings": d(st.booleans()),
-         "attention_bias": d(st.booleans())}
+         "attention_bias": d(st.booleans()), "rope_parameters": _rope(d, family)}
     if family == "qwen3_moe":
         c.update(norm_topk_prob=d(st.booleans()), mlp_only_layers=list(range(d(st.integers(0, 2)))),
                  hidden_act=d(st.sampled_from(["silu", "gelu", "gelu_new", "relu"])))
@@ -185,8 +196,7 @@ def _draw(family, d):
                  n_shared_experts=d(st.integers(0, 2)), q_lora_rank=d(st.sampled_from([None, 24])))
         if top_k > 8 // groups * c["topk_group"]:
             c["num_experts_per_tok"] = 8 // groups * c["topk_group"]
-        if d(st.booleans()):
-            c["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        c["rope_interleave"] = d(st.booleans())
     else:
         c.update(sliding_window=d(st.integers(2, L - 1)),
                  layer_types=d(st.sampled_from([None, ["sliding_attention"] * 2, ["full_attention"] * 2])))
