@@ -21,7 +21,8 @@ class GptOssAdapter(FamilyAdapter):
     router_name = "router"
     READ = frozenset({"num_local_experts", "intermediate_size", "head_dim", "sliding_window", "layer_types",
                       "swiglu_alpha", "swiglu_limit", "router_aux_loss_coef", "output_router_logits"})
-    INERT = frozenset({"hidden_act"})  # transformers' GPT-OSS experts use their clamped SwiGLU, whatever it says
+    INERT = frozenset({"hidden_act",  # transformers' GPT-OSS experts use their clamped SwiGLU, whatever it says
+                       "experts_per_token", "initial_context_length"})  # published keys transformers ignores
 
     def family_from_hf(self, hf, model, moe, backend):
         from moelab.model.experts import GPT_OSS_ALPHA, GPT_OSS_LIMIT
