@@ -156,7 +156,8 @@ class Router(nn.Module):
                 n_B1 = m_BL.sum(1, keepdim=True).clamp(min=1)
                 f_BE = mean((onehot_TE.view(B, L, E) * m_BL[..., None]).sum(1) / (n_B1 * K))
                 p_BE = mean((probs_TE.view(B, L, E) * m_BL[..., None]).sum(1) / n_B1)
-                return (E * (f_BE * p_BE).sum(-1) * (n_B1[:, 0] > 0)).sum() / (m_BL.sum(1) > 0).sum().clamp(min=1)
+                # a sequence of padding only adds 0 and is not counted
+                return (E * (f_BE * p_BE).sum(-1)).sum() / (m_BL.sum(1) > 0).sum().clamp(min=1)
             m_T1, n = m_BL.reshape(-1, 1), m_BL.sum().clamp(min=1)
             return E * (mean((onehot_TE * m_T1).sum(0) / (n * K)) * mean((probs_TE * m_T1).sum(0) / n)).sum()
         if self.cfg.aux_loss_type == "sequence":
