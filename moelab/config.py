@@ -145,6 +145,14 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # The gate's activation in the dense FFN, shared experts and swiglu experts, act(gate) * up, by transformers'
+    # hidden_act names (moelab.model.layers.HIDDEN_ACTS; GPT-OSS experts keep their own clamped activation).
+    hidden_act: Literal["silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
+                        "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
+                        "sigmoid", "tanh", "mish", "hardswish", "laplace", "linear"] = "silu"
+    # Padding token id (-1 = none): its embedding row gets no gradient (nn.Embedding padding_idx), and targets
+    # equal to it (or to -100) are left out of the loss and of the routing statistics and aux losses.
+    pad_token_id: int = -1
 
 
 @dataclass
@@ -282,7 +290,7 @@ class Config:
         for section, obj in _sections(self):
             for f in fields(obj):
                 v = getattr(obj, f.name)
-                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0 \
+                if f.type in ("int", int) and f.name not in ("fsdp", "seed", "pad_token_id") and v < 0 \
                         and f"{section}.{f.name}" not in at_least_one:
                     _fail(f"{section}.{f.name}", v, "must be >= 0")
         for name, v in _positive:
@@ -295,6 +303,9 @@ class Config:
             _fail("model.num_kv_heads", m.num_kv_heads,
                   f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
                   f"by num_heads/num_kv_heads query heads)")
+        if not -1 <= m.pad_token_id < m.vocab_size:
+            _fail("model.pad_token_id", m.pad_token_id, f"must be -1 (no padding) or a token id below "
+                  f"model.vocab_size={m.vocab_size}")
         if m.num_dense_layers > m.num_layers:
             _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
         if m.num_dense_layers > 0 and m.dense_ffn_size < 1:

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelab.model.layers import gated
+
 
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     """torch._grouped_mm needs 16-byte aligned strides; on CUDA it needs bf16 on sm80+; on CPU, fp32 works
@@ -87,7 +89,7 @@ class GroupedExperts(nn.Module):
 
             return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
-        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS[self.activation])
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation))
 
 
 def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):

@@ -30,7 +30,7 @@ from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
-from moelab.train.loss import cross_entropy
+from moelab.train.loss import cross_entropy, loss_mask
 from moelab.train.metrics import MetricsWriter, append_event
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
@@ -140,10 +140,13 @@ class Trainer:
             # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
             batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device, non_blocking=True)
             inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
+            mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing stats
+            for moe in par.moe_layers:
+                moe.router.token_mask = mask
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
                 logits = self.model(inputs, par.positions(t.seq_len, self.env.device))
-            loss = cross_entropy(logits, targets, compiled=t.compile)
+            loss = cross_entropy(logits, targets, compiled=t.compile, pad_token_id=self.cfg.model.pad_token_id)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
         return loss_sum

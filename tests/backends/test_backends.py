@@ -185,3 +185,12 @@ def test_te_attention_is_accepted_for_mla_and_sinks(monkeypatch):
               cfg(**{"backend.attention": "te", "model.attention_sinks": True})):
         with pytest.raises(BackendUnavailable, match="this run is on 'cpu'"):
             check_backends(c, device="cpu")
+
+
+@pytest.mark.parametrize("experts", ["grouped_gemm", "te"])
+def test_grouped_backends_refuse_another_hidden_act(monkeypatch, experts):
+    # their kernels compute silu(gate) * up: a gelu model would be computed wrongly, silently
+    monkeypatch.setitem(backends._DETECTED, "grouped_gemm", True)
+    monkeypatch.setitem(backends._DETECTED, "te", True)
+    with pytest.raises(BackendUnavailable, match="model.hidden_act='gelu'"):
+        check_backends(cfg(**{"backend.experts": experts, "model.hidden_act": "gelu"}), device="cuda")
