@@ -162,6 +162,11 @@ def bench_mode(tr, b, args, mode: str, out: Path) -> None:
             t1 = time.perf_counter()
             rec.update(b.measure(steps, warmup), peak_memory_gb=b.peak_memory_gb(),
                        wall_s=time.perf_counter() - t1)
+            if mode != "off":
+                from moelab.model.fp8_cache import ExpertWeightCache
+
+                rec["fp8_expert_weight_cache"] = {"refreshes_so_far": ExpertWeightCache.refreshes,
+                                                  "error": ExpertWeightCache.error}
             print(f"moelab {name:24s} {rec['tokens_per_s_per_gpu']:9,.0f} tok/s {rec['tflops_per_gpu']:6.1f} "
                   f"TFLOP/s step {rec['step_time_ms']:8.1f} ms peak {rec['peak_memory_gb']:5.1f} GiB", flush=True)
         except Exception as e:  # noqa: BLE001 (one failing size must not lose the others)
