@@ -116,7 +116,7 @@ def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
     if not dry_run:  # CPU (dry run): the config refuses FP8; convert anyway to run the emulation
         check_fp8(cfg, tr.env.device)
     torch._dynamo.reset()
-    enable_fp8(tr.model)
+    enable_fp8(tr.model, lm_head=mode == "rowwise_lm_head")
     tr.cfg.train.fp8 = mode  # the trainer's step now runs as train.fp8=mode (expert weights cached per step)
 
 

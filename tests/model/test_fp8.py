@@ -141,6 +141,18 @@ def test_enable_fp8_converts_projections_and_experts_only():
     assert experts[0].w_gate_up_EDF2.grad is not None
 
 
+def test_enable_fp8_lm_head_opt_in():
+    cfg, model = tiny_model()
+    enable_fp8(model)
+    assert type(model.output) is nn.Linear  # rowwise: the LM head stays bf16
+    counts = enable_fp8(model, lm_head=True)  # rowwise_lm_head; converting twice changes nothing else
+    assert type(model.output) is FP8Linear and counts["linears"] == 1
+    ids = torch.randint(cfg.model.vocab_size, (2, 16))
+    out = model(ids)
+    out.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(model.output.weight.grad).all()
+
+
 def test_enable_fp8_refuses_expert_biases():
     from moelab.model.experts import GroupedExperts
 
@@ -154,6 +166,7 @@ def test_enable_fp8_refuses_expert_biases():
     (["train.fp8=rowwise", "train.device=cpu", "train.dtype=bfloat16"], "train.fp8='rowwise'.*CUDA"),
     (["train.fp8=rowwise", "train.dtype=float32"], "train.fp8='rowwise'.*bfloat16"),
     (["train.fp8=tensorwise"], "train.fp8"),
+    (["train.fp8=rowwise_lm_head", "train.dtype=float32"], "train.fp8='rowwise_lm_head'.*bfloat16"),
     (["train.fp8=rowwise", "train.dtype=bfloat16", "backend.experts=grouped_gemm"], "train.fp8.*backend.experts"),
 ])
 def test_config_refuses(over, match):
