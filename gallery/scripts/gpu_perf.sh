@@ -45,12 +45,12 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
-part moelab 230 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 ${FP8_MODES:-off,rowwise} --gbs 2,16 \
-  --profile $DRY
+part moelab 250 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 ${FP8_MODES:-off,rowwise} --gbs 2,16 \
+  --profile --triton-adamw $DRY
 [ -n "${DRY_RUN:-}" ] || part tt-compile 120 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
   --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
 part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 ${PARITY_MODES:-off,rowwise} \
