@@ -264,3 +264,36 @@ def test_trainer_quantises_expert_weights_once_per_step(tmp_path, monkeypatch):
     assert losses_a == losses_b
     for (k, a), (_, b) in zip(with_cache.model.named_parameters(), without.model.named_parameters()):
         assert torch.equal(a, b), k
+
+
+def test_fp8_linear_traces_into_one_graph_under_compile():
+    """torch.compile (dynamo + AOTAutograd, as train.compile uses them) traces the FP8 autograd Function,
+    forward and backward, without a graph break, and computes what eager computes."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    gy = torch.randn(2, 16, 48)
+    fn = torch.compile(fp8_linear, backend="aot_eager", fullgraph=True)
+    y = fn(x, w)
+    y.backward(gy)
+    got = [y.detach(), x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    y = fp8_linear(x, w)
+    y.backward(gy)
+    for a, b in zip(got, [y.detach(), x.grad, w.grad]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_fp8_experts_with_cache_under_compile():
+    from moelab.model.fp8_cache import expert_weights_cached
+
+    torch._dynamo.reset()
+    holder = fp8_experts_holder()
+    counts = torch.tensor([5, 0, 9, 3, 7, 8])
+    x = torch.randn(int(counts.sum()), 32)
+    ref = experts_out_and_grads(holder, x, counts)
+    holder.experts.compile(backend="aot_eager")
+    with expert_weights_cached(holder):
+        got = experts_out_and_grads(holder, x, counts)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
