@@ -297,3 +297,18 @@ def test_fp8_experts_with_cache_under_compile():
         got = experts_out_and_grads(holder, x, counts)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_enable_fp8_converts_mla_projections():
+    """MLA (DeepSeek-V3, Kimi-K2): its low-rank q and kv projections and o_proj run in FP8, the model trains."""
+    cfg, model = tiny_model(**{"model.attention": "mla", "model.q_lora_rank": 24, "model.kv_lora_rank": 16,
+                               "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 12})
+    ids = torch.randint(cfg.model.vocab_size, (2, 16))
+    ref = model(ids)
+    enable_fp8(model)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj"} <= names
+    out = model(ids)
+    assert 0 < rel(out, ref) < 0.1
+    out.float().logsumexp(-1).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
