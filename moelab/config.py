@@ -199,8 +199,9 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     # FP8 training: off, or rowwise = dynamically scaled e4m3 GEMMs (one scale per row) for the routed experts
-    # and the attention / dense projections; router, norms, embedding, LM head stay bf16 (moelab.model.fp8).
-    fp8: Literal["off", "rowwise"] = "off"
+    # and the attention / dense projections; router, norms, embedding, LM head stay bf16 (moelab.model.fp8);
+    # rowwise_lm_head = the same plus the LM head (the largest GEMM; opt-in until its loss parity is shown).
+    fp8: Literal["off", "rowwise", "rowwise_lm_head"] = "off"
     checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
     keep_checkpoints: int = 2
     # False = never write a checkpoint (benchmarks of big models: a checkpoint is ~12 bytes per parameter);

@@ -7,8 +7,9 @@ and the FP8 loss-parity curves.
     python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
 
 bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 parameters, train.compile=true),
-built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch, first in bf16, then
-converted in place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
+built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch, first in bf16
+(--triton-adamw: again with moelab.train.adamw_triton's optimizer, then back to torch's), then converted in
+place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
 global batch (moelab.bench's fields plus fp8, compile, variant). --profile: one compiled step under
 torch.profiler, kernels summed by category (matmul, attention, optimizer, elementwise, permute, comm, other).
 parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 32 experts top 4, vocab
@@ -116,7 +117,7 @@ def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
     if not dry_run:  # CPU (dry run): the config refuses FP8; convert anyway to run the emulation
         check_fp8(cfg, tr.env.device)
     torch._dynamo.reset()
-    enable_fp8(tr.model)
+    enable_fp8(tr.model, lm_head=mode == "rowwise_lm_head")
     tr.cfg.train.fp8 = mode  # the trainer's step now runs as train.fp8=mode (expert weights cached per step)
 
 
@@ -135,6 +136,14 @@ def cmd_bench(args) -> None:
     print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
     b = Bencher(tr)
     for mode in modes:
+        if mode == "off" and args.triton_adamw:  # the same model and step with moelab.train.adamw_triton
+            bench_mode(tr, b, args, mode, out)
+            from moelab.train.adamw_triton import use_triton_adamw
+
+            use_triton_adamw(tr.optimizer)
+            bench_mode(tr, b, args, mode, out, tag="bf16-triton-adamw", profile=False)
+            tr.optimizer.__class__ = torch.optim.AdamW
+            continue
         if mode != "off":
             try:
                 switch_to_fp8(tr, mode, args.dry_run)
@@ -147,8 +156,8 @@ def cmd_bench(args) -> None:
         bench_mode(tr, b, args, mode, out)
 
 
-def bench_mode(tr, b, args, mode: str, out: Path) -> None:
-    tag = "bf16" if mode == "off" else f"fp8-{mode}"
+def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True) -> None:
+    tag = tag or ("bf16" if mode == "off" else f"fp8-{mode}")
     for gbs in [int(g) for g in args.gbs.split(",")]:
         steps, warmup = (args.steps, args.warmup) if gbs <= 4 else (max(2, args.steps // 2), 1)
         name = f"{tag}-compile-gbs{gbs}" if tr.cfg.train.compile else f"{tag}-gbs{gbs}"
@@ -162,13 +171,18 @@ def bench_mode(tr, b, args, mode: str, out: Path) -> None:
             t1 = time.perf_counter()
             rec.update(b.measure(steps, warmup), peak_memory_gb=b.peak_memory_gb(),
                        wall_s=time.perf_counter() - t1)
+            if mode != "off":
+                from moelab.model.fp8_cache import ExpertWeightCache
+
+                rec["fp8_expert_weight_cache"] = {"refreshes_so_far": ExpertWeightCache.refreshes,
+                                                  "error": ExpertWeightCache.error}
             print(f"moelab {name:24s} {rec['tokens_per_s_per_gpu']:9,.0f} tok/s {rec['tflops_per_gpu']:6.1f} "
                   f"TFLOP/s step {rec['step_time_ms']:8.1f} ms peak {rec['peak_memory_gb']:5.1f} GiB", flush=True)
         except Exception as e:  # noqa: BLE001 (one failing size must not lose the others)
             traceback.print_exc()
             rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         (out / f"moelab-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-        if args.profile and gbs == 2 and "error" not in rec:
+        if args.profile and profile and gbs == 2 and "error" not in rec:
             try:
                 prof = {**base_record(tr, b, args, mode), "variant": f"profile-{name}",
                         "global_batch_size": gbs, **profile_step(b)}
@@ -269,6 +283,8 @@ def main(argv=None):
             p.add_argument("--steps", type=int, default=6)
             p.add_argument("--warmup", type=int, default=3)
             p.add_argument("--profile", action="store_true")
+            p.add_argument("--triton-adamw", action="store_true",
+                           help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
         else:
             p.add_argument("--steps", type=int, default=300)
     p = sub.add_parser("table")

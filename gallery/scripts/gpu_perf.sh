@@ -4,6 +4,8 @@
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
 # a part that no longer fits in the call's budget (BUDGET_S, default 540 s) is skipped and says so.
 #   PARTS="fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
+#   FP8_MODES=off,rowwise,rowwise_lm_head  PARITY_MODES=...   the train.fp8 modes benchmarked / trained (default
+#                                                            off,rowwise; each FP8 mode recompiles: about 60 s)
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
 # Device call: command "MOELAB_COMMIT=<sha> bash gallery/scripts/gpu_perf.sh", carry [".whl"] (the wheels from
@@ -43,14 +45,16 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
-part moelab 230 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off,rowwise --gbs 2,16 --profile $DRY
+part moelab 250 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 ${FP8_MODES:-off,rowwise} --gbs 2,16 \
+  --profile --triton-adamw $DRY
 [ -n "${DRY_RUN:-}" ] || part tt-compile 120 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
   --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
-part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 off,rowwise --steps ${PARITY_STEPS:-300} $DRY
+part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 ${PARITY_MODES:-off,rowwise} \
+  --steps ${PARITY_STEPS:-300} $DRY
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
     --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json

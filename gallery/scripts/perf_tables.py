@@ -56,6 +56,11 @@ def issue17() -> list[str]:
                  (f"moelab--bf16-compile-gbs{gbs}", "moelab, train.compile", gbs),
                  (f"moelab--fp8-rowwise-compile-gbs{gbs}", "moelab, train.compile + train.fp8=rowwise", gbs)]
     out += [row_or_missing(f"{W}--{n}", label, gbs) for n, label, gbs in rows]
+    for gbs in (2, 16):  # experiments: a row only where measured
+        for v, label in (("fp8-rowwise_lm_head-compile", "moelab, train.compile + train.fp8=rowwise_lm_head"),
+                         ("bf16-triton-adamw-compile", "moelab, train.compile, TritonAdamW (experiment)")):
+            if maybe(f"{W}--moelab--{v}-gbs{gbs}"):
+                out.append(row_or_missing(f"{W}--moelab--{v}-gbs{gbs}", label, gbs))
     out += ["", "| target | records | ratio | met |", "|---|---|---:|---|"]
 
     def target(a, b, goal, what):

@@ -204,10 +204,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "
                "gate_proj", "up_proj", "down_proj")
 
 
-def enable_fp8(model: nn.Module) -> dict:
+def enable_fp8(model: nn.Module, lm_head: bool = False) -> dict:
     """Convert in place: the attention and dense projections (PROJECTIONS) to FP8Linear, every GroupedExperts
     to FP8 grouped GEMMs (with an ExpertWeightCache, used under moelab.model.fp8_cache.expert_weights_cached).
-    The router, norms, embedding and LM head are left in bf16. Returns counts."""
+    The router, norms and embedding are left in bf16, and the LM head (`output`) unless lm_head. Returns counts."""
     from moelab.model.experts import GroupedExperts
 
     linears = experts = 0
@@ -223,6 +223,9 @@ def enable_fp8(model: nn.Module) -> dict:
                                   "experts); set train.fp8=off for this model")
             module.fp8 = True
             experts += 1
+    if lm_head and type(getattr(model, "output", None)) is nn.Linear:
+        model.output.__class__ = FP8Linear
+        linears += 1
     from moelab.model.fp8_cache import attach
 
     attach(model)

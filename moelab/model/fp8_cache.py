@@ -37,7 +37,12 @@ class ExpertWeightCache:
     """The e4m3 operands of one GroupedExperts' two weights, refreshed by `expert_weights_cached`.
 
         cache = ExpertWeightCache(experts); cache.refresh(torch.bfloat16); cache.valid  # -> True
-    """
+
+    If the compiled refresh fails (a compiler problem on some GPU), caching is switched off for the process with
+    a warning and the experts quantise per micro batch, as without the cache (`ExpertWeightCache.error`)."""
+
+    refreshes = 0  # over all caches of the process (benchmarks report it)
+    error: str | None = None
 
     def __init__(self, experts):
         self.experts = experts
@@ -52,8 +57,8 @@ class ExpertWeightCache:
 
     @torch.no_grad()
     def refresh(self, dtype: torch.dtype | None = None) -> None:
-        if not self.supported():
-            self.valid = False
+        self.valid = False
+        if ExpertWeightCache.error is not None or not self.supported():
             return
         weights = (self.experts.w_gate_up_EDF2, self.experts.w_down_EFD)
         dtype = dtype or weights[0].dtype
@@ -61,9 +66,17 @@ class ExpertWeightCache:
             self.buffers = tuple(quantize_expert_weight(w.detach().to(dtype)) for w in weights)
         else:  # in place: the same tensors every step (compiled graphs see the same inputs)
             fn = _compiled_refresh() if weights[0].is_cuda else _refresh_into
-            for w, bufs in zip(weights, self.buffers):
-                fn(w.detach(), dtype, bufs)
+            try:
+                for w, bufs in zip(weights, self.buffers):
+                    fn(w.detach(), dtype, bufs)
+            except Exception as e:  # noqa: BLE001 (the uncached path computes the same; say so once)
+                import warnings
+
+                ExpertWeightCache.error = f"{type(e).__name__}: {str(e)[:300]}"
+                warnings.warn(f"FP8 expert weight cache switched off: {ExpertWeightCache.error}", stacklevel=2)
+                return
         self.dtype, self.valid = dtype, True
+        ExpertWeightCache.refreshes += 1
 
     def operands(self, dtype: torch.dtype) -> tuple | None:
         """The cached operands for weights computed in `dtype`, or None (not valid, or another dtype)."""

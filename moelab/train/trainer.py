@@ -84,7 +84,7 @@ class Trainer:
             from moelab.model.fp8 import check_fp8, enable_fp8
 
             check_fp8(cfg, env.device)
-            enable_fp8(model)
+            enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
         self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)

@@ -37,6 +37,7 @@ def test_bench_api_without_variants():
     rec = bench(load_config("tiny"), steps=1, warmup=0, real_router=False, metrics_overhead=False, command="t")
     assert "real_router" not in rec and "metrics_overhead" not in rec and rec["command"] == "t"
     assert rec["steps"] == 1 and rec["param_dtype"] == "float32"
+    assert rec["compile"] is False and rec["fp8"] == "off"  # every record says how it was computed
 
 
 def test_step_without_metrics_makes_the_same_updates(tmp_path):

@@ -141,6 +141,18 @@ def test_enable_fp8_converts_projections_and_experts_only():
     assert experts[0].w_gate_up_EDF2.grad is not None
 
 
+def test_enable_fp8_lm_head_opt_in():
+    cfg, model = tiny_model()
+    enable_fp8(model)
+    assert type(model.output) is nn.Linear  # rowwise: the LM head stays bf16
+    counts = enable_fp8(model, lm_head=True)  # rowwise_lm_head; converting twice changes nothing else
+    assert type(model.output) is FP8Linear and counts["linears"] == 1
+    ids = torch.randint(cfg.model.vocab_size, (2, 16))
+    out = model(ids)
+    out.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(model.output.weight.grad).all()
+
+
 def test_enable_fp8_refuses_expert_biases():
     from moelab.model.experts import GroupedExperts
 
@@ -154,6 +166,7 @@ def test_enable_fp8_refuses_expert_biases():
     (["train.fp8=rowwise", "train.device=cpu", "train.dtype=bfloat16"], "train.fp8='rowwise'.*CUDA"),
     (["train.fp8=rowwise", "train.dtype=float32"], "train.fp8='rowwise'.*bfloat16"),
     (["train.fp8=tensorwise"], "train.fp8"),
+    (["train.fp8=rowwise_lm_head", "train.dtype=float32"], "train.fp8='rowwise_lm_head'.*bfloat16"),
     (["train.fp8=rowwise", "train.dtype=bfloat16", "backend.experts=grouped_gemm"], "train.fp8.*backend.experts"),
 ])
 def test_config_refuses(over, match):
@@ -251,3 +264,51 @@ def test_trainer_quantises_expert_weights_once_per_step(tmp_path, monkeypatch):
     assert losses_a == losses_b
     for (k, a), (_, b) in zip(with_cache.model.named_parameters(), without.model.named_parameters()):
         assert torch.equal(a, b), k
+
+
+def test_fp8_linear_traces_into_one_graph_under_compile():
+    """torch.compile (dynamo + AOTAutograd, as train.compile uses them) traces the FP8 autograd Function,
+    forward and backward, without a graph break, and computes what eager computes."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    gy = torch.randn(2, 16, 48)
+    fn = torch.compile(fp8_linear, backend="aot_eager", fullgraph=True)
+    y = fn(x, w)
+    y.backward(gy)
+    got = [y.detach(), x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    y = fp8_linear(x, w)
+    y.backward(gy)
+    for a, b in zip(got, [y.detach(), x.grad, w.grad]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_fp8_experts_with_cache_under_compile():
+    from moelab.model.fp8_cache import expert_weights_cached
+
+    torch._dynamo.reset()
+    holder = fp8_experts_holder()
+    counts = torch.tensor([5, 0, 9, 3, 7, 8])
+    x = torch.randn(int(counts.sum()), 32)
+    ref = experts_out_and_grads(holder, x, counts)
+    holder.experts.compile(backend="aot_eager")
+    with expert_weights_cached(holder):
+        got = experts_out_and_grads(holder, x, counts)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_enable_fp8_converts_mla_projections():
+    """MLA (DeepSeek-V3, Kimi-K2): its low-rank q and kv projections and o_proj run in FP8, the model trains."""
+    cfg, model = tiny_model(**{"model.attention": "mla", "model.q_lora_rank": 24, "model.kv_lora_rank": 16,
+                               "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8, "model.v_head_dim": 12})
+    ids = torch.randint(cfg.model.vocab_size, (2, 16))
+    ref = model(ids)
+    enable_fp8(model)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj"} <= names
+    out = model(ids)
+    assert 0 < rel(out, ref) < 0.1
+    out.float().logsumexp(-1).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
