@@ -23,18 +23,38 @@ class SyntheticData:
         self.seed = cfg.train.seed
         g = torch.Generator().manual_seed(self.seed + 17)
         self.successor = torch.randperm(self.vocab, generator=g)
+        # The permutation's cycles, laid end to end in `cycles`: token x sits at cycles[start[x] + pos[x]] in a
+        # cycle of length length[x], so its k-th successor is cycles[start[x] + (pos[x] + k) % length[x]].
+        succ, seen = self.successor.tolist(), [False] * self.vocab
+        cycles, start, pos, length = [], [0] * self.vocab, [0] * self.vocab, [0] * self.vocab
+        for x0 in range(self.vocab):
+            if seen[x0]:
+                continue
+            first, members, x = len(cycles), [], x0
+            while not seen[x]:
+                seen[x] = True
+                members.append(x)
+                x = succ[x]
+            for i, m in enumerate(members):
+                start[m], pos[m], length[m] = first, i, len(members)
+            cycles += members
+        self.cycles, self.start, self.pos, self.length = (torch.tensor(v) for v in (cycles, start, pos, length))
 
     def sample(self, step: int, index: int) -> torch.Tensor:
+        """Vectorised: token t is the (t - j)-th successor of the token drawn at the last jump j <= t (position 0
+        counts as a jump to `first`). The draws are those of the per-token loop this replaced, so are the samples."""
         g = torch.Generator().manual_seed(sample_seed(self.seed, step, index))
         n = self.seq_len + 1
         first = torch.randint(self.vocab, (1,), generator=g)
-        jumps = torch.rand(n, generator=g) < self.noise
-        randoms = torch.randint(self.vocab, (n,), generator=g)
-        out = torch.empty(n, dtype=torch.long)
-        out[0] = first
-        for t in range(1, n):
-            out[t] = randoms[t] if jumps[t] else self.successor[out[t - 1]]
-        return out
+        jumps_N = torch.rand(n, generator=g) < self.noise
+        randoms_N = torch.randint(self.vocab, (n,), generator=g)
+        jumps_N[0] = True
+        randoms_N[0] = first[0]
+        t_N = torch.arange(n)
+        last_jump_N = torch.cummax(torch.where(jumps_N, t_N, 0), 0).values
+        anchor_N = randoms_N[last_jump_N]
+        k_N = t_N - last_jump_N
+        return self.cycles[self.start[anchor_N] + (self.pos[anchor_N] + k_N) % self.length[anchor_N]]
 
 
 class RandomData:
