@@ -384,7 +384,7 @@ def _copy_back(view, state) -> None:
 
 # ---------------------------------------------------------------------- the metrics stream on resume
 def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], str]:
-    """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
+    """Rewrite metrics.jsonl (atomically) without the step, checkpoint and eval events after `step`: the resumed run
     writes them again, so every step appears exactly once. Returns the kept step events and, if the last line
     was cut by a kill mid-write, a message saying it was dropped. A corrupt complete line raises MetricsError."""
     path = Path(path)
@@ -397,7 +397,7 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], str]:
         if not line.strip():
             continue
         event = parse_line(line, f"{path}:{i}")
-        if event["event"] in ("step", "checkpoint") and event.get("step", 0) > step:
+        if event["event"] in ("step", "checkpoint", "eval") and event.get("step", 0) > step:
             continue
         kept.append(line)
         if event["event"] == "step":

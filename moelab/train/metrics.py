@@ -16,6 +16,9 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
   model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
   x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
+- ``eval``: step (after that step's ``step`` event), loss (mean next-token cross entropy on the held-out data:
+  train.eval_batches fixed global batches, the same on every layout), perplexity (exp(loss)), batches, tokens
+  (moelab.train.evaluate; written every train.eval_every steps and after the last step).
 - ``warning``: step, kind, message. Reliability kinds (moelab.train.checkpoint): "preempted" (a stop signal;
   a checkpoint was saved), "corrupt_checkpoint" (a damaged checkpoint was skipped on resume), "layout_changed"
   (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume). Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes
@@ -28,7 +31,7 @@ Readers must expect the last line to be half written while a run is live (``read
 any other line that does not parse is corruption and raises MetricsError with the line number.
 
 Resume (moelab.train.checkpoint.rewind_metrics): a run continued from its checkpoint at step k first rewrites
-this file once, atomically (temp file + rename), without the ``step`` and ``checkpoint`` events after k (the run
+this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k (the run
 computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
 in any metrics.jsonl every step appears at most once, in order, and steps 1..k are contiguous at a resume; the
@@ -44,7 +47,7 @@ import time
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-EVENTS = ("start", "step", "warning", "checkpoint", "end", "error")
+EVENTS = ("start", "step", "eval", "warning", "checkpoint", "end", "error")
 
 
 class MetricsError(ValueError):

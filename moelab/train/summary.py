@@ -21,8 +21,10 @@ def balance(counts: list[float]) -> dict:
             "dead": sum(1 for c in counts if c == 0)}
 
 
-def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0) -> dict:
-    """Throughput is averaged over steps after the first two of this process (start-up and warm-up)."""
+def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0,
+              evals: list[dict] | None = None) -> dict:
+    """Throughput is averaged over steps after the first two of this process (start-up and warm-up).
+    With `evals` (the ``eval`` events) also first_eval_loss, eval_loss and eval_perplexity (the last eval)."""
     timed = records[2:] if len(records) > 3 else records
     out: dict = {"name": cfg.name, "status": status, "steps": records[-1]["step"] if records else start_step,
                  "total_steps": cfg.train.steps, "start_step": start_step}
@@ -42,6 +44,9 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
         dropped_tokens=sum(sum(r["routing"]["dropped_tokens"]) for r in records),
         skipped_steps=sum(1 for r in records if r.get("skipped")),
         routing_balance=[{"layer": i, **balance(c)} for i, c in enumerate(totals)])
+    if evals:
+        out.update(first_eval_loss=evals[0]["loss"], eval_loss=evals[-1]["loss"],
+                   eval_perplexity=evals[-1]["perplexity"], eval_step=evals[-1]["step"])
     return out
 
 
@@ -50,7 +55,9 @@ def format_summary(s: dict) -> str:
     if "final_loss" not in s:
         return f"{s['name']}: {s['status']} after {s['steps']} steps (no step recorded)"
     lines = [f"{s['name']}: {s['status']} at step {s['steps']}/{s['total_steps']}",
-             f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}",
+             f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}" + (
+                 f"; eval loss {s['first_eval_loss']:.4f} -> {s['eval_loss']:.4f} (perplexity "
+                 f"{s['eval_perplexity']:.2f})" if s.get("eval_loss") is not None else ""),
              f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_gpu']:,.0f} per GPU), "
              f"{s['tflops_per_gpu']:.3f} TFLOPs/GPU" + (f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""),
              f"  peak memory {s['peak_memory_gb']:.2f} GB, dropped tokens {s['dropped_tokens']:.0f}"]

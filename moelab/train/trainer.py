@@ -25,10 +25,12 @@ from moelab.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_t
 from moelab.launch.env import DistEnv
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
+from moelab.train.evaluate import Evaluator
+from moelab.train.expert_tokens import ExpertTokenRecorder
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.train.loss import cross_entropy
-from moelab.train.metrics import MetricsWriter, append_event
+from moelab.train.metrics import MetricsWriter, append_event, read_events
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.summary import summarize
@@ -72,7 +74,9 @@ class Trainer:
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
-        self.dataset = make_dataset(cfg)
+        self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
+        self.evaluator = Evaluator(self) if cfg.train.eval_every else None
+        self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
         for moe in self.par.moe_layers:
@@ -86,7 +90,12 @@ class Trainer:
                                                   meshes=getattr(self.par, "meshes", None))
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
+        self.evals = [e for e in read_events(self.run_dir / "metrics.jsonl", live=True)
+                      if e["event"] == "eval"] if self.start_step and env.rank == 0 else []  # rewound to start_step above
         if env.rank == 0:
+            tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
+            if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)
+                (self.run_dir / "tokenizer.json").write_bytes(Path(tok).read_bytes())
             self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
             self.writer.write(
                 "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
@@ -249,6 +258,8 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
+            self.after_step(step, last=step == t.steps or self.stop_requested)
+            t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
                 status = "PREEMPTED"
                 break
@@ -258,12 +269,23 @@ class Trainer:
             self.save_checkpoint(self.step)
         if bar is not None:
             bar.close()
-        summary = summarize(self.cfg, records, status=status, start_step=self.start_step)
+        summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)
         if self.writer:
             self.writer.write("end", step=self.step, status=status, summary=summary)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         self.env.shutdown()
         return summary
+
+    def after_step(self, step: int, last: bool) -> None:
+        """Held-out evaluation and expert-token records, every N steps and after the last step (all ranks)."""
+        t = self.cfg.train
+        if self.evaluator is not None and (step % t.eval_every == 0 or last):
+            rec = self.evaluator.run(step)
+            self.evals.append(rec)
+            if self.writer:
+                self.writer.write("eval", **rec)
+        if self.expert_tokens is not None and (step % t.expert_tokens_every == 0 or last):
+            self.expert_tokens.record(step)
 
     def save_checkpoint(self, step: int) -> None:
         saved = self.cfg.train.save_checkpoints
