@@ -91,7 +91,8 @@ class ExpertTokenRecorder:
 def _top(c_EV: torch.Tensor) -> list[dict]:
     k = min(TOP, c_EV.shape[1])
     totals_E = c_EV.sum(1)
-    values_EK, ids_EK = c_EV.topk(k, dim=1)
+    values_EV, ids_EV = c_EV.sort(dim=1, descending=True, stable=True)  # ties: the lower id first
+    values_EK, ids_EK = values_EV[:, :k], ids_EV[:, :k]
     out = []
     for e in range(c_EV.shape[0]):
         total = float(totals_E[e])
