@@ -44,6 +44,8 @@ class DashState:
     run_error: str = ""
     steps: list = field(default_factory=list)
     loss: list = field(default_factory=list)
+    eval_steps: list = field(default_factory=list)  # `eval` events: held-out loss beside the training loss
+    eval_loss: list = field(default_factory=list)
     tokens_per_s_per_gpu: list = field(default_factory=list)
     tflops_per_gpu: list = field(default_factory=list)
     last: dict = field(default_factory=dict)  # the latest step event
@@ -78,6 +80,8 @@ class DashState:
             self.event_status = "RUNNING"
         elif kind == "step":
             self._apply_step(event, t)
+        elif kind == "eval":
+            self._apply_eval(event)
         elif kind == "warning":
             self.warnings.append(event)
         elif kind == "error":
@@ -96,6 +100,8 @@ class DashState:
                          self.memory_max, self.memory_min):
                 del hist[cut:]
             self._rate.clear()
+            keep = sum(1 for s in self.eval_steps if s < step)
+            del self.eval_steps[keep:], self.eval_loss[keep:]
         self.step, self.last = step, ev
         self.steps.append(step)
         self.loss.append(ev.get("loss"))
@@ -127,6 +133,12 @@ class DashState:
                 self.routing_total_LE = [[0.0] * len(c) for c in counts_LE]
             self.routing_total_LE = [[a + b for a, b in zip(tot, c)]
                                      for tot, c in zip(self.routing_total_LE, counts_LE)]
+
+    def _apply_eval(self, ev: dict) -> None:
+        keep = sum(1 for s in self.eval_steps if s < ev["step"])  # a repeated step replaces its evaluation
+        del self.eval_steps[keep:], self.eval_loss[keep:]
+        self.eval_steps.append(ev["step"])
+        self.eval_loss.append(ev.get("loss"))
 
     def set_run(self, status: "str | None", error: "str | None" = None) -> None:
         """Record what the Run object says (it knows about jobs that never wrote a line, and cancellations)."""
