@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from moelab.config import load_config
+from moelab.run import Run
 from moelab.train.checkpoint import latest_checkpoint
 from moelab.train.expert_tokens import expert_token_table, plot_expert_tokens, read_expert_tokens
 from moelab.train.metrics import read_events
@@ -47,6 +48,12 @@ def test_text_run_has_falling_train_and_eval_loss_and_expert_tokens(tmp_path):
     table = expert_token_table(tmp_path / "run", layer=0, top=3)
     assert set(table["rank"]) == {1, 2, 3} and table["token"].str.startswith(("'", '"', "0x")).all()
     assert plot_expert_tokens(tmp_path / "run", layer=0).axes
+    run = Run.load(tmp_path / "run")
+    assert run.expert_tokens(0, top=3).equals(table) and list(run.evals["loss"]) == [e["loss"] for e in evals]
+    assert list(run.expert_tokens(0, step=10, top=1)["step"]) == [10] * sum(
+        1 for e in records[0]["layers"][0] if e["top"])
+    with pytest.raises(ValueError, match="layer 3 out of range; the run has 1 MoE layers"):
+        run.expert_tokens(3)
 
 
 @pytest.mark.parametrize("hook", ["train.eval_every", "train.expert_tokens_every"])
