@@ -6,6 +6,7 @@
     moelab run tiny --executor local   # or slurm: submit through submitit and follow the job
     moelab status runs/tiny-...        # moelab cancel runs/tiny-...
     moelab presets
+    moelab export runs/tiny --to tensorboard     # the metrics stream as TensorBoard event files
     moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
 """
 from __future__ import annotations
@@ -103,6 +104,13 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from moelab.train.export import export_run
+
+    print(export_run(args.folder, to=args.to, out=args.out, wandb_mode=args.wandb_mode))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from moelab.bench import bench, format_result, write_result
     from moelab.config import load_config
@@ -159,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", help="output folder (default FOLDER/report)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B)")
+    p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
+    p.add_argument("--to", choices=["tensorboard", "wandb"], default="tensorboard")
+    p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
+    p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")
     _config_args(p)

@@ -184,8 +184,12 @@ def make_eval_dataset(cfg: Config, train=None, progress: bool = True):
 
 def check_data(cfg: Config, progress: bool = True) -> None:
     """Check (and for text, tokenise into the cache) everything the run will read, so that a missing or empty
-    corpus, an unreadable file, a tokenizer larger than model.vocab_size, an empty validation split, or a token
-    file with ids out of range is a ConfigError before any process starts."""
+    corpus, an unreadable file, a tokenizer larger than model.vocab_size, an empty validation split, a token
+    file with ids out of range, or train.tensorboard / train.wandb without their package is a ConfigError
+    before any process starts."""
+    from moelab.train.export import check_export
+
+    check_export(cfg)
     train = make_dataset(cfg, progress=progress)
     if cfg.train.eval_every or cfg.data.val_path or cfg.data.val_fraction:
         make_eval_dataset(cfg, train, progress=progress)

@@ -27,6 +27,7 @@ from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
+from moelab.train.export import StreamMirror, check_export
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.train.loss import cross_entropy
@@ -50,6 +51,7 @@ class Trainer:
         self.stop = StopSignals()  # SIGTERM/SIGUSR1/SIGUSR2 -> checkpoint at the next step boundary, PREEMPTED
         self.stop_requested = False  # agreed by all ranks through the step's one all-reduce
         self.health = ExpertHealth(cfg.model.moe)
+        self.mirror: StreamMirror | None = None  # TensorBoard / W&B, reading the stream (moelab.train.export)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -77,6 +79,7 @@ class Trainer:
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
         self.evaluator = Evaluator(self) if cfg.train.eval_every else None
         self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
+        check_export(cfg)  # on every rank: a missing package stops them all here
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
         for moe in self.par.moe_layers:
@@ -108,6 +111,8 @@ class Trainer:
                      "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
             for w in self.restored.warnings:
                 self.writer.write("warning", **w)
+            if cfg.train.tensorboard or cfg.train.wandb != "off":
+                self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -220,6 +225,8 @@ class Trainer:
         finally:
             if self.writer:
                 self.writer.close()
+            if self.mirror:
+                self.mirror.stop()
             self.stop.restore()
         if summary["status"] == "PREEMPTED":
             self.stop.chain()  # e.g. submitit's handler: requeues the job (which resumes) and exits
