@@ -24,7 +24,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
@@ -39,7 +39,10 @@ DEMO_CORPORA = {"stdlib": "the running Python's standard-library modules (top-le
 
 @dataclass
 class PreparedCorpus:
-    """The cached token files of a corpus: ``train`` (and ``val``, or None), their dtype, and the tokenizer."""
+    """The cached token files of a corpus: ``train`` (and ``val``, or None), their dtype, and the tokenizer.
+
+        p = prepare_corpus(cfg); np.memmap(p.train, dtype=p.dtype, mode="r")
+    """
     train: Path
     val: Path | None
     dtype: str
@@ -117,7 +120,7 @@ def hf_dataset(cfg: Config, path: str, field: str = "data.path"):
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data.kind='hf' needs the datasets package; pip install datasets (or moelab[data])") \
+        raise ConfigError("data.kind='hf' needs the datasets package; pip install datasets (or moelab[data])") \
             from None
     if not path:
         raise ConfigError(f"{field}={path!r}: give a dataset folder (save_to_disk) or a hub dataset name")
@@ -140,7 +143,10 @@ def hf_dataset(cfg: Config, path: str, field: str = "data.path"):
 
 
 class Source:
-    """The documents of one corpus, in a fixed order, and a fingerprint that changes when they do."""
+    """The documents of one corpus, in a fixed order, and a fingerprint that changes when they do.
+
+        src = Source(cfg, "stdlib", "data.path"); src.count, next(src.documents())[:20]
+    """
 
     def __init__(self, cfg: Config, spec: str, field: str):
         self.field = field

@@ -14,7 +14,10 @@ from moelab.config import Config, ConfigError
 
 
 class GeneratedData:
-    """Data drawn from a seeded generator: evaluation batch b is "step" -(b + 1), which no training step draws."""
+    """Data drawn from a seeded generator: evaluation batch b is "step" -(b + 1), which no training step draws.
+
+        SyntheticData(cfg).eval_sample(0, 3, 8, 4)     # == .sample(-1, 3)
+    """
 
     def sample(self, step: int, index: int) -> torch.Tensor:
         raise NotImplementedError
@@ -26,7 +29,10 @@ class GeneratedData:
 class SyntheticData(GeneratedData):
     """A fixed random Markov chain over the vocabulary: each token is followed by its successor
     (a random permutation) with probability 1 - noise, else by a uniform token. Learnable, so the loss falls
-    from ln(V) towards the chain's entropy."""
+    from ln(V) towards the chain's entropy.
+
+        SyntheticData(load_config("tiny")).sample(step=1, index=0).shape     # (65,): seq_len + 1
+    """
 
     def __init__(self, cfg: Config):
         self.vocab, self.seq_len, self.noise = cfg.model.vocab_size, cfg.train.seq_len, cfg.data.noise
@@ -68,7 +74,10 @@ class SyntheticData(GeneratedData):
 
 
 class RandomData(GeneratedData):
-    """Uniform random tokens (nothing to learn): the mock data of throughput benchmarks, generated vectorised."""
+    """Uniform random tokens (nothing to learn): the mock data of throughput benchmarks, generated vectorised.
+
+        RandomData(load_config("tiny", ["data.kind=random"])).sample(1, 0)
+    """
 
     def __init__(self, cfg: Config):
         self.vocab, self.seq_len, self.seed = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed
@@ -103,7 +112,10 @@ class TokenWindows:
 
 
 class TokenFileData(TokenWindows):
-    """A flat binary file of token ids (data.path, data.token_dtype), memory-mapped; checked whole on open."""
+    """A flat binary file of token ids (data.path, data.token_dtype), memory-mapped; checked whole on open.
+
+        TokenFileData(load_config("tiny", ["data.kind=tokens", "data.path=ids.bin"])).sample(1, 0)
+    """
 
     def __init__(self, cfg: Config, path: str | None = None, field: str = "data.path"):
         path = path or cfg.data.path

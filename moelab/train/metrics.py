@@ -31,8 +31,8 @@ Readers must expect the last line to be half written while a run is live (``read
 any other line that does not parse is corruption and raises MetricsError with the line number.
 
 Resume (moelab.train.checkpoint.rewind_metrics): a run continued from its checkpoint at step k first rewrites
-this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k (the run
-computes those steps again) and without a half-written last line; every other event is kept, so an earlier
+this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k
+(the run computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
 in any metrics.jsonl every step appears at most once, in order, and steps 1..k are contiguous at a resume; the
 run's current attempt is everything after the last ``start``. A JsonlTail notices the rewrite (a new file) and

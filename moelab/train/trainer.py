@@ -93,8 +93,9 @@ class Trainer:
                                                   meshes=getattr(self.par, "meshes", None))
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
+        # the eval events kept by the rewind above (steps <= start_step), for the summary
         self.evals = [e for e in read_events(self.run_dir / "metrics.jsonl", live=True)
-                      if e["event"] == "eval"] if self.start_step and env.rank == 0 else []  # rewound to start_step above
+                      if e["event"] == "eval"] if self.start_step and env.rank == 0 else []
         if env.rank == 0:
             tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
             if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)

@@ -1,7 +1,6 @@
 """Text data: corpora of files, folders, globs and JSON lines; the bytes, trained-BPE and local tokenizers; the
 token cache; the split by document; and every bad input refused as a ConfigError naming the field."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -152,7 +151,8 @@ def test_text_fields_are_checked_when_the_config_is_built(tmp_path):
 
 
 @pytest.mark.parametrize("dtype, ids, size_extra, match", [
-    ("uint16", [1, 2, 300, 4], 0, "token id 300 at position 42 \\(and 0 more\\) is outside \\[0, model.vocab_size=256\\)"),
+    ("uint16", [1, 2, 300, 4], 0,
+     "token id 300 at position 42 \\(and 0 more\\) is outside \\[0, model.vocab_size=256\\)"),
     ("int32", [1, -5, 3, -1], 0, "token id -5 at position 41 \\(and 1 more\\)"),
     ("uint16", [1, 2, 3, 4], 1, "169 bytes is not a whole number of uint16 ids"),
 ])
