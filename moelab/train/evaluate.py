@@ -11,6 +11,7 @@ statistics it leaves in the routers are discarded, so the next training step rep
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -28,29 +29,48 @@ class Evaluator:
         self.trainer = trainer
         self.dataset = make_eval_dataset(trainer.cfg, trainer.dataset, progress=trainer.progress)
 
-    @torch.no_grad()
     def run(self, step: int) -> dict:
         tr = self.trainer
         t, par, dev = tr.cfg.train, tr.par, tr.env.device
-        model = tr.model
-        was_training = model.training
-        model.eval()
         loss_sum = torch.zeros((), device=dev)
-        try:
+        with inspecting(tr):
             for b in range(t.eval_batches):
-                for i in range(tr.micro_per_rank):
-                    first = (par.dp_rank * tr.micro_per_rank + i) * t.micro_batch_size
+                for first in rank_micro_batches(tr):
                     batch = eval_batch(self.dataset, tr.cfg, b, first, t.micro_batch_size).to(dev)
-                    inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
-                    with torch.autocast(dev.split(":")[0], dtype=tr.dtype,
-                                        enabled=tr.dtype != torch.float32 and not par.casts_params):
-                        logits = model(inputs, par.positions(t.seq_len, dev))
-                    loss_sum += cross_entropy(logits, targets, compiled=False).float()
-        finally:
-            model.train(was_training)
-            for moe in par.moe_layers:
-                moe.router.pop_stats()  # this forward's routing is not the next step's
+                    logits = inspect_forward(tr, batch[:, :-1])
+                    loss_sum += cross_entropy(logits, par.shard_sequence(batch[:, 1:])).float()
         total = par.all_reduce_sum(par.loss_contribution(loss_sum)).item()
         loss = total / (t.eval_batches * tr.micro_per_rank * par.dp_size)
         return {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
                 "batches": t.eval_batches, "tokens": t.eval_batches * t.global_batch_size * t.seq_len}
+
+
+def rank_micro_batches(trainer) -> range:
+    """The first sample index of each of this rank's micro batches (its data-parallel share, as in training)."""
+    mb, n = trainer.cfg.train.micro_batch_size, trainer.micro_per_rank
+    first = trainer.par.dp_rank * n * mb
+    return range(first, first + n * mb, mb)
+
+
+@contextmanager
+def inspecting(trainer):
+    """A gradient-free forward pass outside training: eval mode (no router losses), and the routing statistics
+    it leaves in the routers discarded afterwards, so the next step reports only its own routing."""
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+        for moe in trainer.par.moe_layers:
+            moe.router.pop_stats()
+
+
+def inspect_forward(trainer, inputs_BL: torch.Tensor) -> torch.Tensor:
+    """The model's logits for this rank's share (sequence-sharded under CP) of `inputs_BL`, as training computes
+    them (autocast where training uses it)."""
+    par, dev, dtype = trainer.par, trainer.env.device, trainer.dtype
+    with torch.autocast(dev.split(":")[0], dtype=dtype, enabled=dtype != torch.float32 and not par.casts_params):
+        return trainer.model(par.shard_sequence(inputs_BL), par.positions(trainer.cfg.train.seq_len, dev))

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from moelab.train.data import micro_batch
+from moelab.train.evaluate import inspect_forward, inspecting, rank_micro_batches
 
 FILE = "expert_tokens.jsonl"
 TOP = 20  # token ids kept per expert
@@ -37,7 +38,6 @@ class ExpertTokenRecorder:
     def __init__(self, trainer):
         self.trainer = trainer
 
-    @torch.no_grad()
     def record(self, step: int) -> dict | None:
         tr = self.trainer
         t, par, dev, V = tr.cfg.train, tr.par, tr.env.device, tr.cfg.model.vocab_size
@@ -59,24 +59,15 @@ class ExpertTokenRecorder:
                 counts_LEV[l].view(-1).add_(torch.bincount(flat_TK.reshape(-1), minlength=E * V).float())
 
             hooks.append(moe.router.register_forward_hook(hook))
-        model = tr.model
-        was_training = model.training
-        model.eval()
         try:
-            for i in range(tr.micro_per_rank):
-                first = (par.dp_rank * tr.micro_per_rank + i) * t.micro_batch_size
-                batch = micro_batch(tr.dataset, step, first, t.micro_batch_size).to(dev)
-                inputs = par.shard_sequence(batch[:, :-1])
-                ids["T"] = inputs.reshape(-1)
-                with torch.autocast(dev.split(":")[0], dtype=tr.dtype,
-                                    enabled=tr.dtype != torch.float32 and not par.casts_params):
-                    model(inputs, par.positions(t.seq_len, dev))
+            with inspecting(tr):
+                for first in rank_micro_batches(tr):
+                    inputs_BL = micro_batch(tr.dataset, step, first, t.micro_batch_size)[:, :-1].to(dev)
+                    ids["T"] = par.shard_sequence(inputs_BL).reshape(-1)  # the tokens the routers see, in order
+                    inspect_forward(tr, inputs_BL)
         finally:
             for h in hooks:
                 h.remove()
-            model.train(was_training)
-            for moe in par.moe_layers:
-                moe.router.pop_stats()
         layers = []
         for l in range(len(moes)):  # one layer at a time: E * V counts can be large
             c_EV = par.all_reduce_sum(counts_LEV[l].contiguous()).cpu()
