@@ -8,7 +8,7 @@ import torch
 
 from moelab.config import ConfigError, load_config
 from moelab.train.corpus import corpus_files, held_out, prepare_corpus
-from moelab.train.data import TextData, TokenFileData, check_data, make_dataset
+from moelab.train.data import TextData, TokenFileData, check_data, eval_batch, make_dataset, make_eval_dataset
 from moelab.train.tokenizer import ByteTokenizer, HFTokenizer
 
 DOCS = {"a.md": "# Routing\nexperts specialise on real text.\n", "b/c.py": "def f(x):\n    return x * 2\n",
@@ -172,3 +172,25 @@ def test_a_good_token_file_reads_windows(tmp_path):
     data = TokenFileData(load_config("tiny", ["data.kind=tokens", f"data.path={path}", "train.seq_len=16"]))
     w = data.sample(1, 0)
     assert torch.equal(w[1:] - w[:-1], torch.ones(16, dtype=torch.long))
+
+
+def test_a_validation_corpus_and_a_validation_token_file(tmp_path):
+    val = tmp_path / "val"
+    val.mkdir()
+    (val / "held.txt").write_text("a held-out document about routing " * 4)
+    cfg = _cfg(tmp_path, f"data.val_path={val}", "train.eval_every=2", "train.eval_batches=2")
+    check_data(cfg, progress=False)
+    held = make_eval_dataset(cfg, progress=False)
+    assert bytes(np.asarray(held.tokens, dtype=np.uint8)) == b"a held-out document about routing " * 4 + b"\0"
+    train = bytes(np.asarray(make_dataset(cfg, progress=False).tokens, dtype=np.uint8))
+    assert b"held-out" not in train  # the validation corpus is not trained on
+    ids = tmp_path / "val.bin"
+    (np.arange(1000) % 256).astype(np.uint16).tofile(ids)
+    cfg = load_config("tiny", ["data.kind=tokens", f"data.path={ids}", f"data.val_path={ids}", "train.seq_len=16",
+                               "train.eval_every=1", "train.eval_batches=3"])
+    data = make_eval_dataset(cfg)
+    G = cfg.train.global_batch_size
+    batches = [eval_batch(data, cfg, b, 0, G) for b in range(3)]
+    starts = [int(w[0]) for b in batches for w in b]  # ids are positions mod 256: windows spread evenly
+    want = [k * (1000 - 17) // (3 * G - 1) % 256 for k in range(3 * G)]
+    assert starts == want and torch.equal(eval_batch(data, cfg, 1, 0, G), batches[1])  # fixed, every time
