@@ -112,7 +112,7 @@ def read_expert_tokens(run_dir: "str | Path") -> list[dict]:
 
 def run_tokenizer(run_dir: "str | Path"):
     """The tokenizer a run trained with (decoding its token ids), or None for synthetic data and token files."""
-    from moelab.config import load_config
+    from moelab.config import ConfigError, load_config
 
     run_dir = Path(run_dir)
     try:
@@ -126,7 +126,10 @@ def run_tokenizer(run_dir: "str | Path"):
     if cfg.data.tokenizer == "bytes":
         return ByteTokenizer()
     saved = run_dir / "tokenizer.json"
-    return HFTokenizer(saved, "tokenizer.json") if saved.is_file() else None
+    try:
+        return HFTokenizer(saved, "tokenizer.json") if saved.is_file() else None
+    except ConfigError:  # e.g. its end-of-document token was named in a tokenizer_config.json left behind
+        return None
 
 
 def token_text(tokenizer, token_id: int) -> str:
