@@ -209,6 +209,16 @@ class TrainConfig:
     save_checkpoints: bool = True
     on_nan: Literal["stop", "skip"] = "stop"
     collective_timeout_s: float = 120.0
+    # Held-out evaluation every eval_every steps (0 = never) on eval_batches global batches of the validation
+    # split (data.val_fraction / data.val_path; synthetic and random data draw held-out samples): `eval` events.
+    eval_every: int = 0
+    eval_batches: int = 4
+    # Every expert_tokens_every steps (0 = never), which token ids each expert receives: expert_tokens.jsonl.
+    expert_tokens_every: int = 0
+    # Readers of the metrics stream that mirror it as it is written: TensorBoard event files in RUN/tensorboard,
+    # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
+    tensorboard: bool = False
+    wandb: Literal["off", "offline", "online"] = "off"
 
 
 @dataclass
@@ -230,14 +240,27 @@ class BackendConfig:
 
 @dataclass
 class DataConfig:
-    """Where the tokens come from: a synthetic Markov chain, uniform random tokens, or a token file.
+    """Where the tokens come from: a synthetic Markov chain, uniform random tokens, a token file, text files or
+    a Hugging Face dataset.
 
         load_config("tiny", ["data.kind=random"]).data
     """
-    # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file
-    kind: Literal["synthetic", "random", "tokens"] = "synthetic"
-    path: str = ""  # a flat file of token ids for kind == "tokens"
+    # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file;
+    # text: text files (moelab.train.corpus); hf: a Hugging Face dataset (saved to disk, or a hub name)
+    kind: Literal["synthetic", "random", "tokens", "text", "hf"] = "synthetic"
+    # tokens: a flat file of token ids; text: a file, folder, glob or "stdlib" (the demo corpus, no download);
+    # hf: a dataset folder (save_to_disk) or a hub name
+    path: str = ""
     token_dtype: Literal["uint16", "uint32", "int32"] = "uint16"
+    # text / hf: "bytes" (256 ids), "bpe" (trained on the corpus and cached), or a tokenizer.json / folder
+    tokenizer: str = "bytes"
+    bpe_vocab_size: int = 0  # 0 = model.vocab_size
+    text_field: str = "text"  # JSON lines, Parquet and hf datasets: the field holding the text
+    hf_split: str = "train"
+    cache_dir: str = ""  # tokenised corpora; "" = $MOELAB_CACHE or ~/.cache/moelab
+    # The validation split (train.eval_every): a share of the documents, or another corpus / token file.
+    val_fraction: float = 0.0
+    val_path: str = ""
     # synthetic: a fixed random Markov chain; each token follows its successor with prob 1 - noise.
     noise: float = 0.1
 
@@ -404,8 +427,37 @@ class Config:
             _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
         if self.data.kind == "tokens" and not self.data.path:
             _fail("data.path", self.data.path, "data.kind='tokens' needs data.path to a token file")
+        _validate_data(self)
         if not 0 <= self.data.noise <= 1:
             _fail("data.noise", self.data.noise, "must be within [0, 1]")
+
+
+def _validate_data(cfg: "Config") -> None:
+    """The data and evaluation fields (the files themselves are checked by moelab.train.data.check_data)."""
+    d, t = cfg.data, cfg.train
+    if d.kind in ("text", "hf") and not d.path:
+        _fail("data.path", d.path, f"data.kind={d.kind!r} needs data.path: "
+              + ("a text file, folder, glob or 'stdlib' (the demo corpus)" if d.kind == "text"
+                 else "a dataset folder (save_to_disk) or a hub name"))
+    if not 0 <= d.val_fraction < 1:
+        _fail("data.val_fraction", d.val_fraction, "must be within [0, 1) (the share of documents held out)")
+    if d.val_fraction and d.val_path:
+        _fail("data.val_fraction", d.val_fraction, "give data.val_fraction or data.val_path, not both")
+    if d.val_fraction and d.kind not in ("text", "hf"):
+        _fail("data.val_fraction", d.val_fraction, f"splits documents of data.kind 'text' or 'hf'; data.kind="
+              f"{d.kind!r} " + ("takes data.val_path (a token file)" if d.kind == "tokens" else
+                                 "draws held-out samples by itself: set data.val_fraction=0"))
+    if d.val_path and d.kind in ("synthetic", "random"):
+        _fail("data.val_path", d.val_path, f"data.kind={d.kind!r} draws held-out samples by itself; clear it")
+    if t.eval_every and d.kind in ("text", "hf", "tokens") and not (d.val_fraction or d.val_path):
+        _fail("train.eval_every", t.eval_every, "needs a validation split: set data.val_fraction (e.g. 0.05) "
+              "or data.val_path")
+    if t.eval_every and t.eval_batches < 1:
+        _fail("train.eval_batches", t.eval_batches, "must be >= 1 when train.eval_every > 0")
+    for name in ("eval_every", "expert_tokens_every"):
+        if getattr(t, name) and cfg.parallel.pp > 1:
+            _fail(f"train.{name}", getattr(t, name), "is not supported with pipeline parallelism yet; set "
+                  "parallel.pp=1 or 0 here")
 
 
 def _sections(obj, prefix: str = ""):

@@ -2,6 +2,7 @@
 
     moelab presets
     moelab plan qwen3-moe-30b-a3b --gpus 8
+    moelab export runs/tiny --to tensorboard     # the metrics stream as TensorBoard event files
     moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
     moelab report runs/tiny-20261130-101500          # throughput, memory and routing PNGs
     moelab compare runs/my-sweep --out routing.png   # a sweep folder, or run folders
@@ -64,6 +65,11 @@ def cmd_compare(args) -> int:
     from moelab.live.compare import main
 
     return main(args.argv)
+def cmd_export(args) -> int:
+    from moelab.train.export import export_run
+
+    print(export_run(args.folder, to=args.to, out=args.out, wandb_mode=args.wandb_mode))
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -107,6 +113,12 @@ def add_parsers(sub) -> None:
                        add_help=False)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="a sweep folder or run folders; --out FIG.png; --last N")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B)")
+    p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
+    p.add_argument("--to", choices=["tensorboard", "wandb"], default="tensorboard")
+    p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
+    p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")
     config_args(p)

@@ -36,8 +36,8 @@ from moelab.run.folder import RunFolder, read_json
 from moelab.run.run import Run
 from moelab.train.summary import demand_LE, step_balance
 
-COLUMNS = ("run", "status", "steps", "final_loss", "max_over_mean", "final_max_over_mean", "cv", "final_cv",
-           "dropped_pct", "dead_experts")
+COLUMNS = ("run", "status", "steps", "final_loss", "eval_loss", "max_over_mean", "final_max_over_mean", "cv",
+           "final_cv", "dropped_pct", "dead_experts")
 
 
 def compare(sweep_or_runs, final_window: int | None = None, labels: list[str] | None = None) -> "Comparison":
@@ -48,7 +48,8 @@ def compare(sweep_or_runs, final_window: int | None = None, labels: list[str] | 
 
 class Comparison:
     """Runs compared (see the module docstring). ``.table`` has one row per run: the swept values, then
-    final_loss, max_over_mean / final_max_over_mean, cv / final_cv, dropped_pct (dropped assignments, % of all)
+    final_loss, eval_loss (the last held-out loss, None without train.eval_every), max_over_mean /
+    final_max_over_mean, cv / final_cv, dropped_pct (dropped assignments, % of all)
     and dead_experts (dead at the last step: no tokens for model.moe.dead_expert_steps steps).
 
         cmp = compare(["runs/a", "runs/b"]); cmp.table; cmp.plot_balance()
@@ -78,6 +79,7 @@ class Comparison:
         row.update(
             status=run.status, steps=d.steps[-1] if n else 0,
             final_loss=summary.get("final_loss", d.loss[-1] if n else None),
+            eval_loss=d.eval_loss[-1] if d.eval_loss else None,  # the last held-out loss (train.eval_every)
             max_over_mean=_mean(d.max_over_mean_S), final_max_over_mean=_mean(d.max_over_mean_S[-w:]),
             cv=_mean(d.cv_S), final_cv=_mean(d.cv_S[-w:]),
             dropped_pct=100.0 * d.dropped / d.assignments if d.assignments else 0.0,
@@ -95,7 +97,7 @@ class Comparison:
 
     # ------------------------------------------------------------------ plots
     def plot_losses(self) -> Figure:
-        """Training loss over steps, one line per run."""
+        """Training loss over steps, one line per run (and its held-out loss, dashed, where it has one)."""
         fig = new_figure(6.4, 3.4)
         self._draw_losses(fig.add_subplot())
         return fig
@@ -131,7 +133,10 @@ class Comparison:
 
     def _draw_losses(self, ax) -> None:
         for label, d in zip(self.labels, self._data):
-            ax.plot(*thin_points(d.steps, d.loss), label=label, lw=1.2)
+            line, = ax.plot(*thin_points(d.steps, d.loss), label=label, lw=1.2)
+            if d.eval_steps:  # held-out loss: dashed, in the run's colour
+                ax.plot(d.eval_steps, d.eval_loss, ls="--", marker="o", ms=3, lw=1, color=line.get_color(),
+                        label=f"{label} (eval)")
         style_axes(ax, "training loss", "step", "loss")
         ax.legend(fontsize=7)
 
@@ -197,6 +202,8 @@ class _RunData:
         steps = [e for e in run.events if e["event"] == "step"]
         self.steps = [e["step"] for e in steps]
         self.loss = [e.get("loss") for e in steps]
+        evals = [e for e in run.events if e["event"] == "eval"]
+        self.eval_steps, self.eval_loss = [e["step"] for e in evals], [e.get("loss") for e in evals]
         routing = [e.get("routing") or {} for e in steps]
         demand = [demand_LE(e) for e in steps]
         self.load_SLE = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()

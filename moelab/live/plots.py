@@ -80,6 +80,11 @@ def draw_series(ax, st: DashState, values: list, title: str, ylabel: str, color:
 
 def draw_loss(ax, st: DashState) -> None:
     draw_series(ax, st, st.loss, "loss", "", "tab:blue")
+    xs, ys = thin_points(st.eval_steps, st.eval_loss)
+    if ys:  # held-out loss (`eval` events) beside the training loss
+        ax.plot(xs, ys, color="tab:orange", lw=1.2, marker="o", ms=3, label="eval")
+        ax.lines[0].set_label("train")
+        ax.legend(fontsize=7)
 
 
 def rolling_mean(values: list, window: int = ROUTING_WINDOW) -> list:

@@ -89,6 +89,8 @@ class DashState:
     run_error: str = ""
     steps: list = field(default_factory=list)
     loss: list = field(default_factory=list)
+    eval_steps: list = field(default_factory=list)  # `eval` events: held-out loss beside the training loss
+    eval_loss: list = field(default_factory=list)
     tokens_per_s_per_gpu: list = field(default_factory=list)
     tflops_per_gpu: list = field(default_factory=list)
     last: dict = field(default_factory=dict)  # the latest step event
@@ -138,6 +140,8 @@ class DashState:
             self.event_status = "RUNNING"
         elif kind == "step":
             self._apply_step(event, t)
+        elif kind == "eval":
+            self._apply_eval(event)
         elif kind == "warning":
             self.warnings.append(event)
         elif kind == "error":
@@ -157,6 +161,8 @@ class DashState:
                 del hist[cut:]
             self.load_history.truncate(step)
             self._rate.clear()
+            keep = sum(1 for s in self.eval_steps if s < step)
+            del self.eval_steps[keep:], self.eval_loss[keep:]
         self.step, self.last = step, ev
         self.steps.append(step)
         self.loss.append(ev.get("loss"))
@@ -207,6 +213,12 @@ class DashState:
             self.load_history.add(ev["step"], counts_LE)
         self.health = ev.get("health") or {}
         self.health_S.append((len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])))
+
+    def _apply_eval(self, ev: dict) -> None:
+        keep = sum(1 for s in self.eval_steps if s < ev["step"])  # a repeated step replaces its evaluation
+        del self.eval_steps[keep:], self.eval_loss[keep:]
+        self.eval_steps.append(ev["step"])
+        self.eval_loss.append(ev.get("loss"))
 
     def set_run(self, status: "str | None", error: "str | None" = None) -> None:
         """Record what the Run object says (it knows about jobs that never wrote a line, and cancellations)."""

@@ -168,6 +168,30 @@ class Run:
         df["time"] = pd.to_datetime(df["time"], unit="s")
         return df
 
+    @property
+    def evals(self):
+        """The held-out evaluations (train.eval_every): step, loss, perplexity, batches, tokens per eval event."""
+        rows = [{k: e.get(k) for k in ("step", "loss", "perplexity", "batches", "tokens")}
+                for e in self.events if e["event"] == "eval"]
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame(rows, columns=["step", "loss", "perplexity", "batches", "tokens"])
+
+    def expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
+        """Which tokens each expert of MoE layer `layer` receives most (train.expert_tokens_every): one row per
+        expert and rank with token_id, token (decoded with the run's tokenizer), count and share; `step` None =
+        the latest record. ``.plot_expert_tokens(layer)`` draws it (moelab.train.expert_tokens)."""
+        from moelab.train.expert_tokens import expert_token_table
+
+        return expert_token_table(self.folder, layer, step, top)
+
+    def plot_expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
+        from moelab.train.expert_tokens import plot_expert_tokens
+
+        return plot_expert_tokens(self.folder, layer, step, top)
+
     def routing(self):
         """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
         import numpy as np

@@ -16,6 +16,9 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
   model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
   x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
+- ``eval``: step (after that step's ``step`` event), loss (mean next-token cross entropy on the held-out data:
+  train.eval_batches fixed global batches, the same on every layout), perplexity (exp(loss)), batches, tokens
+  (moelab.train.evaluate; written every train.eval_every steps and after the last step).
 - ``warning``: step, kind, message. Reliability kinds (moelab.train.checkpoint): "preempted" (a stop signal;
   a checkpoint was saved), "corrupt_checkpoint" (a damaged checkpoint was skipped on resume), "layout_changed"
   (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume),
@@ -33,8 +36,8 @@ by file and line number, once (``read_events`` as a MetricsWarning, ``JsonlTail`
 ``damaged_metrics_line`` warning event); ``read_events(..., strict=True)`` raises MetricsError instead.
 
 Resume (rewind_metrics, below): a run continued from its checkpoint at step k first rewrites
-this file once, atomically (temp file + rename), without the ``step`` and ``checkpoint`` events after k (the run
-computes those steps again) and without a half-written last line; every other event is kept, so an earlier
+this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k
+(the run computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
 in any metrics.jsonl every step appears at most once, in order, and steps 1..k are contiguous at a resume; the
 run's current attempt is everything after the last ``start``. A JsonlTail notices the rewrite (a new file) and
@@ -50,7 +53,7 @@ import warnings
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-EVENTS = ("start", "step", "warning", "checkpoint", "end", "error")
+EVENTS = ("start", "step", "eval", "warning", "checkpoint", "end", "error")
 
 
 class MetricsError(ValueError):
@@ -228,7 +231,7 @@ class JsonlTail:
 
 # ---------------------------------------------------------------------- the stream on resume
 def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict]]:
-    """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
+    """Rewrite metrics.jsonl (atomically) without the step, checkpoint and eval events after `step`: the resumed run
     writes them again, so every step appears exactly once. Returns the kept step events and warnings for the
     stream ({kind, message}; none when all was well): a half-written last line (a kill mid-write: dropped) and
     damaged lines (not valid events: kept as they are, for a person to look at, and skipped by every reader)."""
@@ -244,7 +247,7 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict
             damaged_why.append(str(event).split(": ", 1)[-1])
         elif event["event"] == "step" and event["step"] <= step:
             records.append(event)
-        elif event["event"] in ("step", "checkpoint") and event["step"] > step:
+        elif event["event"] in ("step", "checkpoint", "eval") and event.get("step", 0) > step:
             continue
         kept.append(line)
     tmp = path.with_name(path.name + ".rewind")

@@ -85,11 +85,13 @@ def _well_formed(r: dict, layers: int) -> bool:
             and all(isinstance(x, num) for x in routing["dropped_tokens"]))
 
 
-def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0) -> dict:
+def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0,
+              evals: list[dict] | None = None) -> dict:
     """Throughput is averaged over timed_steps (all but the first two of this process); balance is
     mean_balance over every step, per MoE layer in routing_balance and over layers in `balance`. Records that
     lack a field the summary reads (read back from a damaged stream) are left out and counted in
-    `unreadable_steps`."""
+    `unreadable_steps`. With `evals` (the ``eval`` events) also first_eval_loss, eval_loss and eval_perplexity
+    (the last eval)."""
     counts = [len(r["routing"]["tokens_per_expert"]) for r in records
               if isinstance(r.get("routing"), dict) and isinstance(r["routing"].get("tokens_per_expert"), list)]
     layers = max(set(counts), key=counts.count) if counts else 0  # what nearly every record has
@@ -117,6 +119,9 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
         dropped_tokens=sum(sum(r["routing"]["dropped_tokens"]) for r in records),
         skipped_steps=sum(1 for r in records if r.get("skipped")),
         routing_balance=routing_balance, balance=mean_balance([step_balance(demand_LE(r)) for r in records]))
+    if evals:
+        out.update(first_eval_loss=evals[0]["loss"], eval_loss=evals[-1]["loss"],
+                   eval_perplexity=evals[-1]["perplexity"], eval_step=evals[-1]["step"])
     return out
 
 
@@ -125,7 +130,9 @@ def format_summary(s: dict) -> str:
     if "final_loss" not in s:
         return f"{s['name']}: {s['status']} after {s['steps']} steps (no step recorded)"
     lines = [f"{s['name']}: {s['status']} at step {s['steps']}/{s['total_steps']}",
-             f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}",
+             f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}" + (
+                 f"; eval loss {s['first_eval_loss']:.4f} -> {s['eval_loss']:.4f} (perplexity "
+                 f"{s['eval_perplexity']:.2f})" if s.get("eval_loss") is not None else ""),
              f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_gpu']:,.0f} per GPU), "
              f"{s['tflops_per_gpu']:.3f} TFLOPs/GPU" + (f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""),
              f"  peak memory {s['peak_memory_gb']:.2f} GB, dropped tokens {s['dropped_tokens']:.0f}"]

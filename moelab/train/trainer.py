@@ -28,10 +28,13 @@ from moelab.parallel.env import DistEnv
 from moelab.run.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
+from moelab.train.evaluate import Evaluator
+from moelab.train.expert_tokens import ExpertTokenRecorder
+from moelab.train.export import StreamMirror, check_export
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.train.loss import cross_entropy, loss_mask
-from moelab.train.metrics import MetricsWriter, append_event
+from moelab.train.metrics import MetricsWriter, append_event, read_events
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.summary import summarize
@@ -59,6 +62,7 @@ class Trainer:
         self.stop = StopSignals()  # SIGTERM/SIGUSR1/SIGUSR2 -> checkpoint at the next step boundary, PREEMPTED
         self.stop_requested = False  # agreed by all ranks through the step's one all-reduce
         self.health = ExpertHealth(cfg.model.moe)
+        self.mirror: StreamMirror | None = None  # TensorBoard / W&B, reading the stream (moelab.train.export)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -81,7 +85,7 @@ class Trainer:
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.backend)
         if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
-            from moelab.model.fp8 import check_fp8, enable_fp8
+            from moelab.model.fp8_convert import check_fp8, enable_fp8
 
             check_fp8(cfg, env.device)
             enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
@@ -89,7 +93,10 @@ class Trainer:
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
-        self.dataset = make_dataset(cfg)
+        self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
+        self.evaluator = Evaluator(self) if cfg.train.eval_every else None
+        self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
+        check_export(cfg)  # on every rank: a missing package stops them all here
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
         for moe in self.par.moe_layers:
@@ -103,7 +110,13 @@ class Trainer:
                                                   meshes=getattr(self.par, "meshes", None))
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
+        # the eval events kept by the rewind above (steps <= start_step), for the summary
+        self.evals = [e for e in read_events(self.folder.metrics, live=True)
+                      if e["event"] == "eval"] if self.start_step and env.rank == 0 else []
         if env.rank == 0:
+            tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
+            if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)
+                (self.folder.path / "tokenizer.json").write_bytes(Path(tok).read_bytes())
             self.writer = MetricsWriter(self.folder.metrics)
             self.writer.write(
                 "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
@@ -116,6 +129,8 @@ class Trainer:
                      "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
             for w in self.restored.warnings:
                 self.writer.write("warning", **w)
+            if cfg.train.tensorboard or cfg.train.wandb != "off":
+                self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -255,6 +270,8 @@ class Trainer:
         finally:
             if self.writer:
                 self.writer.close()
+            if self.mirror:
+                self.mirror.stop()
             self.stop.restore()
         if summary["status"] == "PREEMPTED":
             self.stop.chain()  # e.g. submitit's handler: requeues the job (which resumes) and exits
@@ -293,6 +310,8 @@ class Trainer:
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
+            self.after_step(step, last=step == t.steps or self.stop_requested)
+            t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
                 status = "PREEMPTED"
                 break
@@ -302,12 +321,23 @@ class Trainer:
             self.save_checkpoint(self.step)
         if bar is not None:
             bar.close()
-        summary = summarize(self.cfg, records, status=status, start_step=self.start_step)
+        summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)
         if self.writer:
             self.writer.write("end", step=self.step, status=status, summary=summary)
             self.folder.summary.write_text(json.dumps(summary, indent=1))
         self.env.shutdown()
         return summary
+
+    def after_step(self, step: int, last: bool) -> None:
+        """Held-out evaluation and expert-token records, every N steps and after the last step (all ranks)."""
+        t = self.cfg.train
+        if self.evaluator is not None and (step % t.eval_every == 0 or last):
+            rec = self.evaluator.run(step)
+            self.evals.append(rec)
+            if self.writer:
+                self.writer.write("eval", **rec)
+        if self.expert_tokens is not None and (step % t.expert_tokens_every == 0 or last):
+            self.expert_tokens.record(step)
 
     def save_checkpoint(self, step: int) -> None:
         saved = self.cfg.train.save_checkpoints

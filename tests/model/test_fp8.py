@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from moelab.config import ConfigError, load_config
-from moelab.model import fp8
-from moelab.model.fp8 import E4M3_MAX, FP8Linear, enable_fp8, fp8_grouped_mm, fp8_linear, quantize_rowwise
+from moelab.model import fp8, fp8_convert
+from moelab.model.fp8 import E4M3_MAX, FP8Linear, fp8_grouped_mm, fp8_linear, quantize_rowwise
+from moelab.model.fp8_convert import enable_fp8
 
 
 def rel(a, b):
@@ -126,9 +127,9 @@ def test_enable_fp8_converts_projections_and_experts_only():
     converted = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
     plain = {n for n, m in model.named_modules() if type(m) is nn.Linear}
     assert counts["linears"] == len(converted) > 0
-    assert all(n.rsplit(".", 1)[-1] in fp8.PROJECTIONS for n in converted)
+    assert all(n.rsplit(".", 1)[-1] in fp8_convert.PROJECTIONS for n in converted)
     assert any(n.endswith("q_proj") for n in converted) and any(n.endswith("down_proj") for n in converted)
-    assert all(n.rsplit(".", 1)[-1] not in fp8.PROJECTIONS for n in plain)  # router gate, LM head stay
+    assert all(n.rsplit(".", 1)[-1] not in fp8_convert.PROJECTIONS for n in plain)  # router gate, LM head stay
     assert "output" in plain or not any(n == "output" for n, _ in model.named_modules())
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert counts["experts"] == len(experts) > 0 and all(m.fp8 for m in experts)
@@ -239,7 +240,7 @@ def test_trainer_quantises_expert_weights_once_per_step(tmp_path, monkeypatch):
     from moelab.model import fp8_cache
     from moelab.train.trainer import Trainer
 
-    monkeypatch.setattr(fp8, "check_fp8", lambda cfg, device: None)  # CPU: the emulation
+    monkeypatch.setattr(fp8_convert, "check_fp8", lambda cfg, device: None)  # CPU: the emulation
     cfg = load_config("tiny", ["train.fp8=rowwise", "train.dtype=bfloat16", "train.steps=2",
                                "train.global_batch_size=8", "train.micro_batch_size=2",
                                "train.save_checkpoints=false"])

@@ -20,14 +20,14 @@ FP8 = ["train.fp8=rowwise", "train.dtype=bfloat16", "model.moe.capacity_factor=0
 
 
 def lift_gpu_check():
-    import moelab.model.fp8 as fp8
+    import moelab.model.fp8_convert as fp8
 
     fp8.check_fp8 = lambda cfg, device: None
 
 
 @pytest.mark.slow
 def test_fp8_ep2_fsdp2_matches_one_process(tmp_path, monkeypatch):
-    from moelab.launch.env import DistEnv
+    from moelab.parallel.env import DistEnv
     from moelab.launch.local import run_local_processes
     from moelab.model import fp8
     from moelab.train.trainer import Trainer
@@ -42,7 +42,9 @@ def test_fp8_ep2_fsdp2_matches_one_process(tmp_path, monkeypatch):
     from moelab.config import load_config
 
     cfg = load_config("tiny", SMALL + FP8)
-    monkeypatch.setattr(fp8, "check_fp8", lambda cfg, device: None)
+    from moelab.model import fp8_convert
+
+    monkeypatch.setattr(fp8_convert, "check_fp8", lambda cfg, device: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
