@@ -43,6 +43,12 @@ class MoEConfig:
     # Group-limited (two-level) routing: experts split into num_groups groups, tokens pick topk_groups first.
     num_groups: int = 1
     topk_groups: int = 1
+    # Node-limited routing (DeepSeek-V3's device-limited routing): the experts split into routing_ranks equal
+    # contiguous blocks (block r is what EP rank r holds when parallel.ep = routing_ranks); each token's experts
+    # come from at most max_routed_ranks blocks, chosen by the sum of each block's ceil(top_k/max) best scores.
+    # Defined on the experts alone, so one process routes exactly as EP does. 0 = off.
+    max_routed_ranks: int = 0
+    routing_ranks: int = 0
     # Load balancing. aux_loss_type: "batch" = Switch-style over the micro batch; "sequence" = DeepSeek-V3's
     # per-sequence loss, averaged over sequences.
     aux_loss_coeff: float = 0.0
@@ -262,6 +268,7 @@ class Config:
         if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
             _fail("model.moe.top_k", moe.top_k,
                   "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+        _check_node_limited(moe, p, b)
         if moe.capacity_factor < 0:
             _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
         if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -332,6 +339,36 @@ class Config:
     def resolved_parallel(self, world_size: int) -> ParallelConfig:
         """The layout for ``world_size`` ranks, with fsdp=-1 filled in; raises ConfigError if impossible."""
         return check_layout(self, world_size)
+
+
+def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> None:
+    """model.moe.max_routed_ranks / routing_ranks: node-limited routing, refused where it would not bound
+    the fan-out or would be ignored."""
+    M, R = moe.max_routed_ranks, moe.routing_ranks
+    if M == 0:
+        if R:
+            _fail("model.moe.routing_ranks", R, "has no effect without model.moe.max_routed_ranks > 0; set it to 0 "
+                  "or set max_routed_ranks")
+        return
+    if R < 2 or moe.num_experts % R:
+        _fail("model.moe.routing_ranks", R, f"node-limited routing needs routing_ranks >= 2 dividing "
+              f"model.moe.num_experts={moe.num_experts} (the EP ranks the limit counts); try one of "
+              f"{[d for d in _divisors(moe.num_experts) if d > 1]}")
+    if M >= R:
+        _fail("model.moe.max_routed_ranks", M, f"must be below model.moe.routing_ranks={R} to limit anything; "
+              f"set it to 0 (no limit) or lower it")
+    if moe.top_k > M * (moe.num_experts // R):
+        _fail("model.moe.top_k", moe.top_k, f"exceeds the {M * (moe.num_experts // R)} experts on "
+              f"max_routed_ranks={M} ranks; raise model.moe.max_routed_ranks")
+    if moe.num_groups > 1:
+        _fail("model.moe.num_groups", moe.num_groups, "group-limited and node-limited routing do not combine; "
+              "use one (num_groups=1, or max_routed_ranks=0)")
+    if b.fake_balanced_gate:
+        _fail("backend.fake_balanced_gate", True, "the round-robin gate ignores model.moe.max_routed_ranks; "
+              "turn one of them off")
+    if R % p.ep:
+        _fail("parallel.ep", p.ep, f"must divide model.moe.routing_ranks={R}, so that each EP rank holds whole "
+              f"routing blocks and a token reaches at most max_routed_ranks={M} ranks")
 
 
 def _sections(obj, prefix: str = ""):

@@ -357,8 +357,15 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     else:
         kv_tok = 2 * mdl.num_kv_heads * mdl.head_dim * a
     cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
+    fanout = dispatch_ranks_per_token(moe_cfg, p.ep)
+    # a dispatcher that sends each token once per destination rank (DeepEP): the fan-out, not top_k, counts
+    once_layer = int(a2a_passes * T * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
+    if cfg.backend.dispatcher == "deepep":
+        a2a_layer = once_layer
     comm = {"all_to_all_bytes_per_moe_layer": a2a_layer,
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
+            "dispatch_ranks_per_token": fanout,
+            "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
             "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes}
     bubble = (p.pp - 1) / (p.vp * m + p.pp - 1) if p.pp > 1 else 0.0
@@ -399,6 +406,30 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         assumptions=_assumptions(cfg, p, shard, efsdp, m))
 
 
+def dispatch_ranks_per_token(moe, ep: int) -> float:
+    """EP ranks one token's top_k experts sit on, expected under balanced (uniform) routing: ep blocks of E/ep
+    experts, K distinct experts, so ep * (1 - C(E - E/ep, K) / C(E, K)). Node-limited routing
+    (moe.max_routed_ranks = M over moe.routing_ranks blocks) draws the K from M blocks: with one block per EP rank
+    M * (1 - C((M - 1) X, K) / C(M X, K)), X = E/ep; with several blocks per rank at most min(M, the unlimited
+    figure; up to 3% low, as the router's chosen blocks hold the best scores and share the K more evenly). A share
+    (ep - 1)/ep of them are other ranks. Used for dispatchers that send a token once per rank.
+
+        dispatch_ranks_per_token(MoEConfig(num_experts=64, top_k=8), ep=8)                          # 5.43
+        dispatch_ranks_per_token(MoEConfig(num_experts=64, top_k=8, routing_ranks=8, max_routed_ranks=2), 8)  # 2.0
+    """
+    E, K = moe.num_experts, moe.top_k
+    if ep <= 1:
+        return 1.0
+    free = ep * (1 - math.comb(E - E // ep, K) / math.comb(E, K))
+    M = moe.max_routed_ranks
+    if not M:
+        return free
+    if moe.routing_ranks == ep:
+        X = E // ep
+        return M * (1 - math.comb((M - 1) * X, K) / math.comb(M * X, K))
+    return min(float(M), free)
+
+
 def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     t = cfg.train
     if getattr(t, "param_dtype", "float32") == "bfloat16":
@@ -428,5 +459,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
     ]
     if p.ep > 1:
-        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank)")
+        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank); "
+                   "once-per-rank dispatch (DeepEP) sends a token to each of the "
+                   f"{dispatch_ranks_per_token(cfg.model.moe, p.ep):.2f} ranks it reaches (dispatch_ranks_per_token)")
     return out

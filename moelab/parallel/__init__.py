@@ -64,6 +64,17 @@ class Parallelized:
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    # Communication counters (host numbers, no synchronisation), summed over ranks by the step's all-reduce.
+    def pop_comm_counts(self) -> dict[str, list[float]]:
+        """This rank's counts since the last call, name -> values: the EP dispatcher's
+        (moelab.parallel.expert_parallel.DispatchCounts) and those of ``comm_counters`` (gradient exchanges)."""
+        counters = {id(m.dispatcher.counts): m.dispatcher.counts for m in self.moe_layers
+                    if getattr(m.dispatcher, "counts", None) is not None}
+        out: dict[str, list[float]] = {}
+        for counter in [*counters.values(), *getattr(self, "comm_counters", [])]:
+            out.update(counter.pop())
+        return out
+
 
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig) -> Parallelized:
     """Place `model` (built on the meta device) for this rank, initialise it, and return the Parallelized."""

@@ -15,7 +15,11 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   the router placed), dropped_tokens: [moe_layers], entropy: [moe_layers], logit_norm: [moe_layers],
   capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
   model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
-  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
+  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers),
+  comm: {name: number or list} this step's communication counts summed over ranks (empty on one process; with
+  EP moelab.parallel.expert_parallel.DispatchCounts: dispatch_rows, dispatch_bytes, dispatch_token_ranks,
+  dispatch_once_per_rank_bytes, tokens_by_ranks_reached; with replicated experts the gradient exchange's
+  expert_grad_bytes and expert_grad_uncompressed_bytes, moelab.parallel.compression).
 - ``warning``: step, kind, message. Reliability kinds (moelab.train.checkpoint): "preempted" (a stop signal;
   a checkpoint was saved), "corrupt_checkpoint" (a damaged checkpoint was skipped on resume), "layout_changed"
   (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume). Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes

@@ -147,6 +147,8 @@ class Trainer:
         # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
         parts.append(memory_slots.reshape(-1))
+        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
+        parts.append(torch.tensor([x for v in comm.values() for x in v]).to(dev, non_blocking=True))
         parts.append(torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
         packed = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts]))
         values = packed.tolist()
@@ -162,6 +164,9 @@ class Trainer:
             per_layer[key] = values[off: off + n_layers]
             off += n_layers
         self.last_memory = [values[off + 3 * r: off + 3 * r + 3] for r in range(self.env.world_size)]
+        off += 3 * self.env.world_size
+        for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
+            comm[key], off = (values[off] if len(v) == 1 else values[off: off + len(v)]), off + len(v)
         self.stop_requested = values[-1] > 0
         skipped = False
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
@@ -184,7 +189,7 @@ class Trainer:
                     moe.router.update_bias(routed[i])
                     moe.router.update_capacity(routed[i])
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
-                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
+                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
                             "dropped_tokens": per_layer["dropped"],
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
