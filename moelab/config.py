@@ -136,6 +136,12 @@ class ParallelConfig:
     # Data-parallel (FSDP2) degree; -1 = whatever the world size leaves after tp, pp and cp.
     fsdp: int = -1
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    # How the data-parallel ranks hold weights (moelab.parallel.replicate). data_parallel: dense weights sharded
+    # (FSDP2) or replicated (DDP: bucketed all-reduce overlapped with backward, once per step). expert_dp: the
+    # experts sharded over the expert-FSDP ranks (FSDP2), or replicated over them with moelab's own gradient
+    # exchange after backward (the one train.expert_grad_compression can compress).
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    expert_dp: Literal["fsdp", "replicate"] = "fsdp"
 
 
 @dataclass
@@ -166,6 +172,9 @@ class TrainConfig:
     # a stop signal then just ends the run (PREEMPTED) at the step boundary. See moelab.train.checkpoint.
     save_checkpoints: bool = True
     on_nan: Literal["stop", "skip"] = "stop"
+    # 1-bit expert gradients: with parallel.expert_dp=replicate the experts' gradient exchange sends sign bits and
+    # one mean |g| per expert, with error feedback (moelab.parallel.compression). none = an exact mean.
+    expert_grad_compression: Literal["none", "sign"] = "none"
     collective_timeout_s: float = 120.0
 
 
@@ -269,6 +278,7 @@ class Config:
             _fail("model.moe.top_k", moe.top_k,
                   "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
         _check_node_limited(moe, p, b)
+        _check_replication(p, t)
         if moe.capacity_factor < 0:
             _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
         if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -371,6 +381,21 @@ def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> 
               f"routing blocks and a token reaches at most max_routed_ranks={M} ranks")
 
 
+def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:
+    """parallel.data_parallel / expert_dp and train.expert_grad_compression: the combinations moelab runs."""
+    if t.expert_grad_compression != "none" and p.expert_dp != "replicate":
+        _fail("train.expert_grad_compression", t.expert_grad_compression, "compresses moelab's exchange of "
+              "replicated expert gradients; set parallel.expert_dp=replicate (FSDP2's reduce-scatter is exact)")
+    for name, value, default in (("parallel.data_parallel", p.data_parallel, "fsdp"),
+                                 ("parallel.expert_dp", p.expert_dp, "fsdp")):
+        if value != default and (p.pp > 1 or p.cp > 1):
+            _fail(name, value, f"runs without pipeline and context parallelism (pp={p.pp}, cp={p.cp}); "
+                  f"set {name}={default} or pp=cp=1")
+    if p.expert_dp == "replicate" and p.data_parallel == "fsdp" and t.dtype == "bfloat16":
+        _fail("parallel.expert_dp", p.expert_dp, "with FSDP2's bf16 mixed precision the replicated experts would "
+              "stay fp32; set parallel.data_parallel=ddp (autocast) or train.dtype=float32")
+
+
 def _sections(obj, prefix: str = ""):
     """(dotted name, dataclass) for every section of a config, nested ones included."""
     yield prefix.rstrip("."), obj
@@ -407,6 +432,10 @@ def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
     if p.pp > 1 and cfg.model.num_layers < p.pp * p.vp:
         _fail("parallel.pp", p.pp, f"pp*vp={p.pp * p.vp} stages need at least that many layers "
               f"(model.num_layers={cfg.model.num_layers})")
+    if t.expert_grad_compression != "none" and (fsdp * p.cp * p.tp) // p.ep == 1:
+        _fail("train.expert_grad_compression", t.expert_grad_compression,
+              f"no rank shares this rank's experts (ep={p.ep} = the {fsdp * p.cp * p.tp} data-parallel ranks), so "
+              f"there is no gradient exchange to compress; set it to none or lower parallel.ep")
     n_micro = t.global_batch_size // (t.micro_batch_size * dp)
     if p.pp > 1 and (n_micro < p.pp or (p.vp > 1 and n_micro % p.pp)):
         _fail("train.global_batch_size", t.global_batch_size,

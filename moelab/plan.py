@@ -122,6 +122,9 @@ class Plan:
                                       f"{_gib(c['fsdp_reduce_scatter_bytes_per_step'])}, pipeline "
                                       f"{_gib(c['pipeline_send_bytes_per_step'])}, cp {_gib(c['cp_bytes_per_step'])}"),
         ]
+        if c.get("ddp_all_reduce_bytes_per_step") or c.get("expert_grad_bytes_per_step"):
+            rows.append(("replicated grads per step", f"DDP all-reduce {_gib(c['ddp_all_reduce_bytes_per_step'])}, "
+                                                      f"experts {_gib(c['expert_grad_bytes_per_step'])}"))
         if self.layout["pp"] > 1:
             pl = self.pipeline
             rows.append(("pipeline", f"{pl['schedule']}, bubble {100 * pl['bubble_fraction']:.1f}%, "
@@ -308,12 +311,15 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         experts = n_moe * pieces.moe_experts
         dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
                  + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
-        local = math.ceil(dense / shard) + math.ceil(experts / (p.ep * efsdp))
+        dense_div, expert_div = (1 if p.data_parallel == "ddp" else shard), (1 if p.expert_dp == "replicate" else efsdp)
+        local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
         # the largest unit FSDP gathers at once: a block (its dense part whole, its experts per EP rank)
         units = [pieces.moe_layer - pieces.moe_experts + pieces.moe_experts // p.ep if is_moe[i]
                  else pieces.dense_layer for i in layers]
         units += [pieces.embedding] if r == 0 else []
         units += [pieces.head] if r == p.pp - 1 else []
+        if (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp"):  # replicated parts are never gathered
+            units = _fsdp_units(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, p)
         biggest_unit = max(units) if units else 0
         if world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
             gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
@@ -349,8 +355,10 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
     a2a_layer = int(a2a_passes * T * moe_cfg.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    ag = int(2 * m * a * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
-    rs = int(m * 4 * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(efsdp)))
+    fsdp_dense = dense_sh * frac(p.fsdp * p.cp) if p.data_parallel == "fsdp" else 0
+    fsdp_exp = exp_sh * frac(efsdp) if p.expert_dp == "fsdp" else 0
+    ag = int(2 * m * a * (fsdp_dense + fsdp_exp))
+    rs = int(m * 4 * (fsdp_dense + fsdp_exp))
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
@@ -367,7 +375,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
             "dispatch_ranks_per_token": fanout,
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
             "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
-            "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes}
+            "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
+            **_replication_comm(cfg, p, dense_sh, exp_sh, efsdp, worst["n_moe"])}
     bubble = (p.pp - 1) / (p.vp * m + p.pp - 1) if p.pp > 1 else 0.0
 
     # ------------------------------------------------------------------ verdict
@@ -404,6 +413,31 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": bubble, "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
         assumptions=_assumptions(cfg, p, shard, efsdp, m))
+
+
+def _fsdp_units(pieces: _Pieces, moe_layers: list[bool], first: bool, last: bool, p) -> list[int]:
+    """What FSDP2 gathers at once when part of the weights is replicated (moelab.parallel.replicate): dense
+    parts only under data_parallel=fsdp, a block's experts (per EP rank) only under expert_dp=fsdp."""
+    dense_on, experts_on = p.data_parallel == "fsdp", p.expert_dp == "fsdp"
+    units = [(pieces.moe_layer - pieces.moe_experts if moe else pieces.dense_layer) * dense_on
+             + (pieces.moe_experts // p.ep if moe else 0) * experts_on for moe in moe_layers]
+    return units + [pieces.embedding * dense_on] * first + [pieces.head * dense_on] * last
+
+
+def _replication_comm(cfg: Config, p, dense_sh: float, exp_sh: float, efsdp: int, n_moe: int) -> dict:
+    """Bytes one rank sends per step for replicated weights: DDP's ring all-reduce of fp32 dense gradients (once
+    per step), and the replicated experts' exchange: a ring all-reduce, or with 1-bit compression an all-gather
+    of packed signs and one fp32 scale per expert and stacked tensor (moelab.parallel.compression)."""
+    frac = (lambda n: 2 * (n - 1) / n if n > 1 else 0.0)
+    ddp = int(frac(p.fsdp * p.cp) * dense_sh * 4) if p.data_parallel == "ddp" else 0
+    expert = 0
+    if p.expert_dp == "replicate" and efsdp > 1:
+        if cfg.train.expert_grad_compression == "sign":
+            scales = n_moe * 2 * (cfg.model.moe.num_experts // p.ep)  # gate|up and down of each local expert
+            expert = int((efsdp - 1) * (exp_sh / 8 + 4 * scales))
+        else:
+            expert = int(frac(efsdp) * exp_sh * 4)
+    return {"ddp_all_reduce_bytes_per_step": ddp, "expert_grad_bytes_per_step": expert}
 
 
 def dispatch_ranks_per_token(moe, ep: int) -> float:

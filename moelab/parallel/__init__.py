@@ -64,6 +64,17 @@ class Parallelized:
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    # Replicated experts (moelab.parallel.replicate): their gradient exchange after backward, and its per-rank
+    # state (error feedback) for checkpoints.
+    def finish_gradients(self) -> None:
+        pass
+
+    def rank_state(self) -> dict:
+        return {}
+
+    def load_rank_state(self, state: dict) -> None:
+        pass
+
     # Communication counters (host numbers, no synchronisation), summed over ranks by the step's all-reduce.
     def pop_comm_counts(self) -> dict[str, list[float]]:
         """This rank's counts since the last call, name -> values: the EP dispatcher's

@@ -84,6 +84,7 @@ class Trainer:
         # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
         self.restored = self.checkpointer.restore(self.model, self.optimizer, self.run_dir / "metrics.jsonl",
                                                   meshes=getattr(self.par, "meshes", None))
+        self.par.load_rank_state(self.restored.rank_state)  # e.g. error-feedback residuals
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         if env.rank == 0:
@@ -127,6 +128,7 @@ class Trainer:
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward(step)
+        par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
         grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
         # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
         # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
@@ -273,7 +275,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         saved = self.cfg.train.save_checkpoints
         if saved:
-            path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None))
+            path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None),
+                                          rank_state=self.par.rank_state())
             self.saved_step = step
             if self.writer:
                 self.writer.write("checkpoint", step=step, path=str(path))
