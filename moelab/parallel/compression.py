@@ -59,6 +59,17 @@ def decompress(packed_B: torch.Tensor, scale_X: torch.Tensor, shape) -> torch.Te
     return (signs_XN * scale_X[:, None]).view(shape)
 
 
+def error_feedback_step(g_XN: torch.Tensor, e_XN: torch.Tensor | None):
+    """(packed signs, scales, the new residual) for gradient g and residual e (None: zeros): c = g + e is sent
+    as compress(c), and what it missed, c - decompress(...), is the new residual. Where that is not finite (a NaN
+    gradient, whose step train.on_nan=skip skips) the old residual stays, so one bad step cannot poison the rest."""
+    old_XN = torch.zeros_like(g_XN, dtype=torch.float32) if e_XN is None else e_XN
+    c_XN = g_XN.float() + old_XN
+    packed_B, scale_X = compress(c_XN)
+    new_XN = c_XN - decompress(packed_B, scale_X, c_XN.shape)
+    return packed_B, scale_X, torch.where(torch.isfinite(new_XN), new_XN, old_XN)
+
+
 class ExpertGradExchange:
     """Averages the gradients of replicated expert parameters over `group` after backward: ``reduce()``.
     mode "none" all-reduces them exactly; "sign" sends 1-bit signs and one scale per expert with error feedback
@@ -94,9 +105,7 @@ class ExpertGradExchange:
         pending = []
         for name, p in live:  # compress everything first, then launch every gather, then decode
             g_XN = p.grad.reshape(p.grad.shape[0], -1)
-            c_XN = g_XN.float() + self.residuals.get(name, 0)
-            packed_B, scale_X = compress(c_XN)
-            self.residuals[name] = c_XN - decompress(packed_B, scale_X, c_XN.shape)
+            packed_B, scale_X, self.residuals[name] = error_feedback_step(g_XN, self.residuals.get(name))
             out_bits = packed_B.new_empty(W * packed_B.numel())  # flat: gloo's all-gather wants [W * B]
             out_scales = scale_X.new_empty(W * scale_X.numel())
             works = [dist.all_gather_into_tensor(out_bits, packed_B, group=self.group, async_op=True),

@@ -98,3 +98,18 @@ def test_sign_compressed_run_converges_within_the_margin(helpers, tmp_path):
         tail[mode] = sum(losses[-50:]) / 50
         assert tail[mode] < 0.5 * losses[0], (mode, losses[0], tail[mode])
     assert abs(tail["sign"] - tail["none"]) / tail["none"] < MARGIN, tail
+
+
+
+def test_a_non_finite_gradient_leaves_the_residual_as_it_was():
+    """A step with a NaN gradient (skipped under train.on_nan=skip) keeps the residual of the step before, so the
+    next finite step is not poisoned."""
+    from moelab.parallel.compression import error_feedback_step
+
+    g = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    _, _, e = error_feedback_step(g, None)
+    assert e.abs().sum() > 0
+    _, _, after_nan = error_feedback_step(torch.full((2, 6), float("nan")), e)
+    assert torch.equal(after_nan, e)
+    packed, scale, e2 = error_feedback_step(g, e)  # and the residual is what was not sent
+    assert torch.allclose(g + e, decompress(packed, scale, g.shape) + e2)
