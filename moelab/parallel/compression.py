@@ -5,7 +5,8 @@ Shapes: X local experts, N elements of one expert's slice of a stacked parameter
 experts, B = ceil(X*N / 8) bytes of packed signs.
 
     exchange = ExpertGradExchange(named_expert_params, group, mode="sign")
-    loss.backward(); exchange.reduce()        # every rank's expert .grad is now the (decoded) mean
+    exchange.overlap_with_backward()          # optional: launch from gradient hooks while backward runs
+    exchange.armed = True; loss.backward(); exchange.reduce()   # every rank's expert .grad is the mean
     exchange.pop()                            # {"expert_grad_bytes": [...], "expert_grad_uncompressed_bytes": [...]}
 
 1-bit compression (the seed's sign(g) * mean(|g|), with error feedback as in 1-bit SGD / EF-signSGD):
@@ -85,39 +86,52 @@ class ExpertGradExchange:
         self.named_params, self.group, self.mode = list(named_params), group, mode
         self.world = dist.get_world_size(group)
         self.residuals: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, tuple] = {}  # name -> (parameter, works, gathered bits, gathered scales)
+        self.armed = False  # launch from the gradient hooks in this backward (overlap_with_backward)
         self.pop()
 
+    def overlap_with_backward(self) -> None:
+        """Launch each parameter's exchange from its post-accumulate-grad hook while the rest of backward runs,
+        in backward passes where ``armed`` is set (the step's last micro batch: moelab.parallel.replicate sets
+        it); ``reduce`` then only waits and decodes."""
+        for name, p in self.named_params:
+            p.register_post_accumulate_grad_hook(lambda param, name=name: self._launch(name, param) if self.armed
+                                                 else None)
+
     @torch.no_grad()
-    def reduce(self) -> None:
-        live = [(n, p) for n, p in self.named_params if p.grad is not None]
+    def _launch(self, name: str, p: torch.nn.Parameter) -> None:
         W = self.world
-        for _, p in live:  # what a ring all-reduce of the fp32 gradients would send
-            self.counts["expert_grad_uncompressed_bytes"][0] += 2 * (W - 1) / W * p.grad.numel() * 4
+        self.counts["expert_grad_uncompressed_bytes"][0] += 2 * (W - 1) / W * p.grad.numel() * 4  # exact ring
         if W == 1:
             return
         if self.mode == "none":
-            works = [dist.all_reduce(p.grad, group=self.group, async_op=True) for _, p in live]
-            for (_, p), work in zip(live, works):
-                work.wait()
-                p.grad.div_(W)
-                self.counts["expert_grad_bytes"][0] += 2 * (W - 1) / W * p.grad.numel() * p.grad.element_size()
+            self.pending[name] = (p, [dist.all_reduce(p.grad, group=self.group, async_op=True)], None, None)
+            self.counts["expert_grad_bytes"][0] += 2 * (W - 1) / W * p.grad.numel() * p.grad.element_size()
             return
-        pending = []
-        for name, p in live:  # compress everything first, then launch every gather, then decode
-            g_XN = p.grad.reshape(p.grad.shape[0], -1)
-            packed_B, scale_X, self.residuals[name] = error_feedback_step(g_XN, self.residuals.get(name))
-            out_bits = packed_B.new_empty(W * packed_B.numel())  # flat: gloo's all-gather wants [W * B]
-            out_scales = scale_X.new_empty(W * scale_X.numel())
-            works = [dist.all_gather_into_tensor(out_bits, packed_B, group=self.group, async_op=True),
-                     dist.all_gather_into_tensor(out_scales, scale_X, group=self.group, async_op=True)]
-            self.counts["expert_grad_bytes"][0] += (W - 1) * (packed_B.numel() + 4 * scale_X.numel())
-            pending.append((p, out_bits, out_scales, works))
-        for p, out_bits, out_scales, works in pending:
+        g_XN = p.grad.reshape(p.grad.shape[0], -1)
+        packed_B, scale_X, self.residuals[name] = error_feedback_step(g_XN, self.residuals.get(name))
+        out_bits = packed_B.new_empty(W * packed_B.numel())  # flat: gloo's all-gather wants [W * B]
+        out_scales = scale_X.new_empty(W * scale_X.numel())
+        works = [dist.all_gather_into_tensor(out_bits, packed_B, group=self.group, async_op=True),
+                 dist.all_gather_into_tensor(out_scales, scale_X, group=self.group, async_op=True)]
+        self.counts["expert_grad_bytes"][0] += (W - 1) * (packed_B.numel() + 4 * scale_X.numel())
+        self.pending[name] = (p, works, out_bits.view(W, -1), out_scales.view(W, -1))
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """After the step's backward: launch what no hook launched (in parameter order), then wait and decode."""
+        for name, p in self.named_params:
+            if p.grad is not None and name not in self.pending:
+                self._launch(name, p)
+        for p, works, bits_WB, scales_WX in self.pending.values():
             for work in works:
                 work.wait()
-            bits_WB, scales_WX = out_bits.view(W, -1), out_scales.view(W, -1)
-            mean = sum(decompress(bits_WB[r], scales_WX[r], p.grad.shape) for r in range(W)) / W
-            p.grad.copy_(mean)
+            if bits_WB is None:
+                p.grad.div_(self.world)
+            else:
+                p.grad.copy_(sum(decompress(bits_WB[r], scales_WX[r], p.grad.shape) for r in range(self.world))
+                             / self.world)
+        self.pending = {}
 
     def pop(self) -> dict[str, list[float]] | None:
         out = getattr(self, "counts", None)

@@ -11,8 +11,9 @@ or parallel.expert_dp=replicate (pp = cp = 1, checked by the config).
   the trainer's autocast.
 - expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone).
 - expert_dp=replicate: every rank of the expert-FSDP mesh holds its EP rank's experts whole; neither DDP nor
-  FSDP2 touches them, and after backward moelab.parallel.compression.ExpertGradExchange averages their
-  gradients (exactly, or 1-bit with error feedback: train.expert_grad_compression).
+  FSDP2 touches them; moelab.parallel.compression.ExpertGradExchange averages their gradients (exactly, or 1-bit
+  with error feedback: train.expert_grad_compression), each launched from its gradient hook in the last micro
+  batch's backward (so it overlaps the backward of the layers below) and decoded after backward.
 A replicated parameter's gradient sits on several ranks: ``REPLICAS`` on the parameter says on how many, so the
 global gradient norm counts it once (moelab.parallel.distributed.DistributedParallelized.clip_grad_norm).
 """
@@ -36,7 +37,7 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str) -> ExpertGradExchange | None:
     """Place the dense weights (DDP or FSDP2) and the experts (FSDP2 or replicated); returns the replicated
     experts' gradient exchange, or None."""
-    from moelab.parallel.distributed import apply_fsdp, mixed_precision
+    from moelab.parallel.distributed import apply_fsdp
 
     p, experts = cfg.parallel, expert_modules(model)
     if p.data_parallel == "fsdp":  # FSDP2 for the dense weights, replicated experts left out of it
@@ -50,23 +51,29 @@ def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str) -> E
         dense = meshes.dense.get_group()
         replicate(model, ignored_modules=experts if p.expert_dp == "replicate" else None, process_group=dense,
                   device_id=torch.device(device), gradient_as_bucket_view=True, broadcast_buffers=False)
-        n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * meshes.layout.fsdp)
-        seen = [0]
-
-        def sync_on_last_micro_batch(module, args):
-            model.set_requires_gradient_sync(seen[0] % n_micro == n_micro - 1)
-            seen[0] += 1
-
-        model.register_forward_pre_hook(sync_on_last_micro_batch, prepend=True)
     expert_params = {id(q) for e in experts for q in e.parameters()}  # after fully_shard replaced them
     if p.data_parallel == "ddp":
         for q in model.parameters():
             if id(q) not in expert_params:
                 setattr(q, REPLICAS, meshes.dense.size())
-    if p.expert_dp != "replicate":
-        return None
-    named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in model.named_parameters()
-             if id(q) in expert_params]
-    for _, q in named:
-        setattr(q, REPLICAS, meshes.efsdp.size())
-    return ExpertGradExchange(named, meshes.efsdp.get_group(), cfg.train.expert_grad_compression)
+    exchange = None
+    if p.expert_dp == "replicate":
+        named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in model.named_parameters()
+                 if id(q) in expert_params]
+        for _, q in named:
+            setattr(q, REPLICAS, meshes.efsdp.size())
+        exchange = ExpertGradExchange(named, meshes.efsdp.get_group(), cfg.train.expert_grad_compression)
+        exchange.overlap_with_backward()
+    n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * meshes.layout.fsdp)
+    seen = [0]
+
+    def on_last_micro_batch(module, args):  # DDP syncs, and the experts' exchange starts, in its backward only
+        last = seen[0] % n_micro == n_micro - 1
+        seen[0] += 1
+        if p.data_parallel == "ddp":
+            model.set_requires_gradient_sync(last)
+        if exchange is not None:
+            exchange.armed = last
+
+    model.register_forward_pre_hook(on_last_micro_batch, prepend=True)  # before replicate's own pre-hook
+    return exchange
