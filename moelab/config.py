@@ -63,6 +63,12 @@ class MoEConfig:
     # Group-limited (two-level) routing: experts split into num_groups groups, tokens pick topk_groups first.
     num_groups: int = 1
     topk_groups: int = 1
+    # Node-limited routing (DeepSeek-V3's device-limited routing): the experts split into routing_ranks equal
+    # contiguous blocks (block r is what EP rank r holds when parallel.ep = routing_ranks); each token's experts
+    # come from at most max_routed_ranks blocks, chosen by the sum of each block's ceil(top_k/max) best scores.
+    # Defined on the experts alone, so one process routes exactly as EP does. 0 = off.
+    max_routed_ranks: int = 0
+    routing_ranks: int = 0
     # Load balancing. aux_loss_type: "batch" = Switch-style over the micro batch; "sequence" = DeepSeek-V3's
     # per-sequence loss, averaged over sequences.
     aux_loss_coeff: float = 0.0
@@ -170,6 +176,12 @@ class ParallelConfig:
     # Data-parallel (FSDP2) degree; -1 = whatever the world size leaves after tp, pp and cp.
     fsdp: int = -1
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    # How the data-parallel ranks hold weights (moelab.parallel.replicate). data_parallel: dense weights sharded
+    # (FSDP2) or replicated (DDP: bucketed all-reduce overlapped with backward, once per step). expert_dp: the
+    # experts sharded over the expert-FSDP ranks (FSDP2), or replicated over them with moelab's own gradient
+    # exchange after backward (the one train.expert_grad_compression can compress).
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    expert_dp: Literal["fsdp", "replicate"] = "fsdp"
 
 
 @dataclass
@@ -208,6 +220,9 @@ class TrainConfig:
     # a stop signal then just ends the run (PREEMPTED) at the step boundary. See moelab.train.checkpoint.
     save_checkpoints: bool = True
     on_nan: Literal["stop", "skip"] = "stop"
+    # 1-bit expert gradients: with parallel.expert_dp=replicate the experts' gradient exchange sends sign bits and
+    # one mean |g| per expert, with error feedback (moelab.parallel.compression). none = an exact mean.
+    expert_grad_compression: Literal["none", "sign"] = "none"
     collective_timeout_s: float = 120.0
     # Held-out evaluation every eval_every steps (0 = never) on eval_batches global batches of the validation
     # split (data.val_fraction / data.val_path; synthetic and random data draw held-out samples): `eval` events.
@@ -356,6 +371,8 @@ class Config:
         if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
             _fail("model.moe.top_k", moe.top_k,
                   "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+        _check_node_limited(moe, p, b)
+        _check_replication(p, t)
         if moe.capacity_factor < 0:
             _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
         if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -458,6 +475,51 @@ def _validate_data(cfg: "Config") -> None:
         if getattr(t, name) and cfg.parallel.pp > 1:
             _fail(f"train.{name}", getattr(t, name), "is not supported with pipeline parallelism yet; set "
                   "parallel.pp=1 or 0 here")
+
+
+def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> None:
+    """model.moe.max_routed_ranks / routing_ranks: node-limited routing, refused where it would not bound
+    the fan-out or would be ignored."""
+    M, R = moe.max_routed_ranks, moe.routing_ranks
+    if M == 0:
+        if R:
+            _fail("model.moe.routing_ranks", R, "has no effect without model.moe.max_routed_ranks > 0; set it to 0 "
+                  "or set max_routed_ranks")
+        return
+    if R < 2 or moe.num_experts % R:
+        _fail("model.moe.routing_ranks", R, f"node-limited routing needs routing_ranks >= 2 dividing "
+              f"model.moe.num_experts={moe.num_experts} (the EP ranks the limit counts); try one of "
+              f"{[d for d in _divisors(moe.num_experts) if d > 1]}")
+    if M >= R:
+        _fail("model.moe.max_routed_ranks", M, f"must be below model.moe.routing_ranks={R} to limit anything; "
+              f"set it to 0 (no limit) or lower it")
+    if moe.top_k > M * (moe.num_experts // R):
+        _fail("model.moe.top_k", moe.top_k, f"exceeds the {M * (moe.num_experts // R)} experts on "
+              f"max_routed_ranks={M} ranks; raise model.moe.max_routed_ranks")
+    if moe.num_groups > 1:
+        _fail("model.moe.num_groups", moe.num_groups, "group-limited and node-limited routing do not combine; "
+              "use one (num_groups=1, or max_routed_ranks=0)")
+    if b.fake_balanced_gate:
+        _fail("backend.fake_balanced_gate", True, "the round-robin gate ignores model.moe.max_routed_ranks; "
+              "turn one of them off")
+    if R % p.ep:
+        _fail("parallel.ep", p.ep, f"must divide model.moe.routing_ranks={R}, so that each EP rank holds whole "
+              f"routing blocks and a token reaches at most max_routed_ranks={M} ranks")
+
+
+def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:
+    """parallel.data_parallel / expert_dp and train.expert_grad_compression: the combinations moelab runs."""
+    if t.expert_grad_compression != "none" and p.expert_dp != "replicate":
+        _fail("train.expert_grad_compression", t.expert_grad_compression, "compresses moelab's exchange of "
+              "replicated expert gradients; set parallel.expert_dp=replicate (FSDP2's reduce-scatter is exact)")
+    for name, value, default in (("parallel.data_parallel", p.data_parallel, "fsdp"),
+                                 ("parallel.expert_dp", p.expert_dp, "fsdp")):
+        if value != default and (p.pp > 1 or p.cp > 1):
+            _fail(name, value, f"runs without pipeline and context parallelism (pp={p.pp}, cp={p.cp}); "
+                  f"set {name}={default} or pp=cp=1")
+    if p.expert_dp == "replicate" and p.data_parallel == "fsdp" and t.dtype == "bfloat16":
+        _fail("parallel.expert_dp", p.expert_dp, "with FSDP2's bf16 mixed precision the replicated experts would "
+              "stay fp32; set parallel.data_parallel=ddp (autocast) or train.dtype=float32")
 
 
 def _sections(obj, prefix: str = ""):

@@ -334,7 +334,7 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
         lines.append(f"| {e.name} | {model} | {e.gpus} | {e.layout_text} | {gbs} | "
                      f"{e.optimizations or '-'} | {_fmt(pub.get('tflops_per_gpu'))} | "
                      f"{_fmt(pub.get('tokens_per_s_per_gpu'))} | {' | '.join(measured)} | {planned} | {status} |")
-    lines += ["", "Planned memory is `moelab plan` for the entry's layout (assumptions in moelab/plan.py; the "
+    lines += ["", "Planned memory is `moelab plan` for the entry's layout (assumptions in moelab/planner/plan.py; the "
               "planned-vs-measured table below checks it against real runs); "
               "TFLOPs follow moelab's FLOPs convention (`moelab.flops.FLOPS_CONVENTION`), which counts the "
               "router that the published convention leaves out.", ""]

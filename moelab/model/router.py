@@ -105,14 +105,12 @@ class Router(nn.Module):
     def _select(self, sel_TE: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         if cfg.num_groups > 1:
-            T, E = sel_TE.shape
-            grouped_TGX = sel_TE.view(T, cfg.num_groups, E // cfg.num_groups)
             # DeepSeek-V3: a group's score is the sum of its two best experts (its best one if it has one).
-            n = min(2, E // cfg.num_groups)
-            group_TG = grouped_TGX.topk(n, dim=-1).values.sum(-1)
-            top_groups_TG = group_TG.topk(cfg.topk_groups, dim=-1).indices
-            mask_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, top_groups_TG, False)
-            sel_TE = grouped_TGX.masked_fill(mask_TG[..., None], float("-inf")).view(T, E)
+            sel_TE = limit_to_groups(sel_TE, cfg.num_groups, cfg.topk_groups, 2)
+        if cfg.max_routed_ranks:
+            # Node-limited routing: a rank's score is the sum of its ceil(K/M) best experts (DeepSeek-V3, 2.1.2).
+            sel_TE = limit_to_groups(sel_TE, cfg.routing_ranks, cfg.max_routed_ranks,
+                                     -(-self.top_k // cfg.max_routed_ranks))
         return sel_TE.topk(self.top_k, dim=-1).indices
 
     def _balanced_assignment(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -228,3 +226,18 @@ def _mean(x_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
         return x_T.mean()
     m_T = mask_T.to(x_T.dtype)
     return (x_T * m_T).sum() / m_T.sum().clamp(min=1)
+
+
+def limit_to_groups(sel_TE: torch.Tensor, groups: int, keep: int, best: int) -> torch.Tensor:
+    """Mask (to -inf) the experts outside each token's `keep` best of `groups` equal contiguous expert groups;
+    a group's score is the sum of its `best` highest selection scores (capped at the group's size). Groups are
+    expert groups (group-limited routing) or the experts of one EP rank each (node-limited routing).
+
+        limit_to_groups(torch.tensor([[0., 1, 5, 6]]), groups=2, keep=1, best=1)   # [[-inf, -inf, 5, 6]]
+    """
+    T, E = sel_TE.shape
+    grouped_TGX = sel_TE.view(T, groups, E // groups)
+    group_TG = grouped_TGX.topk(min(best, E // groups), dim=-1).values.sum(-1)
+    top_TG = group_TG.topk(keep, dim=-1).indices
+    mask_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, top_TG, False)
+    return grouped_TGX.masked_fill(mask_TG[..., None], float("-inf")).view(T, E)

@@ -100,6 +100,10 @@ class ParallelDims:
                   f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least "
                   f"pp={p.pp}" + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
                   + "; raise global_batch_size or lower micro_batch_size")
+        if cfg.train.expert_grad_compression != "none" and fsdp * p.cp * p.tp // p.ep == 1:
+            _fail("train.expert_grad_compression", cfg.train.expert_grad_compression,
+                  f"no rank shares this rank's experts (ep={p.ep} = the {fsdp * p.cp * p.tp} data-parallel ranks), "
+                  f"so there is no gradient exchange to compress; set it to none or lower parallel.ep")
         if p.pp > 1 and cfg.model.pad_token_id >= 0:
             _fail("model.pad_token_id", cfg.model.pad_token_id, "padding masks are not carried through pipeline "
                   "stages; set model.pad_token_id=-1 or parallel.pp=1")

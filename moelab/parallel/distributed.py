@@ -30,6 +30,7 @@ from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import AllToAllDispatcher, scale_expert_gradients, shard_experts
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.mesh import Meshes, build_meshes
+from moelab.parallel.replicate import REPLICAS
 
 
 class DistributedParallelized(Parallelized):
@@ -43,7 +44,8 @@ class DistributedParallelized(Parallelized):
         super().__init__(model, cfg, env, layout)
         self.meshes, self.cp = meshes, cp
         self.dp_rank, self.dp_size = meshes.coords.dp, layout.fsdp
-        self.casts_params = mixed_precision(cfg) is not None
+        self.casts_params = mixed_precision(cfg) is not None and layout.data_parallel == "fsdp"
+        self.grad_exchange = None  # replicated experts' gradient exchange (moelab.parallel.replicate)
 
     def shard_sequence(self, tokens_BL: torch.Tensor) -> torch.Tensor:
         return self.cp.shard(tokens_BL) if self.cp is not None else tokens_BL
@@ -63,17 +65,30 @@ class DistributedParallelized(Parallelized):
         Dense and expert gradients are DTensors on different meshes, so torch's clip_grad_norm_ cannot combine
         them; instead each rank adds the squares of its local shards and one all-reduce over the world sums
         them (every gradient element lives on exactly one rank)."""
-        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in model.parameters() if p.grad is not None]
+        params = [p for p in model.parameters() if p.grad is not None]
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         sq = torch.zeros((), device=self.env.device)
-        if local:
-            sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+        if local:  # a replicated gradient (DDP, replicated experts) counts once: 1/replicas on each holder
+            share = torch.tensor([1.0 / getattr(p, REPLICAS, 1) for p in params], device=self.env.device)
+            sq = (torch.stack([n.float() for n in torch._foreach_norm(local)]).square() * share).sum()
         dist.all_reduce(sq)
         total = sq.sqrt()
         if max_norm > 0 and local:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # the same formula as clip_grad_norm_
             torch._foreach_mul_(local, coef.to(local[0].dtype))
         return total
+
+    def finish_gradients(self) -> None:
+        if self.grad_exchange is not None:
+            self.grad_exchange.reduce()
+
+    def rank_state(self) -> dict:
+        ex = self.grad_exchange
+        return {"expert_grad_residuals": ex.state_dict()} if ex is not None and ex.mode == "sign" else {}
+
+    def load_rank_state(self, state: dict) -> None:
+        if self.grad_exchange is not None and "expert_grad_residuals" in state:
+            self.grad_exchange.load_state_dict(state["expert_grad_residuals"])
 
     def loss_contribution(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum.reshape(1) / self.layout.cp  # CP ranks hold equal shares of the same sequences
@@ -125,17 +140,19 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
         moe.dispatcher = dispatcher
 
 
-def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
-    """FSDP2: experts over the expert-FSDP mesh (when EP splits them), each block and the root over dp*cp."""
+def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes, ignored_params: set | None = None) -> None:
+    """FSDP2: experts over the expert-FSDP mesh (when EP splits them), each block and the root over dp*cp.
+    `ignored_params`: replicated experts (moelab.parallel.replicate), left to their own exchange."""
     mp = mixed_precision(cfg) or MixedPrecisionPolicy()
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        if meshes.layout.ep > 1 and getattr(inner, "is_moe", False):
+        if meshes.layout.ep > 1 and getattr(inner, "is_moe", False) and not ignored_params:
             fully_shard(inner.ffn.experts, mesh=meshes.efsdp, mp_policy=mp)
         # the last block's parameters are needed again at once by backward: keep them gathered
-        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=meshes.dense, mp_policy=mp)
+        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored_params)
 
 
 def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,
@@ -145,8 +162,11 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
     if layout.pp > 1:
         return parallelize_pipeline(model, cfg, env, dims, meshes, loss_fn)
     cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
-    place_stage(model, cfg, env, meshes, cp)
-    return DistributedParallelized(model, cfg, env, layout, meshes, cp)
+    exchange = place_stage(model, cfg, env, meshes, cp)
+    par = DistributedParallelized(model, cfg, env, layout, meshes, cp)
+    if exchange is not None:
+        par.grad_exchange, par.comm_counters = exchange, [exchange]
+    return par
 
 
 def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp: ContextParallel | None = None):
@@ -157,6 +177,10 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
         cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
     apply_compile(model, cfg)  # per block, inside FSDP's wrapping, as on one process
+    if (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp"):
+        from moelab.parallel.replicate import apply_data_parallel
+
+        return apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
     apply_fsdp(model, cfg, meshes)
 
 

@@ -79,6 +79,8 @@ class AllToAllDispatcher:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.ep = dist.get_world_size(group)
+        self.me = dist.get_rank(group)
+        self.counts = DispatchCounts(self.ep)
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
         T, K = experts_TK.shape
@@ -90,9 +92,11 @@ class AllToAllDispatcher:
         send_RX = torch.bincount(flat_TK, minlength=num_experts + 1)[:num_experts].view(R, X)
         recv_RX = torch.empty_like(send_RX)
         dist.all_to_all_single(recv_RX, send_RX, group=self.group)  # recv[r, x]: rows from rank r for expert x
-        # The one device-to-host copy of this layer (see the module docstring).
-        host = torch.cat([send_RX.sum(1), recv_RX.sum(1), recv_RX.reshape(-1)]).tolist()
+        # The one device-to-host copy of this layer (see the module docstring), with the ranks each token reaches.
+        host = torch.cat([send_RX.sum(1), recv_RX.sum(1), recv_RX.reshape(-1),
+                          ranks_per_token(flat_TK.view(T, K), X, R)]).tolist()
         send_splits, recv_splits = host[:R], host[R:2 * R]
+        self.counts.add(send_splits, host[2 * R + R * X:], self.me, x_TD.shape[-1] * x_TD.element_size())
         N, M = sum(send_splits), sum(recv_splits)
         order_N = order_TK[:N]
         x_send_ND = x_TD[order_N // K]
@@ -111,6 +115,47 @@ class AllToAllDispatcher:
         # dropped assignments were never sent: their rows stay zero (and their weights are zero too)
         y_TKD = y_back_ND.new_zeros(T * K, y_back_ND.shape[-1]).index_copy(0, order_N, y_back_ND)
         return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
+
+
+def ranks_per_token(experts_TK: torch.Tensor, X: int, R: int) -> torch.Tensor:
+    """[R ranks, then R + 1 counts]: for each rank, how many tokens send it at least one row; then how many
+    tokens reach exactly 0, 1, ..., R ranks. Expert ids >= R * X (dropped assignments) reach no rank."""
+    T = experts_TK.shape[0]
+    dest_TK = (experts_TK // X).clamp(max=R)
+    hit_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=experts_TK.device).scatter_(1, dest_TK, True)[:, :R]
+    return torch.cat([hit_TR.sum(0), torch.bincount(hit_TR.sum(1), minlength=R + 1)])
+
+
+class DispatchCounts:
+    """What this rank's dispatches sent since the last ``pop``, counted from the split sizes (host ints the
+    dispatcher reads anyway): rows for other ranks and their bytes (one row per kept token-expert assignment,
+    what AllToAllDispatcher sends), token-rank pairs for other ranks and their bytes (what a dispatcher that
+    sends each token once per destination rank, like DeepEP, would send), and how many tokens reached
+    exactly 0..R ranks (own rank included). Forward dispatch only; combine and backward mirror it.
+
+        counts = DispatchCounts(ep=2); counts.add([3, 5], [2, 4, 0, 1, 3], me=0, row_bytes=256)
+        counts.pop()["dispatch_bytes"]     # [1280.0]: 5 rows to rank 1
+    """
+
+    def __init__(self, ep: int):
+        self.ep = ep
+        self.pop()
+
+    def add(self, send_splits: list[int], per_token: list[int], me: int, row_bytes: int) -> None:
+        R = self.ep
+        pairs_R, hist = per_token[:R], per_token[R:]
+        rows, pairs = sum(send_splits) - send_splits[me], sum(pairs_R) - pairs_R[me]
+        for key, value in (("dispatch_rows", rows), ("dispatch_bytes", rows * row_bytes),
+                           ("dispatch_token_ranks", pairs), ("dispatch_once_per_rank_bytes", pairs * row_bytes)):
+            self.values[key][0] += value
+        self.values["tokens_by_ranks_reached"] = [a + b for a, b in zip(self.values["tokens_by_ranks_reached"], hist)]
+
+    def pop(self) -> dict[str, list[float]]:
+        out = getattr(self, "values", None)
+        self.values = {k: [0.0] for k in ("dispatch_rows", "dispatch_bytes", "dispatch_token_ranks",
+                                          "dispatch_once_per_rank_bytes")}
+        self.values["tokens_by_ranks_reached"] = [0.0] * (self.ep + 1)
+        return out
 
 
 def shard_experts(experts: nn.Module, ep_rank: int, ep: int) -> None:

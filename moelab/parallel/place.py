@@ -69,6 +69,28 @@ class Parallelized:
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    # Replicated experts (moelab.parallel.replicate): their gradient exchange after backward, and its per-rank
+    # state (error feedback) for checkpoints.
+    def finish_gradients(self) -> None:
+        pass
+
+    def rank_state(self) -> dict:
+        return {}
+
+    def load_rank_state(self, state: dict) -> None:
+        pass
+
+    # Communication counters (host numbers, no synchronisation), summed over ranks by the step's all-reduce.
+    def pop_comm_counts(self) -> dict[str, list[float]]:
+        """This rank's counts since the last call, name -> values: the EP dispatcher's
+        (moelab.parallel.expert_parallel.DispatchCounts) and those of ``comm_counters`` (gradient exchanges)."""
+        counters = {id(m.dispatcher.counts): m.dispatcher.counts for m in self.moe_layers
+                    if getattr(m.dispatcher, "counts", None) is not None}
+        out: dict[str, list[float]] = {}
+        for counter in [*counters.values(), *getattr(self, "comm_counters", [])]:
+            out.update(counter.pop())
+        return out
+
 
 def materialize(model: nn.Module, cfg: Config, device) -> None:
     """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""

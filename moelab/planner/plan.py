@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
 from moelab.parallel.dims import ParallelDims
+from moelab.planner.comm import _fsdp_units, _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
 from moelab.planner.shapes import layer_window
 from moelab.planner.stages import stage_layers
+from moelab.planner.units import GiB, _bytes, _flop, _num
 
-GiB = 2**30
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
 
@@ -131,6 +132,9 @@ class Plan:
                                       f"{_bytes(c['pipeline_send_bytes_per_step'])}, cp "
                                       f"{_bytes(c['cp_bytes_per_step'])}"),
         ]
+        if c.get("ddp_all_reduce_bytes_per_step") or c.get("expert_grad_bytes_per_step"):
+            rows.append(("replicated grads per step", f"DDP all-reduce {_gib(c['ddp_all_reduce_bytes_per_step'])}, "
+                                                      f"experts {_gib(c['expert_grad_bytes_per_step'])}"))
         if self.layout["pp"] > 1:
             pl = self.pipeline
             rows.append(("pipeline", f"{pl['schedule']}, bubble {100 * pl['bubble_fraction']:.1f}%, "
@@ -154,33 +158,6 @@ class Plan:
             + f"'>{html.escape(v)}</td></tr>"
             for k, v in self._rows())
         return f"<table style='font-size:12px'>{body}</table>"
-
-
-def _num(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f}{unit}"
-    return f"{n:,.0f}"
-
-
-def _scaled(n: float, units: tuple) -> str:
-    """n in the largest of `units` ((name, scale), ascending) that keeps it at 1 or more, 3 significant digits."""
-    name, scale = units[0]
-    for unit in units:
-        if abs(n) >= unit[1]:
-            name, scale = unit
-    v = n / scale
-    return f"{v:,.0f} {name}" if scale == 1 or abs(v) >= 100 else f"{v:,.{2 if abs(v) < 10 else 1}f} {name}"
-
-
-def _bytes(n: float) -> str:
-    """0 B, 512 B, 3.25 KiB, 12.4 MiB, 71.9 GiB."""
-    return _scaled(n, (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", GiB), ("TiB", 2**40)))
-
-
-def _flop(n: float) -> str:
-    """1.20 MFLOP, 19.1 GFLOP, ..."""
-    return _scaled(n, (("FLOP", 1), ("KFLOP", 1e3), ("MFLOP", 1e6), ("GFLOP", 1e9), ("TFLOP", 1e12)))
 
 
 # ---------------------------------------------------------------------- inputs
@@ -379,12 +356,16 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         experts = n_moe * pieces.moe_experts
         dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
                  + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
-        local = math.ceil(dense / z.shard) + math.ceil(experts / (p.ep * z.efsdp))
+        dense_div = 1 if p.data_parallel == "ddp" else z.shard  # replicated dense weights are whole here
+        expert_div = 1 if p.expert_dp == "replicate" else z.efsdp
+        local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
         # the largest unit FSDP gathers at once: a block (its dense part whole, its experts per EP rank)
         units = [pieces.moe_layer - pieces.moe_experts + pieces.moe_experts // p.ep if is_moe[i]
                  else pieces.dense_layer for i in layers]
         units += [pieces.embedding] if r == 0 else []
         units += [pieces.head] if r == p.pp - 1 else []
+        if (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp"):  # replicated parts are never gathered
+            units = _fsdp_units(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, p)
         biggest_unit = max(units) if units else 0
         if z.world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
             gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
@@ -424,18 +405,28 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
     a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    ag = int(2 * m * a * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(z.efsdp)))
-    rs = int(m * 4 * (dense_sh * frac(p.fsdp * p.cp) + exp_sh * frac(z.efsdp)))
+    fsdp_dense = dense_sh * frac(p.fsdp * p.cp) if p.data_parallel == "fsdp" else 0
+    fsdp_exp = exp_sh * frac(z.efsdp) if p.expert_dp == "fsdp" else 0
+    ag = int(2 * m * a * (fsdp_dense + fsdp_exp))
+    rs = int(m * 4 * (fsdp_dense + fsdp_exp))
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
     else:
         kv_tok = 2 * mdl.num_kv_heads * mdl.head_dim * a
     cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
+    fanout = dispatch_ranks_per_token(mdl.moe, p.ep)
+    # a dispatcher that sends each token once per destination rank (DeepEP): the fan-out, not top_k, counts
+    once_layer = int(a2a_passes * T * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
+    if z.cfg.backend.dispatcher == "deepep":
+        a2a_layer = once_layer
     return {"all_to_all_bytes_per_moe_layer": a2a_layer,
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
+            "dispatch_ranks_per_token": fanout,
+            "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
             "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
-            "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes}
+            "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
+            **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
 
 
 def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str]:
@@ -484,5 +475,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
     ]
     if p.ep > 1:
-        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank)")
+        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank); "
+                   "once-per-rank dispatch (DeepEP) sends a token to each of the "
+                   f"{dispatch_ranks_per_token(cfg.model.moe, p.ep):.2f} ranks it reaches (dispatch_ranks_per_token)")
     return out

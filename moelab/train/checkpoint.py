@@ -8,6 +8,8 @@ A checkpoint is a folder of the run folder, written by every rank together:
                                          of one [num_experts, ...] tensor (`_global_experts`), so any layout
                                          loads any other's checkpoint
         rng/rank_00000.json              each rank's RNG states (torch, cuda, python, numpy), as JSON
+        rank_state/rank_00000.pt         each rank's own training state, where the layout has one (the 1-bit
+                                         expert-gradient exchange's error-feedback residuals)
         metadata.json                    step, config identity and hash, world size, layout, every file's size
                                          and crc32, and its own crc32: written last, so it means "complete"
     checkpoints/.step_000010.tmp/        a save in progress; renamed to step_000010 when complete (atomic)
@@ -78,6 +80,7 @@ class Restored:
     path: Path | None = None
     warnings: list[dict] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
+    rank_state: dict = field(default_factory=dict)  # this rank's own state (Parallelized.rank_state)
 
 
 # ---------------------------------------------------------------------- the folder, read-only
@@ -228,7 +231,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes=None,
-             check_space: bool = True) -> Path:
+             check_space: bool = True, rank_state: dict | None = None) -> Path:
         """Write checkpoints/step_<step> (collective); keep the newest `train.keep_checkpoints`. `meshes`: the
         layout's moelab.parallel.mesh.Meshes when there is one (needed with expert parallelism). Refused with
         DiskFullError before anything is written when the size estimated from the state dict is more than the
@@ -261,8 +264,13 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
             rng_name = f"rng/rank_{self._rank:05d}.json"
             (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
+            own_name = f"rank_state/rank_{self._rank:05d}.pt"  # replicated experts' error feedback
+            if rank_state:
+                (tmp / "rank_state").mkdir(exist_ok=True)
+                torch.save(rank_state, tmp / own_name)
             # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
-            mine = {f: _file_record(tmp / f) for f in _files(tmp) if f.startswith(f"__{self._rank}_") or f == rng_name}
+            mine = {f: _file_record(tmp / f) for f in _files(tmp)
+                    if f.startswith(f"__{self._rank}_") or f in (rng_name, own_name)}
         except (Exception, CheckpointException) as e:
             error = e
         parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
@@ -356,6 +364,9 @@ class Checkpointer:
             except Exception as e:
                 raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
                                       f"{type(e).__name__}: {e}") from e
+            own = out.path / f"rank_state/rank_{self._rank:05d}.pt"
+            if own.is_file():
+                out.rank_state = torch.load(own, map_location="cpu")
             rng = out.path / f"rng/rank_{self._rank:05d}.json"
             _set_rng_state(json.loads((rng if rng.is_file() else out.path / "rng/rank_00000.json").read_text()),
                            self.env.device)
@@ -397,7 +408,7 @@ def _global_experts(state: dict, meshes) -> dict:
     if meshes is None or meshes.layout.ep == 1:
         return state
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     ep_ranks, efsdp_ranks = meshes.ep_mesh.mesh.tolist(), meshes.efsdp.mesh.tolist()
     me = dist.get_rank()
@@ -413,7 +424,9 @@ def _global_experts(state: dict, meshes) -> dict:
         local = value.to_local() if isinstance(value, DTensor) else value
         shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, mesh, [Shard(0), Shard(0)], run_check=False, shape=shape, stride=stride)
+        # plain tensors: experts replicated over the expert-FSDP ranks (parallel.expert_dp=replicate)
+        inner = Shard(0) if isinstance(value, DTensor) else Replicate()
+        return DTensor.from_local(local, mesh, [Shard(0), inner], run_check=False, shape=shape, stride=stride)
 
     def walk(node, is_expert=False):
         if isinstance(node, dict):

@@ -15,7 +15,11 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
   the router placed), dropped_tokens: [moe_layers], entropy: [moe_layers], logit_norm: [moe_layers],
   capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
   model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
-  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers).
+  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers),
+  comm: {name: number or list} this step's communication counts summed over ranks (empty on one process; with
+  EP moelab.parallel.expert_parallel.DispatchCounts: dispatch_rows, dispatch_bytes, dispatch_token_ranks,
+  dispatch_once_per_rank_bytes, tokens_by_ranks_reached; with replicated experts the gradient exchange's
+  expert_grad_bytes and expert_grad_uncompressed_bytes, moelab.parallel.compression).
 - ``eval``: step (after that step's ``step`` event), loss (mean next-token cross entropy on the held-out data:
   train.eval_batches fixed global batches, the same on every layout), perplexity (exp(loss)), batches, tokens
   (moelab.train.evaluate; written every train.eval_every steps and after the last step).

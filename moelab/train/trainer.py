@@ -108,6 +108,7 @@ class Trainer:
         # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
         self.restored = self.checkpointer.restore(self.model, self.optimizer, self.folder.metrics,
                                                   meshes=getattr(self.par, "meshes", None))
+        self.par.load_rank_state(self.restored.rank_state)  # e.g. error-feedback residuals
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         # the eval events kept by the rewind above (steps <= start_step), for the summary
@@ -175,6 +176,7 @@ class Trainer:
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward(step)
+        par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
         grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
         # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
         # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
@@ -200,6 +202,8 @@ class Trainer:
         # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
         parts.append(memory_slots.reshape(-1))
+        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
+        parts.append(torch.tensor([x for v in comm.values() for x in v]).to(dev, non_blocking=True))
         parts.append(torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
         packed = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts]))
         values = packed.tolist()
@@ -215,6 +219,9 @@ class Trainer:
             per_layer[key] = values[off: off + n_layers]
             off += n_layers
         self.last_memory = [values[off + 3 * r: off + 3 * r + 3] for r in range(self.env.world_size)]
+        off += 3 * self.env.world_size
+        for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
+            comm[key], off = (values[off] if len(v) == 1 else values[off: off + len(v)]), off + len(v)
         self.stop_requested = values[-1] > 0
         skipped = False
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
@@ -228,7 +235,7 @@ class Trainer:
             # optimizer step just queued)
             self.apply_step(packed[2: 2 + 2 * n_layers * E].view(2, n_layers, E) if n_layers else None)
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
-                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
+                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
                             "dropped_tokens": per_layer["dropped"],
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
@@ -342,7 +349,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         saved = self.cfg.train.save_checkpoints
         if saved:
-            path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None))
+            path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None),
+                                          rank_state=self.par.rank_state())
             self.saved_step = step
             if self.writer:
                 self.writer.write("checkpoint", step=step, path=str(path))

@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from moelab.parallel.dims import ParallelDims
 import torch
 
 from moelab.config import ConfigError, load_config
@@ -64,4 +66,5 @@ def test_padding_is_left_out_of_loss_and_routing_counts(tmp_path):
 
 def test_padding_with_pipeline_stages_is_refused():
     with pytest.raises(ConfigError, match="model.pad_token_id"):
-        load_config("tiny", {"model.pad_token_id": 0, "parallel.pp": 2, "model.num_layers": 4}).resolved_parallel(2)
+        cfg = load_config("tiny", {"model.pad_token_id": 0, "parallel.pp": 2, "model.num_layers": 4})
+        ParallelDims.build(cfg, 2).layout

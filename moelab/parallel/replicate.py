@@ -1,0 +1,77 @@
+"""Replicated data parallel: the branch of moelab.parallel.distributed.place_stage for parallel.data_parallel=ddp
+or parallel.expert_dp=replicate (pp = cp = 1, checked by the config).
+
+    exchange = apply_data_parallel(model, cfg, meshes, device, apply_fsdp)   # after EP, materialisation and checkpointing
+    ...backward...; exchange.reduce()                             # replicated experts only (else None)
+
+- data_parallel=ddp: torch's composable ``replicate`` (DistributedDataParallel without a wrapper, so parameter
+  names and checkpoints stay those of FSDP2 runs) over the dense (dp*cp) mesh: gradients all-reduced in
+  buckets while backward runs, once per optimizer step (``set_requires_gradient_sync`` off for all but the
+  last micro batch), gradients as views of the buckets (no second copy). Parameters stay fp32; bf16 compute is
+  the trainer's autocast.
+- expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone).
+- expert_dp=replicate: every rank of the expert-FSDP mesh holds its EP rank's experts whole; neither DDP nor
+  FSDP2 touches them; moelab.parallel.compression.ExpertGradExchange averages their gradients (exactly, or 1-bit
+  with error feedback: train.expert_grad_compression), each launched from its gradient hook in the last micro
+  batch's backward (so it overlaps the backward of the layers below) and decoded after backward.
+A replicated parameter's gradient sits on several ranks: ``REPLICAS`` on the parameter says on how many, so the
+global gradient norm counts it once (moelab.parallel.distributed.DistributedParallelized.clip_grad_norm).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from moelab.config import Config
+from moelab.parallel.compression import ExpertGradExchange
+
+REPLICAS = "_moelab_replicas"  # attribute on a parameter: the ranks holding the same gradient (default 1)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.layers.values()]
+    return [b.ffn.experts for b in blocks if getattr(b, "is_moe", False)]
+
+
+def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, apply_fsdp) -> ExpertGradExchange | None:
+    """Place the dense weights (DDP or FSDP2) and the experts (FSDP2 or replicated); returns the replicated
+    experts' gradient exchange, or None. `apply_fsdp` is moelab.parallel.distributed's (FSDP2 over the blocks)."""
+    p, experts = cfg.parallel, expert_modules(model)
+    if p.data_parallel == "fsdp":  # FSDP2 for the dense weights, replicated experts left out of it
+        apply_fsdp(model, cfg, meshes, ignored_params={q for e in experts for q in e.parameters()})
+    else:
+        if p.expert_dp == "fsdp":
+            for e in experts:
+                fully_shard(e, mesh=meshes.efsdp, mp_policy=MixedPrecisionPolicy())
+        from torch.distributed._composable.replicate import replicate
+
+        dense = meshes.dense.get_group()
+        replicate(model, ignored_modules=experts if p.expert_dp == "replicate" else None, process_group=dense,
+                  device_id=torch.device(device), gradient_as_bucket_view=True, broadcast_buffers=False)
+    expert_params = {id(q) for e in experts for q in e.parameters()}  # after fully_shard replaced them
+    if p.data_parallel == "ddp":
+        for q in model.parameters():
+            if id(q) not in expert_params:
+                setattr(q, REPLICAS, meshes.dense.size())
+    exchange = None
+    if p.expert_dp == "replicate":
+        named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in model.named_parameters()
+                 if id(q) in expert_params]
+        for _, q in named:
+            setattr(q, REPLICAS, meshes.efsdp.size())
+        exchange = ExpertGradExchange(named, meshes.efsdp.get_group(), cfg.train.expert_grad_compression)
+        exchange.overlap_with_backward()
+    n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * meshes.layout.fsdp)
+    seen = [0]
+
+    def on_last_micro_batch(module, args):  # DDP syncs, and the experts' exchange starts, in its backward only
+        last = seen[0] % n_micro == n_micro - 1
+        seen[0] += 1
+        if p.data_parallel == "ddp":
+            model.set_requires_gradient_sync(last)
+        if exchange is not None:
+            exchange.armed = last
+
+    model.register_forward_pre_hook(on_last_micro_batch, prepend=True)  # before replicate's own pre-hook
+    return exchange
