@@ -556,6 +556,8 @@ def _coerce(tp, value, name):
         return _build(tp, value, name + ".")
     if get_origin(tp) is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and ("off" if value is False else "on") in choices:
+            value = "off" if value is False else "on"  # YAML 1.1 reads a bare off/on as a boolean
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             _fail(name, value, f"choose one of {list(choices)}" + (f" (did you mean {close[0]!r}?)" if close else ""))

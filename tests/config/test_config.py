@@ -68,3 +68,15 @@ def test_layout_must_multiply_to_the_world_size():
     with pytest.raises(ConfigError, match="parallel.ep=4: must divide fsdp\\*cp\\*tp=2"):
         check_layout(load_config("tiny", ["parallel.ep=4"]), 2)
     assert check_layout(load_config("tiny", ["train.micro_batch_size=2"]), 4).fsdp == 4  # -1 fills the world
+
+
+def test_off_in_yaml_and_overrides_is_the_choice_not_a_boolean(tmp_path):
+    """YAML 1.1 reads a bare `off` as False: a choice field that offers "off" takes it as that choice, from a
+    dotted override and from a file alike (a GPU parity run with train.fp8=off was refused before)."""
+    from moelab.config import load_config
+
+    assert load_config("tiny", ["train.fp8=off"]).train.fp8 == "off"
+    path = tmp_path / "run.yaml"
+    path.write_text("base: tiny\nbackend:\n  te_fp8: off\ntrain:\n  fp8: off\n")
+    cfg = load_config(str(path))
+    assert (cfg.train.fp8, cfg.backend.te_fp8) == ("off", "off")
