@@ -93,7 +93,7 @@ def check_experts() -> dict:
     rec = {}
 
     def te_experts(E, D, F, w1, w2, native):
-        m = TEGroupedExperts(E, D, F, device="cuda")
+        m = TEGroupedExperts(E, D, F, device="cuda").to(torch.bfloat16)  # TE's params are fp32 by default
         if not native:
             m.native = False
         with torch.no_grad():
