@@ -16,7 +16,7 @@ capacity factor cannot hide an imbalance; what it dropped is its own column. Per
 max/mean = the busiest expert's load over the mean load, cv = std/mean of the load (population std); both are
 averaged over layers. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
 
-Shape legend: S steps, L MoE layers, E experts.
+Shape legend (docs/shapes.md): I steps, M MoE layers, E experts.
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ class Comparison:
         row.update(
             status=run.status, steps=d.steps[-1] if n else 0,
             final_loss=summary.get("final_loss", d.loss[-1] if n else None),
-            max_over_mean=_mean(d.max_over_mean_S), final_max_over_mean=_mean(d.max_over_mean_S[-w:]),
-            cv=_mean(d.cv_S), final_cv=_mean(d.cv_S[-w:]),
+            max_over_mean=_mean(d.max_over_mean_I), final_max_over_mean=_mean(d.max_over_mean_I[-w:]),
+            cv=_mean(d.cv_I), final_cv=_mean(d.cv_I[-w:]),
             dropped_pct=100.0 * d.dropped / d.assignments if d.assignments else 0.0,
             dead_experts=d.dead_at_end)
         return row
@@ -125,7 +125,7 @@ class Comparison:
         return fig
 
     def _num_layers(self) -> int:
-        return max((d.load_SLE.shape[1] for d in self._data), default=1)
+        return max((d.load_IME.shape[1] for d in self._data), default=1)
 
     def _draw_losses(self, ax) -> None:
         for label, d in zip(self.labels, self._data):
@@ -135,8 +135,8 @@ class Comparison:
 
     def _draw_balance(self, ax_max, ax_cv) -> None:
         for label, d in zip(self.labels, self._data):
-            ax_max.plot(*thin_points(d.steps, d.max_over_mean_S), label=label, lw=1.2)
-            ax_cv.plot(*thin_points(d.steps, d.cv_S), label=label, lw=1.2)
+            ax_max.plot(*thin_points(d.steps, d.max_over_mean_I), label=label, lw=1.2)
+            ax_cv.plot(*thin_points(d.steps, d.cv_I), label=label, lw=1.2)
         ax_max.axhline(1.0, color="0.3", ls="--", lw=1)
         style_axes(ax_max, "busiest expert / mean load (mean over layers)", "step", "max / mean")
         style_axes(ax_cv, "coefficient of variation of the load", "step", "cv")
@@ -145,21 +145,21 @@ class Comparison:
     def _draw_heatmaps(self, fig, axes, last: int | None) -> None:
         loads = []
         for d in self._data:
-            counts_LE = d.load_SLE[-last:].sum(0) if last else d.load_SLE.sum(0)
-            mean_L1 = counts_LE.mean(-1, keepdims=True)
-            loads.append(np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE), where=mean_L1 > 0))
+            counts_ME = d.load_IME[-last:].sum(0) if last else d.load_IME.sum(0)
+            mean_M1 = counts_ME.mean(-1, keepdims=True)
+            loads.append(np.divide(counts_ME, mean_M1, out=np.zeros_like(counts_ME), where=mean_M1 > 0))
         top = max([2.0] + [float(x.max()) for x in loads if x.size])
         norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
         im = None
-        for ax, label, load_LE in zip(axes, self.labels, loads):
-            if not load_LE.size:
+        for ax, label, load_ME in zip(axes, self.labels, loads):
+            if not load_ME.size:
                 ax.text(0.5, 0.5, "no routing", ha="center", va="center", transform=ax.transAxes)
                 continue
-            im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
+            im = ax.imshow(load_ME, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
             style_axes(ax, label, "expert", "MoE layer")
             ax.grid(False)
-            L, E = load_LE.shape
-            ax.set_yticks(range(0, L, max(L // 8, 1)))
+            M, E = load_ME.shape
+            ax.set_yticks(range(0, M, max(M // 8, 1)))
             ax.set_xticks(range(0, E, max(E // 8, 1)))
         if im is not None:
             span = f"last {last} steps" if last else "whole run"
@@ -197,20 +197,20 @@ class _RunData:
         self.loss = [e.get("loss") for e in steps]
         routing = [e.get("routing") or {} for e in steps]
         demand = [r.get("routed_per_expert") or r.get("tokens_per_expert") for r in routing]
-        self.load_SLE = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
-        if self.load_SLE.ndim != 3:
-            self.load_SLE = np.zeros((len(steps), 0, 0))
-        L, E = self.load_SLE.shape[1:]
-        if L and E:
-            mean_SL = self.load_SLE.mean(-1)
-            ok_SL = mean_SL > 0
-            safe_SL = np.where(ok_SL, mean_SL, 1.0)
-            self.max_over_mean_S = list(np.where(ok_SL, self.load_SLE.max(-1) / safe_SL, np.nan).mean(-1))
-            self.cv_S = list(np.where(ok_SL, self.load_SLE.std(-1) / safe_SL, np.nan).mean(-1))
+        self.load_IME = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
+        if self.load_IME.ndim != 3:
+            self.load_IME = np.zeros((len(steps), 0, 0))
+        M, E = self.load_IME.shape[1:]
+        if M and E:
+            mean_IM = self.load_IME.mean(-1)
+            ok_IM = mean_IM > 0
+            safe_IM = np.where(ok_IM, mean_IM, 1.0)
+            self.max_over_mean_I = list(np.where(ok_IM, self.load_IME.max(-1) / safe_IM, np.nan).mean(-1))
+            self.cv_I = list(np.where(ok_IM, self.load_IME.std(-1) / safe_IM, np.nan).mean(-1))
         else:
-            self.max_over_mean_S = self.cv_S = [None] * len(steps)
+            self.max_over_mean_I = self.cv_I = [None] * len(steps)
         self.dropped = sum(sum(r.get("dropped_tokens") or []) for r in routing)
-        self.assignments = float(self.load_SLE.sum())
+        self.assignments = float(self.load_IME.sum())
         self.dead_at_end = len((steps[-1].get("health") or {}).get("dead_experts", [])) if steps else 0
 
 

@@ -1,6 +1,7 @@
 """Token-choice top-k router with the load-balancing strategies used in practice.
 
-Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, G expert groups.
+Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, P expert groups, X experts per group
+(docs/shapes.md).
 
 Routing statistics are accumulated in buffers on the device (no host synchronisation); the trainer reads and
 resets them once per optimizer step (``pop_stats``). The expert bias only changes which experts are selected,
@@ -101,13 +102,13 @@ class Router(nn.Module):
         cfg = self.cfg
         if cfg.num_groups > 1:
             T, E = sel_TE.shape
-            grouped_TGX = sel_TE.view(T, cfg.num_groups, E // cfg.num_groups)
+            grouped_TPX = sel_TE.view(T, cfg.num_groups, E // cfg.num_groups)
             # DeepSeek-V3: a group's score is the sum of its two best experts (its best one if it has one).
             n = min(2, E // cfg.num_groups)
-            group_TG = grouped_TGX.topk(n, dim=-1).values.sum(-1)
-            top_groups_TG = group_TG.topk(cfg.topk_groups, dim=-1).indices
-            mask_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, top_groups_TG, False)
-            sel_TE = grouped_TGX.masked_fill(mask_TG[..., None], float("-inf")).view(T, E)
+            group_TP = grouped_TPX.topk(n, dim=-1).values.sum(-1)
+            top_groups_TP = group_TP.topk(cfg.topk_groups, dim=-1).indices
+            mask_TP = torch.ones_like(group_TP, dtype=torch.bool).scatter_(1, top_groups_TP, False)
+            sel_TE = grouped_TPX.masked_fill(mask_TP[..., None], float("-inf")).view(T, E)
         return sel_TE.topk(self.top_k, dim=-1).indices
 
     def _balanced_assignment(self, x_TD: torch.Tensor) -> torch.Tensor:
