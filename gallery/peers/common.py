@@ -1,7 +1,7 @@
 """What every peer benchmark shares with moelab's: the workload's shapes, the FLOPs convention, step timing and
 the result record. Peers train bf16 parameters with fused AdamW in a plain loop (micro batches accumulated, one
 optimizer step per global batch), uniform random tokens, the learned router; timing = median of CUDA-event step
-times after warm-up; FLOPs by moelab.flops (the same convention as moelab's own results)."""
+times after warm-up; FLOPs by moelab.planner.flops (the same convention as moelab's own results)."""
 from __future__ import annotations
 
 import argparse
