@@ -248,120 +248,132 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        m, moe, p, t, b = self.model, self.model.moe, self.parallel, self.train, self.backend
+        """Raise ConfigError naming the field, the value and the fix: first every value on its own (integers
+        are never negative, then the rule table _RANGES), then the rules that tie fields together (_TIES)."""
         for section, obj in _sections(self):
             for f in fields(obj):
                 v = getattr(obj, f.name)
                 if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
                     _fail(f"{section}.{f.name}", v, "must be >= 0")
-        _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
-                     ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
-                     ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
-                     ("model.moe.top_k", moe.top_k), ("model.moe.num_experts", moe.num_experts),
-                     ("model.moe.expert_ffn_size", moe.expert_ffn_size), ("model.moe.num_groups", moe.num_groups),
-                     ("train.steps", t.steps),
-                     ("train.global_batch_size", t.global_batch_size),
-                     ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
-                     ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
-                     ("parallel.ep", p.ep), ("parallel.vp", p.vp)]
-        for name, v in _positive:
-            if v < 1:
-                _fail(name, v, "must be >= 1")
-        if moe.top_k > moe.num_experts:
-            _fail("model.moe.top_k", moe.top_k,
-                  f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
-        if m.num_heads % m.num_kv_heads:
-            _fail("model.num_kv_heads", m.num_kv_heads,
-                  f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
-                  f"by num_heads/num_kv_heads query heads)")
-        if m.num_dense_layers > m.num_layers:
-            _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
-        if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
-            _fail("model.dense_ffn_size", m.dense_ffn_size, "must be >= 1 when model.num_dense_layers > 0")
-        if m.attention == "gqa" and m.head_dim % 2:
-            _fail("model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
-        if m.attention == "mla":
-            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if getattr(m, name) < 1:
-                    _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
-            if m.qk_rope_head_dim % 2:
-                _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
-        if m.attention_sinks and b.attention not in ("eager", "flex"):
-            _fail("backend.attention", b.attention,
-                  "attention sinks need backend.attention='eager' or 'flex' (SDPA has no sink logits)")
-        if moe.num_experts % moe.num_groups:
-            _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
-        if not 1 <= moe.topk_groups <= moe.num_groups:
-            _fail("model.moe.topk_groups", moe.topk_groups,
-                  f"must be between 1 and model.moe.num_groups={moe.num_groups}")
-        if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
-            _fail("model.moe.top_k", moe.top_k,
-                  "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
-        if moe.capacity_factor < 0:
-            _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
-        if moe.dynamic_capacity and moe.capacity_factor == 0:
-            _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
-        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "init_bias_skew", "expert_lr_power"):
-            if getattr(moe, name) < 0:
-                _fail(f"model.moe.{name}", getattr(moe, name), "must be >= 0")
-        for name, fix in (("overload_factor", "must be >= 1 (times the mean load)"),
-                          ("dead_expert_steps", "must be >= 1 (steps without tokens)")):
-            if getattr(moe, name) < 1:
-                _fail(f"model.moe.{name}", getattr(moe, name), fix)
-        if moe.route_scale <= 0:
-            _fail("model.moe.route_scale", moe.route_scale, "must be > 0")
-        if moe.score_func == "softmax_topk" and moe.num_groups > 1:
-            _fail("model.moe.num_groups", moe.num_groups,
-                  "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
-        rs = m.rope_scaling
-        if rs.kind == "yarn":
-            if rs.factor < 1:
-                _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
-            if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
-                _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
-                      f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
-        if t.global_batch_size % t.micro_batch_size:
-            _fail("train.global_batch_size", t.global_batch_size,
-                  f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
-        if t.lr <= 0:
-            _fail("train.lr", t.lr, "must be > 0")
-        for name, v, ok, fix in (("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be > 0"),
-                                 ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
-                                 ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),
-                                 ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "must be within [0, 1)"),
-                                 ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0"),
-                                 ("train.collective_timeout_s", t.collective_timeout_s,
-                                  t.collective_timeout_s > 0, "must be > 0 seconds"),
-                                 ("model.moe.expert_lr_max_scale", moe.expert_lr_max_scale,
-                                  moe.expert_lr_max_scale >= 1, "must be >= 1"),):
-            if not ok:
+        for name, ok, fix in _RANGES:
+            v = _value(self, name)
+            if not ok(v):
                 _fail(name, v, fix)
-        if not 0 <= t.min_lr_ratio <= 1:
-            _fail("train.min_lr_ratio", t.min_lr_ratio, "must be within [0, 1]")
-        if t.grad_clip < 0:
-            _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
-        if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
-            _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
-        if t.keep_checkpoints < 1:
-            _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
-        if p.fsdp == 0 or p.fsdp < -1:
-            _fail("parallel.fsdp", p.fsdp, "must be >= 1, or -1 to fill the world size")
-        if moe.num_experts % p.ep:
-            _fail("parallel.ep", p.ep, f"must divide model.moe.num_experts={moe.num_experts} "
-                  f"(each EP rank owns num_experts/ep experts); try ep in {_divisors(moe.num_experts)}")
-        if p.vp > 1 and p.pp == 1:
-            _fail("parallel.vp", p.vp, "virtual stages need parallel.pp > 1; set parallel.vp=1")
-        if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
-            _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
-        if p.tp > 1:
-            _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
-                  "(supported: ep, fsdp, pp with vp)")
-        if b.fake_gate_noise < 0:
-            _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
-        if self.data.kind == "tokens" and not self.data.path:
-            _fail("data.path", self.data.path, "data.kind='tokens' needs data.path to a token file")
-        if not 0 <= self.data.noise <= 1:
-            _fail("data.noise", self.data.noise, "must be within [0, 1]")
+        for check in _TIES:
+            check(self)
+def _value(cfg: "Config", dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+_NOT_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
+_POSITIVE = (lambda v: v > 0, "must be > 0")
+# One value on its own: (dotted field, accepted, the fix). Rules that tie fields together are in _TIES.
+_RANGES = [
+    *((name, *_AT_LEAST_1) for name in (
+        "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
+        "model.head_dim", "model.moe.top_k", "model.moe.num_experts", "model.moe.expert_ffn_size",
+        "model.moe.num_groups", "train.steps", "train.global_batch_size", "train.micro_batch_size",
+        "train.seq_len", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.vp",
+        "train.keep_checkpoints")),
+    ("model.moe.capacity_factor", lambda v: v >= 0, "must be >= 0 (0 = no token dropping)"),
+    *((f"model.moe.{name}", *_NOT_NEGATIVE) for name in (
+        "aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "init_bias_skew", "expert_lr_power")),
+    ("model.moe.overload_factor", lambda v: v >= 1, "must be >= 1 (times the mean load)"),
+    ("model.moe.dead_expert_steps", lambda v: v >= 1, "must be >= 1 (steps without tokens)"),
+    ("model.moe.route_scale", *_POSITIVE),
+    ("model.moe.expert_lr_max_scale", lambda v: v >= 1, "must be >= 1"),
+    ("model.rope_theta", *_POSITIVE),
+    ("model.norm_eps", *_POSITIVE),
+    ("train.lr", *_POSITIVE),
+    ("train.beta1", lambda v: 0 <= v < 1, "must be within [0, 1)"),
+    ("train.beta2", lambda v: 0 <= v < 1, "must be within [0, 1)"),
+    ("train.weight_decay", *_NOT_NEGATIVE),
+    ("train.collective_timeout_s", lambda v: v > 0, "must be > 0 seconds"),
+    ("train.min_lr_ratio", lambda v: 0 <= v <= 1, "must be within [0, 1]"),
+    ("train.grad_clip", lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+    ("parallel.fsdp", lambda v: v >= 1 or v == -1, "must be >= 1, or -1 to fill the world size"),
+    ("backend.fake_gate_noise", *_NOT_NEGATIVE),
+    ("data.noise", lambda v: 0 <= v <= 1, "must be within [0, 1]"),
+]
+
+
+def _check_model(c: "Config") -> None:
+    m, moe, b = c.model, c.model.moe, c.backend
+    if moe.top_k > moe.num_experts:
+        _fail("model.moe.top_k", moe.top_k,
+              f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
+    if m.num_heads % m.num_kv_heads:
+        _fail("model.num_kv_heads", m.num_kv_heads,
+              f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
+              f"by num_heads/num_kv_heads query heads)")
+    if m.num_dense_layers > m.num_layers:
+        _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
+    if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
+        _fail("model.dense_ffn_size", m.dense_ffn_size, "must be >= 1 when model.num_dense_layers > 0")
+    if m.attention == "gqa" and m.head_dim % 2:
+        _fail("model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
+    if m.attention == "mla":
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(m, name) < 1:
+                _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
+        if m.qk_rope_head_dim % 2:
+            _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
+    if m.attention_sinks and b.attention not in ("eager", "flex"):
+        _fail("backend.attention", b.attention,
+              "attention sinks need backend.attention='eager' or 'flex' (SDPA has no sink logits)")
+    rs = m.rope_scaling
+    if rs.kind == "yarn":
+        if rs.factor < 1:
+            _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
+        if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
+            _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
+                  f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
+
+
+def _check_routing(c: "Config") -> None:
+    moe = c.model.moe
+    if moe.num_experts % moe.num_groups:
+        _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
+    if not 1 <= moe.topk_groups <= moe.num_groups:
+        _fail("model.moe.topk_groups", moe.topk_groups,
+              f"must be between 1 and model.moe.num_groups={moe.num_groups}")
+    if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
+        _fail("model.moe.top_k", moe.top_k,
+              "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+    if moe.dynamic_capacity and moe.capacity_factor == 0:
+        _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
+    if moe.score_func == "softmax_topk" and moe.num_groups > 1:
+        _fail("model.moe.num_groups", moe.num_groups,
+              "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
+
+
+def _check_train_and_layout(c: "Config") -> None:
+    t, p, moe = c.train, c.parallel, c.model.moe
+    if t.global_batch_size % t.micro_batch_size:
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
+    if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
+        _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
+    if moe.num_experts % p.ep:
+        _fail("parallel.ep", p.ep, f"must divide model.moe.num_experts={moe.num_experts} "
+              f"(each EP rank owns num_experts/ep experts); try ep in {_divisors(moe.num_experts)}")
+    if p.vp > 1 and p.pp == 1:
+        _fail("parallel.vp", p.vp, "virtual stages need parallel.pp > 1; set parallel.vp=1")
+    if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
+        _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
+    if p.tp > 1:
+        _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
+              "(supported: ep, fsdp, pp with vp)")
+    if c.data.kind == "tokens" and not c.data.path:
+        _fail("data.path", c.data.path, "data.kind='tokens' needs data.path to a token file")
+
+
+# Rules that tie fields together (each needs the values of _RANGES to be in range already).
+_TIES = (_check_model, _check_routing, _check_train_and_layout)
 
 
 def _sections(obj, prefix: str = ""):
