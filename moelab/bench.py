@@ -8,8 +8,8 @@ MFU against a given or datasheet peak. On several ranks (torchrun) the slowest r
 Beside the headline figure, on the same model:
     real_router       with backend.fake_balanced_gate=true (as reference tables benchmark), the same step with
                       the learned router, so the cost of real (imbalanced) routing is visible;
-    metrics_overhead  the step without the metrics synchronisation (no stats packing, no host read), to show what
-                      collecting metrics costs.
+    metrics_overhead  the step without the metrics synchronisation (Trainer.train_step(metrics=False): the same
+                      updates, no stats packing, no host read), to show what collecting metrics costs.
 
     from moelab.bench import bench
     r = bench(load_config("tiny"), steps=3, warmup=1)
@@ -78,15 +78,9 @@ class StepTimer:
 
 
 def step_without_metrics(trainer, step: int) -> None:
-    """The trainer's step minus its metrics: no statistics packed, summed or read on the host."""
-    from moelab.train.optim import lr_at, set_lr
-
-    cfg = trainer.cfg
-    set_lr(trainer.optimizer, lr_at(step, cfg))
-    trainer.forward_backward(step)
-    trainer.par.clip_grad_norm(trainer.model, cfg.train.grad_clip)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    """The trainer's step minus its metrics (Trainer.train_step(metrics=False)): the same updates, no
+    statistics packed, summed or read on the host."""
+    trainer.train_step(step, metrics=False)
 
 
 class Bencher:
@@ -127,6 +121,19 @@ class Bencher:
         if warmup:
             self.run(warmup, metrics)
         return self.figures(self.run(steps, metrics))
+
+    def set_global_batch(self, gbs: int) -> None:
+        """Time a different global batch on the same model: more (or fewer) micro batches accumulated per step
+        on this rank (the micro batch size and the data-parallel degree stay)."""
+        t, tr = self.tr.cfg.train, self.tr
+        per_rank = gbs // (t.micro_batch_size * tr.par.dp_size)
+        if per_rank < 1 or per_rank * t.micro_batch_size * tr.par.dp_size != gbs:
+            raise ValueError(f"global batch {gbs}: must be a multiple of micro batch {t.micro_batch_size} x "
+                             f"data-parallel degree {tr.par.dp_size}")
+        tr.micro_per_rank = per_rank
+        for moe in tr.par.moe_layers:
+            moe.loss_scale = 1.0 / per_rank
+        self.tokens_per_step = gbs * t.seq_len
 
     def set_fake_gate(self, on: bool) -> None:
         for moe in self.tr.par.moe_layers:
@@ -182,7 +189,7 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
     return {"system": "moelab", "workload": cfg.name, "gpus": tr.env.world_size, "gpu_name": tr.gpu_name,
             **result, "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
             "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
-            "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile,
+            "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
             "activation_checkpointing": t.activation_checkpointing,
             "fake_balanced_gate": cfg.backend.fake_balanced_gate,
             "backends": getattr(tr.model, "backends", None),

@@ -20,12 +20,25 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from moelab.yaml_loader import DuplicateKey, UniqueKeyLoader
+
 
 class ConfigError(ValueError):
     """An invalid config value. The message names the field, the value and the fix.
 
-        load_config("tiny", ["model.moe.top_k=99"])   # ConfigError: model.moe.top_k=99: cannot exceed ...
+        Session("tiny", train={"steps": 0})   # ConfigError: train.steps=0: must be >= 1
     """
+
+    def _render_traceback_(self) -> list:
+        """How IPython and Jupyter show it: the message and where it was raised, the traceback folded away."""
+        tb, where = self.__traceback__, ""
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            where = f"raised in {tb.tb_frame.f_code.co_name} ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}); "
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}",
+                f"\x1b[2m({where}the whole traceback: import sys, traceback; "
+                "traceback.print_exception(sys.last_value))\x1b[0m"]
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
@@ -132,6 +145,14 @@ class ModelConfig:
     attention_bias: bool = False
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    # The gate's activation in the dense FFN, shared experts and swiglu experts, act(gate) * up, by transformers'
+    # hidden_act names (moelab.model.layers.HIDDEN_ACTS; GPT-OSS experts keep their own clamped activation).
+    hidden_act: Literal["silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
+                        "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
+                        "sigmoid", "tanh", "mish", "hardswish", "laplace", "linear"] = "silu"
+    # Padding token id (-1 = none): its embedding row gets no gradient (nn.Embedding padding_idx), and targets
+    # equal to it (or to -100) are left out of the loss and of the routing statistics and aux losses.
+    pad_token_id: int = -1
 
 
 @dataclass
@@ -177,6 +198,10 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
+    # FP8 training: off, or rowwise = dynamically scaled e4m3 GEMMs (one scale per row) for the routed experts
+    # and the attention / dense projections; router, norms, embedding, LM head stay bf16 (moelab.model.fp8);
+    # rowwise_lm_head = the same plus the LM head (the largest GEMM; opt-in until its loss parity is shown).
+    fp8: Literal["off", "rowwise", "rowwise_lm_head"] = "off"
     checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
     keep_checkpoints: int = 2
     # False = never write a checkpoint (benchmarks of big models: a checkpoint is ~12 bytes per parameter);
@@ -198,6 +223,9 @@ class BackendConfig:
     fake_balanced_gate: bool = False
     fake_gate_noise: float = 0.0
     fallback: bool = False  # True = an unavailable backend falls back to the torch path with a warning
+    # TE's FP8 recipes for the attention projections of backend.attention=te: current (per-tensor current
+    # scaling) or block (1x128 / 128x128 block scaling). moelab's own FP8 path is train.fp8.
+    te_fp8: Literal["off", "current", "block"] = "off"
 
 
 @dataclass
@@ -248,132 +276,136 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ConfigError naming the field, the value and the fix: first every value on its own (integers
-        are never negative, then the rule table _RANGES), then the rules that tie fields together (_TIES)."""
+        m, moe, p, t, b = self.model, self.model.moe, self.parallel, self.train, self.backend
+        _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
+                     ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                     ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
+                     ("model.moe.top_k", moe.top_k), ("model.moe.num_experts", moe.num_experts),
+                     ("model.moe.expert_ffn_size", moe.expert_ffn_size), ("model.moe.num_groups", moe.num_groups),
+                     ("train.steps", t.steps),
+                     ("train.global_batch_size", t.global_batch_size),
+                     ("train.micro_batch_size", t.micro_batch_size), ("train.seq_len", t.seq_len),
+                     ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
+                     ("parallel.ep", p.ep), ("parallel.vp", p.vp)]
+        at_least_one = {name for name, _ in _positive}  # one rule for these: -5 and 0 both say ">= 1"
         for section, obj in _sections(self):
             for f in fields(obj):
                 v = getattr(obj, f.name)
-                if f.type in ("int", int) and f.name not in ("fsdp", "seed") and v < 0:
+                if f.type in ("int", int) and f.name not in ("fsdp", "seed", "pad_token_id") and v < 0 \
+                        and f"{section}.{f.name}" not in at_least_one:
                     _fail(f"{section}.{f.name}", v, "must be >= 0")
-        for name, ok, fix in _RANGES:
-            v = _value(self, name)
-            if not ok(v):
+        for name, v in _positive:
+            if v < 1:
+                _fail(name, v, "must be >= 1")
+        if moe.top_k > moe.num_experts:
+            _fail("model.moe.top_k", moe.top_k,
+                  f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
+        if m.num_heads % m.num_kv_heads:
+            _fail("model.num_kv_heads", m.num_kv_heads,
+                  f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
+                  f"by num_heads/num_kv_heads query heads)")
+        if not -1 <= m.pad_token_id < m.vocab_size:
+            _fail("model.pad_token_id", m.pad_token_id, f"must be -1 (no padding) or a token id below "
+                  f"model.vocab_size={m.vocab_size}")
+        if m.num_dense_layers > m.num_layers:
+            _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
+        if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
+            _fail("model.dense_ffn_size", m.dense_ffn_size, "must be >= 1 when model.num_dense_layers > 0")
+        if m.attention == "gqa" and m.head_dim % 2:
+            _fail("model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
+        if m.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(m, name) < 1:
+                    _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
+            if m.qk_rope_head_dim % 2:
+                _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
+        if m.attention_sinks and b.attention not in ("eager", "flex", "te"):
+            _fail("backend.attention", b.attention,
+                  "attention sinks need backend.attention='eager', 'flex' or 'te' (SDPA has no sink logits)")
+        if b.te_fp8 != "off" and (b.attention != "te" or m.attention == "mla"):
+            _fail("backend.te_fp8", b.te_fp8, "TE's FP8 recipes run the TE Linear projections of "
+                  "backend.attention='te' on GQA/MHA models; set backend.attention=te, or backend.te_fp8=off")
+        if moe.num_experts % moe.num_groups:
+            _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
+        if not 1 <= moe.topk_groups <= moe.num_groups:
+            _fail("model.moe.topk_groups", moe.topk_groups,
+                  f"must be between 1 and model.moe.num_groups={moe.num_groups}")
+        if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
+            _fail("model.moe.top_k", moe.top_k,
+                  "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+        if moe.capacity_factor < 0:
+            _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
+        if moe.dynamic_capacity and moe.capacity_factor == 0:
+            _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "init_bias_skew", "expert_lr_power"):
+            if getattr(moe, name) < 0:
+                _fail(f"model.moe.{name}", getattr(moe, name), "must be >= 0")
+        for name, fix in (("overload_factor", "must be >= 1 (times the mean load)"),
+                          ("dead_expert_steps", "must be >= 1 (steps without tokens)")):
+            if getattr(moe, name) < 1:
+                _fail(f"model.moe.{name}", getattr(moe, name), fix)
+        if moe.route_scale <= 0:
+            _fail("model.moe.route_scale", moe.route_scale, "must be > 0")
+        if moe.score_func == "softmax_topk" and moe.num_groups > 1:
+            _fail("model.moe.num_groups", moe.num_groups,
+                  "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
+        rs = m.rope_scaling
+        if rs.kind == "yarn":
+            if rs.factor < 1:
+                _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
+            if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
+                _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
+                      f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
+        if t.global_batch_size % t.micro_batch_size:
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
+        if t.lr <= 0:
+            _fail("train.lr", t.lr, "must be > 0")
+        for name, v, ok, fix in (("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be > 0"),
+                                 ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
+                                 ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),
+                                 ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "must be within [0, 1)"),
+                                 ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0"),
+                                 ("train.collective_timeout_s", t.collective_timeout_s,
+                                  t.collective_timeout_s > 0, "must be > 0 seconds"),
+                                 ("model.moe.expert_lr_max_scale", moe.expert_lr_max_scale,
+                                  moe.expert_lr_max_scale >= 1, "must be >= 1"),):
+            if not ok:
                 _fail(name, v, fix)
-        for check in _TIES:
-            check(self)
-def _value(cfg: "Config", dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
-_NOT_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
-_POSITIVE = (lambda v: v > 0, "must be > 0")
-# One value on its own: (dotted field, accepted, the fix). Rules that tie fields together are in _TIES.
-_RANGES = [
-    *((name, *_AT_LEAST_1) for name in (
-        "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads",
-        "model.head_dim", "model.moe.top_k", "model.moe.num_experts", "model.moe.expert_ffn_size",
-        "model.moe.num_groups", "train.steps", "train.global_batch_size", "train.micro_batch_size",
-        "train.seq_len", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.vp",
-        "train.keep_checkpoints")),
-    ("model.moe.capacity_factor", lambda v: v >= 0, "must be >= 0 (0 = no token dropping)"),
-    *((f"model.moe.{name}", *_NOT_NEGATIVE) for name in (
-        "aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "init_bias_skew", "expert_lr_power")),
-    ("model.moe.overload_factor", lambda v: v >= 1, "must be >= 1 (times the mean load)"),
-    ("model.moe.dead_expert_steps", lambda v: v >= 1, "must be >= 1 (steps without tokens)"),
-    ("model.moe.route_scale", *_POSITIVE),
-    ("model.moe.expert_lr_max_scale", lambda v: v >= 1, "must be >= 1"),
-    ("model.rope_theta", *_POSITIVE),
-    ("model.norm_eps", *_POSITIVE),
-    ("train.lr", *_POSITIVE),
-    ("train.beta1", lambda v: 0 <= v < 1, "must be within [0, 1)"),
-    ("train.beta2", lambda v: 0 <= v < 1, "must be within [0, 1)"),
-    ("train.weight_decay", *_NOT_NEGATIVE),
-    ("train.collective_timeout_s", lambda v: v > 0, "must be > 0 seconds"),
-    ("train.min_lr_ratio", lambda v: 0 <= v <= 1, "must be within [0, 1]"),
-    ("train.grad_clip", lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
-    ("parallel.fsdp", lambda v: v >= 1 or v == -1, "must be >= 1, or -1 to fill the world size"),
-    ("backend.fake_gate_noise", *_NOT_NEGATIVE),
-    ("data.noise", lambda v: 0 <= v <= 1, "must be within [0, 1]"),
-]
-
-
-def _check_model(c: "Config") -> None:
-    m, moe, b = c.model, c.model.moe, c.backend
-    if moe.top_k > moe.num_experts:
-        _fail("model.moe.top_k", moe.top_k,
-              f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
-    if m.num_heads % m.num_kv_heads:
-        _fail("model.num_kv_heads", m.num_kv_heads,
-              f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
-              f"by num_heads/num_kv_heads query heads)")
-    if m.num_dense_layers > m.num_layers:
-        _fail("model.num_dense_layers", m.num_dense_layers, f"cannot exceed model.num_layers={m.num_layers}")
-    if m.num_dense_layers > 0 and m.dense_ffn_size < 1:
-        _fail("model.dense_ffn_size", m.dense_ffn_size, "must be >= 1 when model.num_dense_layers > 0")
-    if m.attention == "gqa" and m.head_dim % 2:
-        _fail("model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
-    if m.attention == "mla":
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(m, name) < 1:
-                _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
-        if m.qk_rope_head_dim % 2:
-            _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
-    if m.attention_sinks and b.attention not in ("eager", "flex"):
-        _fail("backend.attention", b.attention,
-              "attention sinks need backend.attention='eager' or 'flex' (SDPA has no sink logits)")
-    rs = m.rope_scaling
-    if rs.kind == "yarn":
-        if rs.factor < 1:
-            _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
-        if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
-            _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
-                  f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
-
-
-def _check_routing(c: "Config") -> None:
-    moe = c.model.moe
-    if moe.num_experts % moe.num_groups:
-        _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
-    if not 1 <= moe.topk_groups <= moe.num_groups:
-        _fail("model.moe.topk_groups", moe.topk_groups,
-              f"must be between 1 and model.moe.num_groups={moe.num_groups}")
-    if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
-        _fail("model.moe.top_k", moe.top_k,
-              "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
-    if moe.dynamic_capacity and moe.capacity_factor == 0:
-        _fail("model.moe.dynamic_capacity", True, "needs model.moe.capacity_factor > 0 as its starting factor")
-    if moe.score_func == "softmax_topk" and moe.num_groups > 1:
-        _fail("model.moe.num_groups", moe.num_groups,
-              "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
-
-
-def _check_train_and_layout(c: "Config") -> None:
-    t, p, moe = c.train, c.parallel, c.model.moe
-    if t.global_batch_size % t.micro_batch_size:
-        _fail("train.global_batch_size", t.global_batch_size,
-              f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
-    if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
-        _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
-    if moe.num_experts % p.ep:
-        _fail("parallel.ep", p.ep, f"must divide model.moe.num_experts={moe.num_experts} "
-              f"(each EP rank owns num_experts/ep experts); try ep in {_divisors(moe.num_experts)}")
-    if p.vp > 1 and p.pp == 1:
-        _fail("parallel.vp", p.vp, "virtual stages need parallel.pp > 1; set parallel.vp=1")
-    if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
-        _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
-    if p.tp > 1:
-        _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
-              "(supported: ep, fsdp, pp with vp)")
-    if c.data.kind == "tokens" and not c.data.path:
-        _fail("data.path", c.data.path, "data.kind='tokens' needs data.path to a token file")
-
-
-# Rules that tie fields together (each needs the values of _RANGES to be in range already).
-_TIES = (_check_model, _check_routing, _check_train_and_layout)
+        if not 0 <= t.min_lr_ratio <= 1:
+            _fail("train.min_lr_ratio", t.min_lr_ratio, "must be within [0, 1]")
+        if t.grad_clip < 0:
+            _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
+        if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
+            _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
+        if t.fp8 != "off" and t.dtype != "bfloat16":
+            _fail("train.fp8", t.fp8, "FP8 training computes in bf16 around its FP8 GEMMs: set train.dtype=bfloat16")
+        if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):
+            _fail("train.fp8", t.fp8, f"FP8 experts run their own grouped GEMMs, not backend.experts={b.experts!r}; "
+                  "set backend.experts=auto (or train.fp8=off)")
+        if t.fp8 != "off" and t.device == "cpu":
+            _fail("train.fp8", t.fp8, "FP8 GEMMs need a CUDA GPU of compute capability 9.0+ (Hopper); set "
+                  "train.fp8=off on CPU")
+        if t.keep_checkpoints < 1:
+            _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+        if p.fsdp == 0 or p.fsdp < -1:
+            _fail("parallel.fsdp", p.fsdp, "must be >= 1, or -1 to fill the world size")
+        if moe.num_experts % p.ep:
+            _fail("parallel.ep", p.ep, f"must divide model.moe.num_experts={moe.num_experts} "
+                  f"(each EP rank owns num_experts/ep experts); try ep in {_divisors(moe.num_experts)}")
+        if p.vp > 1 and p.pp == 1:
+            _fail("parallel.vp", p.vp, "virtual stages need parallel.pp > 1; set parallel.vp=1")
+        if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
+            _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
+        if p.tp > 1:
+            _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
+                  "(supported: ep, fsdp, pp with vp)")
+        if b.fake_gate_noise < 0:
+            _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
+        if self.data.kind == "tokens" and not self.data.path:
+            _fail("data.path", self.data.path, "data.kind='tokens' needs data.path to a token file")
+        if not 0 <= self.data.noise <= 1:
+            _fail("data.noise", self.data.noise, "must be within [0, 1]")
 
 
 def _sections(obj, prefix: str = ""):
@@ -483,13 +515,24 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example model.moe.num_experts=16")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw, f"--set {key.strip()}", file=False) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
 # ---------------------------------------------------------------------- loading and saving
+def _yaml_load(text: str, where: str, file: bool = True):
+    """YAML text -> Python, refusing duplicated keys with a ConfigError naming the key (and its lines in a
+    `file`)."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKey as e:
+        lines = f"{where}:{e.line}: key {e.key!r} is given twice (first on line {e.first})" if file else \
+            f"{where}: key {e.key!r} is given twice"
+        raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
+
+
 def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None) -> Config:
     """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
 
@@ -523,7 +566,7 @@ def _read_source(source: str, _seen: tuple = ()) -> dict:
         raise ConfigError(f"unknown preset {source!r}.{hint} Presets: {', '.join(preset_names())} "
                           f"(or give a path to a YAML file)")
     try:
-        data = yaml.safe_load(path.read_text())  # safe_load: a config never executes code
+        data = _yaml_load(path.read_text(), str(path))
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except OSError as e:

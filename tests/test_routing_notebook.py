@@ -24,8 +24,11 @@ def test_routing_lab_notebook_shows_the_comparison(tmp_path, monkeypatch):
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     nbformat.write(nb, str(tmp_path / NOTEBOOK.name))  # kept for a look when the test fails
-    status = _outputs(nb, "sweep = base.sweep(")
-    assert "['COMPLETED', 'COMPLETED', 'COMPLETED', 'COMPLETED']" in status[0]["data"]["text/plain"]
+    shown = _outputs(nb, "sweep = base.sweep(")  # the sweep's dashboard (a widget, then its snapshot's place)
+    assert "application/vnd.jupyter.widget-view+json" in shown[0]["data"]
+    status = _outputs(nb, "sweep.wait()")
+    assert "['COMPLETED', 'COMPLETED', 'COMPLETED', 'COMPLETED']" in status[-1]["data"]["text/plain"]
+    assert "moelab-snapshot" in shown[1]["data"]["text/html"]  # dash.wait() filled it
     shown = _outputs(nb, "cmp = sweep.compare()")[0]["data"]
     html, text = shown["text/html"], shown["text/plain"]
     assert "moelab-comparison" in html and html.count("data:image/png;base64,") == 3

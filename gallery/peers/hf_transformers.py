@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from common import model_config, parser, random_batches, result, time_training
+from common import model_config, parser, random_batches, result, run_batches
 
 
 def build(m, experts: str):
@@ -39,19 +39,22 @@ def main():
     model, version = build(m, args.experts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     batches = random_batches(args, m.vocab_size)
-    micro = args.global_batch // args.micro_batch
+    if args.compile:
+        raise SystemExit("hf_transformers.py: --compile is not measured for this peer (run it eager)")
 
-    def step(i):
-        for j in range(micro):
-            ids = batches[(i * micro + j) % len(batches)]
-            out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
-            (out.loss / micro).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def make_step(micro):
+        def step(i):
+            for j in range(micro):
+                ids = batches[(i * micro + j) % len(batches)]
+                out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
+                (out.loss / micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
 
-    times = time_training(step, args.steps, args.warmup)
-    result("hf-transformers", f"experts_implementation={args.experts}", args, times,
-           {"transformers_version": version, "experts_implementation": args.experts})
+    run_batches(args, make_step, lambda gbs, times, error=None: result(
+        "hf-transformers", f"experts_implementation={args.experts}", args, times,
+        {"transformers_version": version, "experts_implementation": args.experts}, gbs=gbs, error=error))
 
 
 if __name__ == "__main__":

@@ -2,18 +2,25 @@
 plain training loop: torchtitan's trainer needs torch nightlies (0.3.0 does not import on torch 2.11), its model
 code runs on 2.11.
 
-    python gallery/peers/torchtitan_qwen3.py --json out.json
+    python gallery/peers/torchtitan_qwen3.py [--compile] [--fp8 rowwise] --global-batch 2,16 --json out-{gbs}.json
 
 Built on the meta device, materialised on the GPU with torchtitan's init_weights, cast to bf16; SDPA attention,
-experts through torch._grouped_mm (use_grouped_mm=True), fused AdamW, cross entropy on fp32 logits."""
+experts through torch._grouped_mm (use_grouped_mm=True), fused AdamW, cross entropy on fp32 logits (torchtitan's
+sum-reduced loss over the token count).
+--compile: as torchtitan's trainer does it (`compile.enable`, components model + loss): its own apply_compile
+(each block, or each MoE block's submodules, wrapped with torch.compile(fullgraph=True) and registered back into
+model.layers; the grouped-experts function compiled) and the loss function compiled.
+--fp8 rowwise: as torchtitan's float8 converters do it, before compiling: torchao's convert_to_float8_training
+with the "rowwise" recipe for the Linear layers (the LM head `output` and the router `gate` left in bf16, as
+moelab's train.fp8 leaves them) and torchao's FP8 rowwise grouped GEMMs for the routed experts (token groups
+padded to 16 rows)."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
-from common import model_config, parser, random_batches, result, time_training
+from common import model_config, parser, random_batches, result, run_batches
 
 
 def build(m, seq: int):
@@ -31,25 +38,74 @@ def build(m, seq: int):
     return model, getattr(torchtitan, "__version__", "0.2.2")
 
 
+def convert_fp8(model) -> dict:
+    """torchao float8 rowwise training for the Linear layers and the routed experts; returns what was used."""
+    import torchao
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    skip = ("output", "router.gate")
+
+    def linear_filter(mod, fqn):
+        return (isinstance(mod, torch.nn.Linear) and not any(s in fqn for s in skip)
+                and mod.weight.shape[0] % 16 == 0 and mod.weight.shape[1] % 16 == 0)
+
+    torch._inductor.config.emulate_precision_casts = True  # torchtitan sets it for the rowwise recipe
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=linear_filter)
+    from torchao.quantization.quant_api import quantize_
+
+    try:  # torchao >= 0.16
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig as MoEConfig
+    except ImportError:
+        from torchao.prototype.moe_training.conversion_utils import MoETrainingConfig as MoEConfig
+    from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+    set_token_group_alignment_size_m(16)
+    quantize_(model, config=MoEConfig(), filter_fn=lambda mod, fqn: fqn.endswith("experts"))
+    return {"torchao_version": torchao.__version__, "fp8_linear_recipe": "rowwise",
+            "fp8_experts": MoEConfig.__name__}
+
+
+def compile_like_trainer(model):
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+    apply_compile(model, Compile(enable=True, components=["model", "loss"]), ep_enabled=False)
+
+
 def main():
-    args = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--fp8", default="off", choices=["off", "rowwise"])
+    args = ap.parse_args()
     m = model_config(args)
     model, version = build(m, args.seq)
+    extra = {"torchtitan_version": version, "fp8": args.fp8}
+    if args.fp8 != "off":
+        extra.update(convert_fp8(model))
+    from torchtitan.components.loss import cross_entropy_loss
+
+    loss_fn = cross_entropy_loss
+    if args.compile:
+        compile_like_trainer(model)
+        loss_fn = torch.compile(cross_entropy_loss)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     batches = random_batches(args, m.vocab_size)
-    micro = args.global_batch // args.micro_batch
 
-    def step(i):
-        for j in range(micro):
-            ids = batches[(i * micro + j) % len(batches)]
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-            (loss / micro).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def make_step(micro):
+        def step(i):
+            for j in range(micro):
+                ids = batches[(i * micro + j) % len(batches)]
+                logits = model(ids[:, :-1])
+                loss = loss_fn(logits, ids[:, 1:]) / ids[:, 1:].numel()
+                (loss / micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
 
-    times = time_training(step, args.steps, args.warmup)
-    result("torchtitan", "0.2.2 model code, plain loop", args, times, {"torchtitan_version": version})
+    variant = ("0.2.2 model code, " + ("compiled as its trainer (blocks + loss)" if args.compile else "eager")
+               + (", torchao float8 rowwise" if args.fp8 != "off" else ""))
+    run_batches(args, make_step, lambda gbs, times, error=None: result(
+        "torchtitan", variant, args, times, extra, gbs=gbs, error=error))
 
 
 if __name__ == "__main__":

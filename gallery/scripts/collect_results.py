@@ -41,8 +41,12 @@ def main():
             name = p.name
         else:
             variant = r.get("variant") or p.stem
-            if r["system"] != "moelab":
-                variant = f"{r.get('experts_implementation', '')}-gbs{r['global_batch_size']}".strip("-")
+            if r["system"] != "moelab":  # records that say compile (issue 17 on) name it: compile / eager, fp8
+                fp8 = r.get("fp8", "off")
+                tags = [r.get("experts_implementation", ""),
+                        "" if "compile" not in r else ("compile" if r["compile"] else "eager"),
+                        f"fp8-{fp8}" if fp8 != "off" else "", f"gbs{r['global_batch_size']}"]
+                variant = "-".join(t for t in tags if t)
             name = f"{r['workload']}--{r['system']}--{slug(variant)}.json"
         (RESULTS / name).write_text(json.dumps(r, indent=1) + "\n")
         print(name)

@@ -28,24 +28,95 @@ HEAD = ("| system / variant | global batch | tokens/s/GPU | TFLOPs/GPU | step ms
         "|---|---:|---:|---:|---:|---:|---|---|")
 
 
+def maybe(name: str) -> dict | None:
+    p = R / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def row_or_missing(name: str, label: str, gbs: int) -> str:
+    """A row of the issue-17 table; a record not collected yet, or one that failed, says so (no figure)."""
+    r = maybe(name)
+    if r is None or "error" in r:
+        why = "not measured yet" if r is None else f"error: {r['error'][:60]}"
+        return f"| {label} | {gbs} | - | - | - | - | - | `{name}.json` ({why}) |"
+    return row(name, label)
+
+
+def issue17() -> list[str]:
+    """Issue 17: peers compiled as their trainers do and moelab bf16 / FP8 from one call (gpu_perf.sh)."""
+    out = ["### One call (gallery/scripts/gpu_perf.sh): peers as their users run them, moelab bf16 and FP8", "",
+           "Same harness, shapes and FLOPs convention (FP8 runs count the same model FLOPs; MFU against the bf16 "
+           "peak); learned router; bf16 parameters; seq 4096, micro batch 2.", "", HEAD]
+    rows = [("hf-transformers--grouped_mm-eager-gbs2", "HF transformers, grouped_mm experts, eager", 2),
+            ("torchtitan--eager-gbs2", "torchtitan 0.2.2 model code, eager", 2)]
+    for gbs in (2, 16):
+        rows += [(f"torchtitan--compile-gbs{gbs}", "torchtitan 0.2.2, compiled as its trainer (blocks + loss)", gbs),
+                 (f"torchtitan--compile-fp8-rowwise-gbs{gbs}", "torchtitan 0.2.2 compiled + torchao float8 rowwise",
+                  gbs),
+                 (f"moelab--bf16-compile-gbs{gbs}", "moelab, train.compile", gbs),
+                 (f"moelab--fp8-rowwise-compile-gbs{gbs}", "moelab, train.compile + train.fp8=rowwise", gbs)]
+    out += [row_or_missing(f"{W}--{n}", label, gbs) for n, label, gbs in rows]
+    for gbs in (2, 16):  # experiments: a row only where measured
+        for v, label in (("fp8-rowwise_lm_head-compile", "moelab, train.compile + train.fp8=rowwise_lm_head"),
+                         ("bf16-triton-adamw-compile", "moelab, train.compile, TritonAdamW (experiment)")):
+            if maybe(f"{W}--moelab--{v}-gbs{gbs}"):
+                out.append(row_or_missing(f"{W}--moelab--{v}-gbs{gbs}", label, gbs))
+    out += ["", "| target | records | ratio | met |", "|---|---|---:|---|"]
+
+    def target(a, b, goal, what):
+        ra, rb = maybe(f"{W}--{a}"), maybe(f"{W}--{b}")
+        if ra is None or rb is None or "error" in ra or "error" in rb:
+            out.append(f"| {what} >= {goal}x | `{a}` / `{b}` | - | not measured yet |")
+            return
+        x = ra["tokens_per_s_per_gpu"] / rb["tokens_per_s_per_gpu"]
+        out.append(f"| {what} >= {goal}x | `{a}` / `{b}` | {x:.2f} | {'yes' if x >= goal else 'no'} |")
+
+    for gbs in (2, 16):
+        target(f"moelab--bf16-compile-gbs{gbs}", f"torchtitan--compile-gbs{gbs}", 1.15,
+               f"bf16, global batch {gbs}: moelab / compiled torchtitan")
+    for gbs in (2, 16):
+        target(f"moelab--fp8-rowwise-compile-gbs{gbs}", f"torchtitan--compile-gbs{gbs}", 1.35,
+               f"FP8, global batch {gbs}: moelab FP8 / compiled torchtitan bf16")
+        target(f"moelab--fp8-rowwise-compile-gbs{gbs}", f"torchtitan--compile-fp8-rowwise-gbs{gbs}", 1.0,
+               f"FP8, global batch {gbs}: moelab FP8 / compiled torchtitan + torchao FP8")
+    pa, pb = (maybe(f"{W}-parity-small--moelab--parity-fp8-{m}") for m in ("off", "rowwise"))
+    if pa and pb and pa.get("losses") and pb.get("losses"):
+        d = abs(pb["final_loss_mean20"] - pa["final_loss_mean20"]) / pa["final_loss_mean20"]
+        out.append(f"| FP8 loss parity: final loss (mean of the last 20 of {len(pb['losses'])} steps) within 1% of "
+                   f"bf16 | {pb['final_loss_mean20']:.4f} vs {pa['final_loss_mean20']:.4f} | {100 * d:.2f}% | "
+                   f"{'yes' if d <= 0.01 else 'no'} |")
+    else:
+        out.append("| FP8 loss parity within 1% (300 steps) | `parity-fp8-off` / `parity-fp8-rowwise` | - | "
+                   "not measured yet |")
+    for tag, what in (("bf16", "bf16"), ("fp8-rowwise", "train.fp8=rowwise")):
+        prof = maybe(f"{W}--moelab--profile-{tag}-compile-gbs2")
+        if prof:
+            out += ["", f"Profile of moelab's compiled {what} step (global batch 2, `profile-{tag}-compile-gbs2`): "
+                    f"step {prof['step_ms']:.1f} ms, kernels {prof['gpu_busy_ms']:.1f} ms, idle {prof['idle_ms']:.1f} "
+                    "ms", "", "| category | ms |", "|---|---:|"]
+            out += [f"| {k} | {v:.1f} |" for k, v in prof["by_category_ms"].items()]
+    return out
+
+
 def tables() -> str:
-    out = ["### Peers and moelab, Qwen3-30B-A3B layer proxy, one H200, seq 4096, micro batch 2", "", HEAD]
+    out = issue17() + ["", "### Peers and moelab, Qwen3-30B-A3B layer proxy, one H200, seq 4096, micro batch 2", "", HEAD]
     for name, label in [
         (f"{W}--hf-transformers--eager-gbs2", "HF transformers 5.17, experts eager (loop)"),
         (f"{W}--hf-transformers--grouped_mm-gbs2", "HF transformers 5.17, experts grouped_mm"),
-        (f"{W}--torchtitan--gbs2", "torchtitan 0.2.2 model code"),
+        (f"{W}--torchtitan--gbs2", "torchtitan 0.2.2 model code, eager"),
         (f"{W}--moelab--cli-fp32-params-autocast", "moelab, fp32 params + autocast (default precision), fake gate"),
         (f"{W}--moelab--real-router-gbs2", "moelab, bf16 params, learned router"),
         (f"{W}--moelab--fake-gate-gbs2", "moelab, bf16 params, fake balanced gate"),
         (f"{W}--moelab--real-router-gbs2-compile", "moelab, bf16 params, compile, learned router"),
         (f"{W}--moelab--fake-gate-gbs2-compile", "moelab, bf16 params, compile, fake balanced gate"),
         (f"{W}--hf-transformers--grouped_mm-gbs16", "HF transformers 5.17, experts grouped_mm"),
-        (f"{W}--torchtitan--gbs16", "torchtitan 0.2.2 model code"),
+        (f"{W}--torchtitan--gbs16", "torchtitan 0.2.2 model code, eager"),
         (f"{W}--moelab--real-router-gbs16-compile", "moelab, bf16 params, compile, learned router"),
         (f"{W}--moelab--fake-gate-gbs16-compile", "moelab, bf16 params, compile, fake balanced gate"),
     ]:
         out.append(row(name, label))
-    out += ["", "### Targets", "", "| target | measured | ratio | met |", "|---|---|---:|---|"]
+    out += ["", "### Targets of issues 7 and 11 (against EAGER torchtitan; the peer to beat is the compiled one, "
+            "above)", "", "| target | measured | ratio | met |", "|---|---|---:|---|"]
 
     def ratio(a, b, target, what):
         ra, rb = load(a), load(b)
@@ -56,7 +127,7 @@ def tables() -> str:
         ratio(f"{W}--moelab--real-router-gbs{gbs}-compile", f"{W}--hf-transformers--grouped_mm-gbs{gbs}", 1.5,
               f"learned router, global batch {gbs}: moelab / HF")
         ratio(f"{W}--moelab--real-router-gbs{gbs}-compile", f"{W}--torchtitan--gbs{gbs}", 1.1,
-              f"learned router, global batch {gbs}: moelab / torchtitan")
+              f"learned router, global batch {gbs}: moelab / eager torchtitan")
         ratio(f"{W}--moelab--fake-gate-gbs{gbs}-compile", f"{W}--hf-transformers--grouped_mm-gbs{gbs}", 1.5,
               f"fake gate, global batch {gbs}: moelab / HF")
     for name in (f"{W}--moelab--fake-gate-gbs2-compile", f"{W}--moelab--real-router-gbs16-compile",

@@ -36,11 +36,12 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
     p = PACKAGES[key]
     moe = cfg.model.moe
     grouped_experts = key == "grouped_gemm" or (key == "te" and cfg.backend.experts == "te")
-    if grouped_experts and (moe.expert_proj_bias or moe.activation != "swiglu"):
+    act = cfg.model.hidden_act
+    if grouped_experts and (moe.expert_proj_bias or moe.activation != "swiglu" or act not in ("silu", "swish")):
         # Their grouped GEMMs compute plain SwiGLU experts: biases or GPT-OSS's clamped SwiGLU would be dropped.
         return ("its grouped GEMM computes plain SwiGLU experts without biases, and this model has "
-                f"model.moe.expert_proj_bias={moe.expert_proj_bias}, model.moe.activation={moe.activation!r}; "
-                "use backend.experts=auto")
+                f"model.moe.expert_proj_bias={moe.expert_proj_bias}, model.moe.activation={moe.activation!r}, "
+                f"model.hidden_act={act!r}; use backend.experts=auto")
     if not device.startswith("cuda"):
         return f"it needs {p.needs}, and this run is on {device!r}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -53,10 +54,6 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
             return f"DeepEP's intranode kernels need {p.needs}; this GPU is sm{major}{minor}"
         if cfg.parallel.ep < 2 or world_size < 2:
             return "it exchanges tokens between EP ranks; with parallel.ep=1 there is nothing to dispatch"
-    if key == "te" and cfg.model.attention == "mla" and cfg.backend.attention == "te":
-        return "moelab's TE attention backend covers GQA/MHA; MLA runs with backend.attention=sdpa"
-    if key == "te" and cfg.model.attention_sinks and cfg.backend.attention == "te":
-        return "TE's DotProductAttention has no sink logits; use backend.attention=eager or flex"
     return None
 
 

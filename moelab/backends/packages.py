@@ -41,7 +41,7 @@ PACKAGES = {
         "pip install --no-build-isolation grouped_gemm==0.3.0 (builds CUDA kernels with nvcc; on a cluster "
         "without internet see gallery/scripts/build_backends.sh)", "a CUDA GPU (sm80+)"),
     "te": Package(
-        "te", "transformer_engine", "transformer-engine[pytorch]",
+        "te", "transformer_engine.pytorch", "transformer-engine[pytorch]",
         "pip install --no-build-isolation 'transformer-engine[pytorch]' (or the transformer-engine-cu12/cu13 "
         "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
     "deep_ep": Package(
@@ -53,7 +53,8 @@ PACKAGES = {
 
 def _find(module: str) -> bool:
     try:
-        return importlib.util.find_spec(module) is not None
+        # the top-level package only: finding a submodule would import its parent
+        return importlib.util.find_spec(module.split(".")[0]) is not None
     except (ImportError, ValueError):
         return False
 
@@ -75,5 +76,9 @@ def import_package(key: str):
     try:
         return importlib.import_module(p.module)
     except Exception as e:  # installed but broken (wrong CUDA/torch ABI): say so, with the original error
-        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but does not import "
-                                 f"({type(e).__name__}: {e}). Reinstall it for this torch/CUDA: {p.install}") from e
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the innermost error names the cause
+            cause = cause.__cause__ or cause.__context__
+        detail = f"{type(e).__name__}: {e}" + (f"; caused by {type(cause).__name__}: {cause}" if cause is not e else "")
+        raise BackendUnavailable(f"the '{key}' backend's package {p.pip!r} is installed but {p.module} does not "
+                                 f"import ({detail}). Reinstall it for this torch/CUDA: {p.install}") from e

@@ -96,6 +96,23 @@ class Job:
         """The run's summary.json (rank 0 writes it at the end), None before."""
         return self.folder.read_summary()
 
+    def settled(self, job_id, status: str) -> str:
+        """Accounting (sacct) lags the controller: a SLURM job that has ended can still read RUNNING there for a
+        while. Once the stream's last attempt has ended (an `end` or `error` event after its last `start`) and
+        sacct is not terminal yet, the controller's state (squeue) decides, or the stream's when the controller
+        no longer knows the job."""
+        events = self.events()
+        starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+        if status in TERMINAL or not any(e["event"] in ("end", "error") for e in events[starts[-1] if starts else 0:]):
+            return status
+        from moelab.launch.slurm_checks import queue_state
+
+        state = queue_state(str(job_id))
+        if state == "":
+            return self.stream_state()
+        ended = SLURM_STATES.get(state or "")
+        return ended if ended in TERMINAL else status
+
     def stream_state(self) -> str:
         """For a run without a scheduler to ask: the last terminal event of its stream."""
         for e in reversed(self.events()):
@@ -141,7 +158,8 @@ class ExternalJob(Job):
         except (OSError, subprocess.SubprocessError):
             lines = []
         states = [line.split()[0].rstrip("+") for line in lines if line.strip()]  # "CANCELLED by 0"
-        return SLURM_STATES.get(states[-1], "PENDING") if states else self.stream_state()
+        status = SLURM_STATES.get(states[-1], "PENDING") if states else self.stream_state()
+        return self.settled(job_id, status)
 
     def cancel(self) -> None:
         job_id = self.slurm_id()
@@ -255,7 +273,7 @@ class SlurmJob(SubmititJob):
         if state == "UNKNOWN":
             # not in accounting yet (just submitted), or accounting is off: finished tasks leave result files
             return self.ended_state() if self.outcome()[0] is not None else "PENDING"
-        status = SLURM_STATES.get(state, "PENDING")
+        status = self.settled(self.job_id, SLURM_STATES.get(state, "PENDING"))
         if status == "FAILED" and self.timed_out():
             status = "TIMEOUT"
         return status

@@ -29,6 +29,10 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
     if "time" in options:
         parse_time_s(options["time"])
     world = world_size(kind, nproc, options)
+    if kind == "slurm":  # issue 21: a request the partition can never meet is refused here, not left pending
+        from moelab.launch.executors import tasks_per_node
+        from moelab.launch.slurm_checks import check_request
+        check_request({**options, "tasks_per_node": tasks_per_node(nproc, options)}, options.get("partition"))
     for cfg in configs:
         try:
             check_layout(cfg, world)

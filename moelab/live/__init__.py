@@ -6,7 +6,8 @@
     plot_routing(run, layer=0)     # a matplotlib Figure
 
 Modules: state (metrics events -> DashState), monitor (the daemon-thread driver, `dashboard`), widget
-(ipywidgets view), text (terminal view), plots (Figures and `write_report`).
+(ipywidgets view), kernel (widget callbacks on a kernel subshell, so Cancel answers while a cell blocks),
+text (terminal view), plots (Figures and `write_report`).
 """
 from moelab.live.monitor import Dashboard, dashboard, in_notebook
 from moelab.live.plots import plot_memory, plot_routing, plot_throughput, write_report

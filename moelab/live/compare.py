@@ -14,7 +14,8 @@ Balance is measured on the router's demand, the tokens routed to each expert BEF
 (``routing.routed_per_expert`` of the step events; older streams fall back to ``tokens_per_expert``), so a
 capacity factor cannot hide an imbalance; what it dropped is its own column. Per step and MoE layer:
 max/mean = the busiest expert's load over the mean load, cv = std/mean of the load (population std); both are
-averaged over layers. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
+averaged over layers (moelab.train.summary.step_balance, the one definition the dashboard and summary.json use
+too), then over steps. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
 
 Shape legend (docs/shapes.md): I steps, M MoE layers, E experts.
 """
@@ -33,6 +34,7 @@ from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 from moelab.run.folder import RunFolder, read_json
 from moelab.run.run import Run
+from moelab.train.summary import demand_LE, step_balance
 
 COLUMNS = ("run", "status", "steps", "final_loss", "max_over_mean", "final_max_over_mean", "cv", "final_cv",
            "dropped_pct", "dead_experts")
@@ -196,19 +198,13 @@ class _RunData:
         self.steps = [e["step"] for e in steps]
         self.loss = [e.get("loss") for e in steps]
         routing = [e.get("routing") or {} for e in steps]
-        demand = [r.get("routed_per_expert") or r.get("tokens_per_expert") for r in routing]
+        demand = [demand_LE(e) for e in steps]
         self.load_IME = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
         if self.load_IME.ndim != 3:
             self.load_IME = np.zeros((len(steps), 0, 0))
-        M, E = self.load_IME.shape[1:]
-        if M and E:
-            mean_IM = self.load_IME.mean(-1)
-            ok_IM = mean_IM > 0
-            safe_IM = np.where(ok_IM, mean_IM, 1.0)
-            self.max_over_mean_I = list(np.where(ok_IM, self.load_IME.max(-1) / safe_IM, np.nan).mean(-1))
-            self.cv_I = list(np.where(ok_IM, self.load_IME.std(-1) / safe_IM, np.nan).mean(-1))
-        else:
-            self.max_over_mean_I = self.cv_I = [None] * len(steps)
+        per_step = [step_balance(c) for c in self.load_IME] if self.load_IME.size else [None] * len(steps)
+        self.max_over_mean_I = [b["max_over_mean"] if b else None for b in per_step]
+        self.cv_I = [b["cv"] if b else None for b in per_step]
         self.dropped = sum(sum(r.get("dropped_tokens") or []) for r in routing)
         self.assignments = float(self.load_IME.sum())
         self.dead_at_end = len((steps[-1].get("health") or {}).get("dead_experts", [])) if steps else 0

@@ -142,7 +142,7 @@ class Monitor:
         if self.error is not None:
             raise RuntimeError(f"the dashboard stopped: {self.error!r}") from self.error
         done = self.poll_once(final=finished)
-        self.view.resync()
+        self.view.resync(final=done)
         return done
 
 

@@ -17,7 +17,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
-from moelab.live.state import DashState, load_state
+import numpy as np
+
+from moelab.live.state import ROUTING_WINDOW, DashState, load_state
 
 MAX_POINTS = 2000  # line charts thin long histories to this many points
 
@@ -80,8 +82,86 @@ def draw_loss(ax, st: DashState) -> None:
     draw_series(ax, st, st.loss, "loss", "", "tab:blue")
 
 
+def rolling_mean(values: list, window: int = ROUTING_WINDOW) -> list:
+    """The mean of the last `window` values at each point (missing values skipped; None until one exists)."""
+    out, recent = [], []
+    for v in values:
+        recent = (recent + ([v] if v is not None else []))[-window:]
+        out.append(sum(recent) / len(recent) if recent else None)
+    return out
+
+
 def draw_throughput(ax, st: DashState) -> None:
+    """Every step faint, the mean of the last ROUTING_WINDOW steps, and the run's average dashed."""
     draw_series(ax, st, st.tokens_per_s_per_gpu, "tokens/s per GPU", "", "tab:green")
+    if not any(v is not None for v in st.tokens_per_s_per_gpu):
+        return
+    ax.lines[0].set(alpha=0.3, lw=0.8, label="each step")
+    ax.plot(*thin_points(st.steps, rolling_mean(st.tokens_per_s_per_gpu)), color="tab:green", lw=1.6,
+            label=f"mean of last {ROUTING_WINDOW}")
+    run = st.throughput()["run"]
+    ax.axhline(run, color="0.3", ls="--", lw=1, label=f"run mean {run:,.0f}")
+    ax.legend(fontsize=6, loc="lower right")
+
+
+def draw_lines(ax, st: DashState, series: list, title: str, ylabel: str = "", log: bool = False) -> None:
+    """Several per-step series on one Axes: [(values, label, color), ...]; a series without values is left out."""
+    drawn = 0
+    for values, label, color in series:
+        xs, ys = thin_points(st.steps, values)
+        if ys:
+            ax.plot(xs, ys, color=color, lw=1.2, label=label, marker="o" if len(ys) < 3 else None, ms=3)
+            drawn += 1
+    if not drawn:
+        return _empty(ax)
+    if log and all(y > 0 for line in ax.lines for y in line.get_ydata()):
+        ax.set_yscale("log")
+    if st.total_steps:
+        ax.set_xlim(0, max(st.total_steps, st.steps[-1]))
+    style_axes(ax, title, "step", ylabel)
+    if drawn > 1:
+        ax.legend(fontsize=6)
+
+
+def draw_router_losses(ax, st: DashState) -> None:
+    draw_lines(ax, st, [(st.aux_loss, "aux loss", "tab:brown"), (st.z_loss, "z-loss", "tab:pink")],
+               "router losses")
+
+
+def draw_grad_lr(ax, st: DashState) -> None:
+    """Gradient norm, and the learning rate on a second axis."""
+    draw_lines(ax, st, [(st.grad_norm, "grad norm", "tab:gray")], "grad norm (learning rate dotted)")
+    xs, ys = thin_points(st.steps, st.lr)
+    if ys and st.steps:
+        twin = ax.twinx()
+        twin.plot(xs, ys, color="tab:olive", lw=1.0, ls=":")
+        twin.tick_params(labelsize=7, colors="tab:olive")
+        twin.yaxis.get_offset_text().set_fontsize(7)
+
+
+def mark_health(ax, st: DashState, layer: "int | None" = None) -> None:
+    """Dead (red) and overloaded (orange) expert warnings (of one MoE layer, or all) as ticks along the top of a
+    step axis."""
+    colors = {"dead_expert": "tab:red", "overloaded_expert": "tab:orange"}
+    for kind, color in colors.items():
+        steps = [e.get("step") for e in st.health_warnings() if e.get("kind") == kind and e.get("step")
+                 and (layer is None or e.get("layer") == layer)]
+        if steps:
+            ax.plot(steps, [1.0] * len(steps), "v", color=color, ms=5, clip_on=False,
+                    transform=ax.get_xaxis_transform(), label=f"{kind.replace('_', ' ')} warning")
+
+
+def draw_balance_history(ax, st: DashState) -> None:
+    """max/mean and cv of the load per step (mean over MoE layers; dropped % when a capacity drops any), with
+    the health warnings marked."""
+    get = lambda k: [b[k] if b else None for b in st.balance_S]
+    series = [(get("max_over_mean"), "max/mean", "tab:red"), (get("cv"), "cv", "tab:blue")]
+    if any(d for d in st.dropped_pct_S if d):
+        series.append((st.dropped_pct_S, "dropped %", "tab:gray"))
+    draw_lines(ax, st, series, "load balance per step (mean over layers)")
+    if st.balance_S:
+        mark_health(ax, st)
+        ax.legend(fontsize=6)
 
 
 def draw_tflops(ax, st: DashState) -> None:
@@ -116,7 +196,33 @@ def draw_memory_history(ax, st: DashState) -> None:
         _, lo = thin_points(st.steps[-len(st.memory_min):], st.memory_min)
         ax.plot(xs, lo, color="tab:orange", lw=1.0, ls="--", label="min over ranks")
         ax.legend(fontsize=7)
+    if st.total_steps:
+        ax.set_xlim(0, max(st.total_steps, xs[-1]))
     style_axes(ax, f"memory over steps ({_memory_label(st)})", "step", "GB")
+
+
+def draw_load_over_steps(ax, st: DashState, layer: int):
+    """Expert x step for one MoE layer: each expert's tokens over the even share (1.0 = balanced, 0 = none);
+    columns are single steps, or sums of neighbouring steps on long runs (StepBuckets); health warnings marked."""
+    spans, load_BE = st.load_history.layer(layer)
+    if not spans:
+        return _empty(ax, "no routing yet")
+    mean_B1 = load_BE.mean(-1, keepdims=True)
+    rel_EB = np.divide(load_BE, mean_B1, out=np.zeros_like(load_BE), where=mean_B1 > 0).T
+    top = max(2.0, float(rel_EB.max()))
+    edges = [spans[0][0] - 0.5] + [b + 0.5 for _, b in spans]
+    im = ax.pcolormesh(edges, np.arange(rel_EB.shape[0] + 1) - 0.5, rel_EB, cmap="RdBu_r",
+                       norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top))
+    ax.invert_yaxis()
+    ax.set_title(f"{st.layer_name(layer)}: load / mean over steps", fontsize=9, loc="left")
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("expert", fontsize=8)
+    ax.tick_params(labelsize=7)
+    if st.total_steps:
+        ax.set_xlim(edges[0], max(st.total_steps + 0.5, edges[-1]))
+    mark_health(ax, st, layer)
+    ax.figure.colorbar(im, ax=ax, fraction=0.03, pad=0.01).ax.tick_params(labelsize=7)
+    return im
 
 
 def draw_heatmap(ax, st: DashState, window: bool = True):
@@ -134,8 +240,7 @@ def draw_heatmap(ax, st: DashState, window: bool = True):
     L, E = len(load_LE), len(load_LE[0])
     ax.set_yticks(range(0, L, max(L // 8, 1)))
     ax.set_xticks(range(0, E, max(E // 16, 1)))
-    span = f"last {len(st.routing_window)} steps" if window and st.routing_window else "whole run"
-    ax.set_title(f"routing load / mean, {span}", fontsize=9, loc="left")
+    ax.set_title(f"routing load / mean, {st.span_text(window)}", fontsize=9, loc="left")
     ax.set_xlabel("expert", fontsize=8)
     ax.set_ylabel("MoE layer", fontsize=8)
     ax.tick_params(labelsize=7)
@@ -162,26 +267,61 @@ def draw_experts(ax, st: DashState, layer: int, window: bool = True) -> None:
     ax.axhline(100 / len(counts), color="0.3", ls="--", lw=1)
     ax.set_xticks(range(0, len(counts), max(len(counts) // 16, 1)))
     b = st.layer_balance(layer, window)
-    style_axes(ax, f"{st.layer_name(layer)}: {balance_text(b, len(counts))}", "expert", "% of tokens")
+    style_axes(ax, f"{st.layer_name(layer)}, {st.span_text(window)}:\n{balance_text(b, len(counts))}", "expert",
+               "% of tokens")
 
 
 # ---------------------------------------------------------------------- figures
 def training_figure(st: DashState, dpi: int = 80) -> Figure:
-    """The dashboard's top chart: loss, throughput, memory per rank."""
-    fig = new_figure(10, 2.3, dpi)
-    ax1, ax2, ax3 = fig.subplots(1, 3)
-    draw_loss(ax1, st)
-    draw_throughput(ax2, st)
-    draw_memory_ranks(ax3, st)
+    """The dashboard's top chart: loss, throughput, TFLOPs, memory over steps; router losses, grad norm and
+    learning rate, load balance with the health warnings, memory per rank."""
+    fig = new_figure(12, 4.4, dpi)
+    (a, b, c, d), (e, f, g, h) = fig.subplots(2, 4)
+    draw_loss(a, st)
+    draw_throughput(b, st)
+    draw_tflops(c, st)
+    draw_memory_history(d, st)
+    draw_router_losses(e, st)
+    draw_grad_lr(f, st)
+    draw_balance_history(g, st)
+    draw_memory_ranks(h, st)
     return fig
 
 
 def routing_figure(st: DashState, layer: int, window: bool = True, dpi: int = 80) -> Figure:
-    """The dashboard's routing chart: the layer x expert heatmap and one layer's histogram."""
-    fig = new_figure(10, max(2.4, 0.9 + 0.22 * st.num_layers), dpi)
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    """The dashboard's routing chart: the layer x expert heatmap and one layer's histogram, and below them that
+    layer's load over steps."""
+    top_h = max(2.4, 0.9 + 0.22 * st.num_layers)
+    fig = new_figure(12, top_h + 2.6, dpi)
+    upper, lower = fig.subfigures(2, 1, height_ratios=[top_h, 2.6])
+    ax1, ax2 = upper.subplots(1, 2, width_ratios=[1.1, 1])
     draw_heatmap(ax1, st, window)
     draw_experts(ax2, st, layer, window)
+    draw_load_over_steps(lower.subplots(), st, layer)
+    return fig
+
+
+def sweep_figure(states: list, labels: list, dpi: int = 80) -> Figure:
+    """The runs of a sweep overlaid: loss, tokens/s per GPU (mean of the last ROUTING_WINDOW steps) and
+    max/mean load (mean over layers), one line per run."""
+    fig = new_figure(12, 2.4, dpi)
+    axes = fig.subplots(1, 3)
+    panels = [(lambda st: st.loss, "loss", ""), (lambda st: rolling_mean(st.tokens_per_s_per_gpu),
+              f"tokens/s per GPU (mean of last {ROUTING_WINDOW})", ""),
+              (lambda st: [b["max_over_mean"] if b else None for b in st.balance_S], "max/mean load per step", "")]
+    for ax, (values, title, ylabel) in zip(axes, panels):
+        drawn = False
+        for i, (st, label) in enumerate(zip(states, labels)):
+            xs, ys = thin_points(st.steps, values(st))
+            if ys:
+                ax.plot(xs, ys, lw=1.2, label=label, color=f"C{i % 10}", marker="o" if len(ys) < 3 else None, ms=3)
+                drawn = True
+        if not drawn:
+            _empty(ax)
+            continue
+        style_axes(ax, title, "step", ylabel)
+    if axes[0].lines:
+        axes[0].legend(fontsize=6)
     return fig
 
 

@@ -17,17 +17,62 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from moelab.train.metrics import JsonlTail
-from moelab.train.summary import balance
+from moelab.train.summary import BALANCE_KEYS, balance, balance_L, demand_LE, mean_balance, step_balance, timed_steps
 
 # Run statuses after which nothing more will be written (SLURM's names, submitit's, the trainer's).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CANCELED", "TIMEOUT", "PREEMPTED", "STOPPED",
                       "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "ERROR", "INTERRUPTED"})
-ROUTING_WINDOW = 20  # steps summed by the live routing heatmap and histogram
+ROUTING_WINDOW = 20  # the dashboard's "last N steps": its routing heatmap, histogram, balance and throughput
+HISTORY_BUCKETS = 240  # the load-over-steps heatmap keeps at most this many columns (neighbours merge)
 
 
 def is_terminal(status: "str | None") -> bool:
     return bool(status) and str(status).upper() in TERMINAL
+
+
+class StepBuckets:
+    """Per-step [L][E] loads in bounded memory, for the load-over-steps heatmap: at most `cap` buckets, each the
+    sum over `width` consecutive steps; when full, neighbours merge and the width doubles.
+
+        b = StepBuckets(cap=4)
+        for step in range(1, 10): b.add(step, [[1.0, 3.0]])
+        b.layer(0)    # ([(1, 4), (5, 8), (9, 9)], [[4., 12.], [4., 12.], [1., 3.]])
+    """
+
+    def __init__(self, cap: int = HISTORY_BUCKETS):
+        self.cap, self.width = cap, 1
+        self.spans: list = []  # [first step, last step, steps summed] per bucket
+        self.sums: list = []  # np.ndarray [L, E] per bucket
+
+    def add(self, step: int, counts_LE) -> None:
+        c_LE = np.asarray(counts_LE, dtype=np.float32)
+        if self.sums and self.spans[-1][2] < self.width and self.sums[-1].shape == c_LE.shape:
+            self.sums[-1] = self.sums[-1] + c_LE
+            self.spans[-1][1:] = [step, self.spans[-1][2] + 1]
+        else:
+            self.sums.append(c_LE)
+            self.spans.append([step, step, 1])
+        if len(self.sums) > self.cap:
+            self.width *= 2
+            pairs = range(0, len(self.sums) - 1, 2)
+            merged = [(self.spans[i][0], self.spans[i + 1][1], self.spans[i][2] + self.spans[i + 1][2],
+                       self.sums[i] + self.sums[i + 1]) for i in pairs if self.sums[i].shape == self.sums[i + 1].shape]
+            tail = len(self.sums) % 2
+            self.spans = [[a, b, n] for a, b, n, _ in merged] + self.spans[len(self.sums) - tail:]
+            self.sums = [m[3] for m in merged] + self.sums[len(self.sums) - tail:]
+
+    def truncate(self, step: int) -> None:
+        """Forget the buckets that reach `step` or later (a requeued run computes them again)."""
+        keep = sum(1 for span in self.spans if span[1] < step)
+        del self.spans[keep:], self.sums[keep:]
+
+    def layer(self, layer: int) -> tuple:
+        """([(first, last) step of each bucket], [bucket][expert] summed loads) of one MoE layer."""
+        rows = [(tuple(sp[:2]), s[layer]) for sp, s in zip(self.spans, self.sums) if layer < len(s)]
+        return [r[0] for r in rows], np.asarray([r[1] for r in rows], dtype=np.float64)
 
 
 @dataclass
@@ -62,6 +107,20 @@ class DashState:
     last_time: float = 0.0
     _rate: deque = field(default_factory=lambda: deque(maxlen=20))  # (time, step) of recent step events
     version: int = 0
+    # training curves beyond loss and throughput, one value per step event (None where a step had none)
+    aux_loss: list = field(default_factory=list)
+    z_loss: list = field(default_factory=list)
+    grad_norm: list = field(default_factory=list)
+    lr: list = field(default_factory=list)
+    dropped_pct_S: list = field(default_factory=list)
+    # balance, one definition (moelab.train.summary.step_balance): per step the mean over MoE layers, and the
+    # per-layer figures ([L, 3] arrays in BALANCE_KEYS order) for one layer's recent mean
+    balance_S: list = field(default_factory=list)
+    balance_SL: list = field(default_factory=list)
+    load_history: StepBuckets = field(default_factory=StepBuckets)  # the load-over-steps heatmap
+    health: dict = field(default_factory=dict)  # the last step's health (dead_experts, overloaded)
+    health_S: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
+    device: str = ""  # from the start event: "cpu", "cuda", ...
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: dict) -> None:
@@ -75,6 +134,7 @@ class DashState:
             self.name = self.name or cfg.get("name", "")
             self.total_steps = event.get("total_steps") or self.total_steps
             self.step = max(self.step, event.get("start_step") or 0)
+            self.device = str((event.get("env") or {}).get("device") or self.device)
             self.event_status = "RUNNING"
         elif kind == "step":
             self._apply_step(event, t)
@@ -93,8 +153,9 @@ class DashState:
         if self.steps and step <= self.steps[-1]:  # a requeued run repeats steps from its last checkpoint
             cut = next(i for i, s in enumerate(self.steps) if s >= step)
             for hist in (self.steps, self.loss, self.tokens_per_s_per_gpu, self.tflops_per_gpu,
-                         self.memory_max, self.memory_min):
+                         self.memory_max, self.memory_min, *self._curves()):
                 del hist[cut:]
+            self.load_history.truncate(step)
             self._rate.clear()
         self.step, self.last = step, ev
         self.steps.append(step)
@@ -116,17 +177,36 @@ class DashState:
         routing = ev.get("routing") or {}
         # the router's demand (before capacity drops: a capacity factor must not hide an imbalance); streams
         # written before routed_per_expert existed only have what the experts computed
-        counts_LE = routing.get("routed_per_expert") or routing.get("tokens_per_expert")
+        counts_LE = demand_LE(ev)
         dropped = routing.get("dropped_tokens")
+        self.dropped_pct = None
         if counts_LE and dropped is not None:
             demand = sum(sum(c) for c in counts_LE)
             self.dropped_pct = 100.0 * sum(dropped) / demand if demand else 0.0
+        self._apply_curves(ev, counts_LE)
         if counts_LE:
             self.routing_window.append(counts_LE)
             if [len(c) for c in self.routing_total_LE] != [len(c) for c in counts_LE]:
                 self.routing_total_LE = [[0.0] * len(c) for c in counts_LE]
             self.routing_total_LE = [[a + b for a, b in zip(tot, c)]
                                      for tot, c in zip(self.routing_total_LE, counts_LE)]
+
+    def _curves(self) -> tuple:
+        """The per-step lists that _apply_curves appends to (cut together on a rewind)."""
+        return (self.aux_loss, self.z_loss, self.grad_norm, self.lr, self.dropped_pct_S, self.balance_S,
+                self.balance_SL, self.health_S)
+
+    def _apply_curves(self, ev: dict, counts_LE) -> None:
+        for key in ("aux_loss", "z_loss", "grad_norm", "lr"):
+            getattr(self, key).append(ev.get(key))
+        self.dropped_pct_S.append(self.dropped_pct)
+        self.balance_S.append(step_balance(counts_LE) if counts_LE else None)
+        per_L = balance_L(counts_LE) if counts_LE else None
+        self.balance_SL.append(np.asarray([per_L[k] for k in BALANCE_KEYS], dtype=np.float64).T if per_L else None)
+        if counts_LE:
+            self.load_history.add(ev["step"], counts_LE)
+        self.health = ev.get("health") or {}
+        self.health_S.append((len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])))
 
     def set_run(self, status: "str | None", error: "str | None" = None) -> None:
         """Record what the Run object says (it knows about jobs that never wrote a line, and cancellations)."""
@@ -178,27 +258,66 @@ class DashState:
             return self.routing_total_LE
         return [[sum(c) for c in zip(*layer)] for layer in zip(*self.routing_window)]
 
+    def span_text(self, window: bool = True) -> str:
+        """What the window-or-whole-run figures cover, for labels: "last 20 steps" or "whole run"."""
+        return f"last {min(ROUTING_WINDOW, len(self.steps))} steps" if window and self.steps else "whole run"
+
     def layer_balance(self, layer: int, window: bool = True) -> dict:
-        """max/mean, cv, entropy and dead experts of one MoE layer (moelab.train.summary.balance)."""
+        """One MoE layer's max/mean, cv and entropy (mean over the last ROUTING_WINDOW steps, or the whole run:
+        the one definition, moelab.train.summary) and its dead experts (no tokens over that span)."""
         counts = self.routing_LE(window)
-        return balance(counts[layer]) if 0 <= layer < len(counts) else balance([])
+        rows = [b[layer] for b in (self.balance_SL[-ROUTING_WINDOW:] if window else self.balance_SL)
+                if b is not None and layer < len(b)]
+        out = mean_balance([dict(zip(BALANCE_KEYS, map(float, r))) for r in rows]) or \
+            {k: 0.0 for k in BALANCE_KEYS}
+        return {**out, "dead": balance(counts[layer])["dead"] if 0 <= layer < len(counts) else 0}
 
     def balance_summary(self, window: bool = False) -> dict:
-        """Balance over all MoE layers: the mean of max/mean, cv and entropy, and the dead experts summed; the
-        figure to compare runs of a load-balancing sweep by. Empty before the first step."""
-        per_layer = [balance(c) for c in self.routing_LE(window)]
-        if not per_layer:
+        """Balance over all MoE layers, the figure to compare runs by: max/mean, cv and entropy as
+        moelab.train.summary.mean_balance defines them (over the whole run, or the last ROUTING_WINDOW steps),
+        and the dead experts at the last step (model.moe.dead_expert_steps without a token). Empty before the
+        first step."""
+        out = mean_balance(self.balance_S[-ROUTING_WINDOW:] if window else self.balance_S)
+        if not out:
             return {}
-        mean = lambda k: sum(b[k] for b in per_layer) / len(per_layer)
-        return {"max_over_mean": mean("max_over_mean"), "cv": mean("cv"), "entropy": mean("entropy"),
-                "dead": sum(b["dead"] for b in per_layer)}
+        return {**out, "dead": self.health_S[-1][0] if self.health_S else 0}
 
     def worst_layer(self, window: bool = True) -> int:
         """The MoE layer with the highest max/mean load (0 when there is no routing yet)."""
-        counts = self.routing_LE(window)
-        if not counts:
+        if not self.num_layers:
             return 0
-        return max(range(len(counts)), key=lambda i: balance(counts[i])["max_over_mean"])
+        return max(range(self.num_layers), key=lambda i: self.layer_balance(i, window)["max_over_mean"])
+
+    # ------------------------------------------------------------------ throughput and health, now and overall
+    def throughput(self, key: str = "tokens_per_s_per_gpu") -> dict:
+        """{"last": the last step, "recent": the mean of the last ROUTING_WINDOW steps, "run": the mean over the
+        run's timed steps (all but the first two, as summary.json)}; None where there is no value."""
+        values = {"tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu}[key]
+        mean = lambda xs: (sum(x for x in xs if x is not None) / max(sum(x is not None for x in xs), 1)
+                           if any(x is not None for x in xs) else None)
+        return {"last": values[-1] if values else None, "recent": mean(values[-ROUTING_WINDOW:]),
+                "run": mean(timed_steps(values))}
+
+    def mfu_text(self) -> str:
+        """MFU of the last step as a percentage, or why there is none."""
+        mfu = self.last.get("mfu")
+        if mfu is not None:
+            return f"{100 * mfu:.1f}%"
+        if not self.last:
+            return "–"
+        return "n/a on CPU: no peak FLOP/s" if self.device.startswith("cpu") else "n/a: unknown peak FLOP/s"
+
+    def health_now(self) -> str:
+        """The experts' health at the last step: "healthy", or how many are dead / overloaded now."""
+        dead, over = len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])
+        if not self.steps:
+            return "–"
+        parts = [f"{dead} dead" if dead else "", f"{over} overloaded" if over else ""]
+        return ", ".join(p for p in parts if p) or "healthy"
+
+    def health_warnings(self) -> list:
+        """The dead / overloaded expert warning events so far (the history; health_now() is the present)."""
+        return [e for e in self.warnings if e.get("kind") in ("dead_expert", "overloaded_expert")]
 
     def seconds_per_step(self) -> "float | None":
         if len(self._rate) < 2:

@@ -70,5 +70,5 @@ class TextView:
                 self._write(line + "\n")
             self._printed_at, self._lines = now, lines
 
-    def resync(self) -> None:
+    def resync(self, final: bool = False) -> None:
         """Nothing to re-send: a terminal already has every line."""

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelab.model.layers import gated
+
 
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
     """torch._grouped_mm needs 16-byte aligned strides; on CUDA it needs bf16 on sm80+; on CPU, fp32 works
@@ -58,6 +60,7 @@ class GroupedExperts(nn.Module):
         # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
         # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
         self.expert_offset = 0
+        self.fp8 = False  # train.fp8='rowwise': FP8 grouped GEMMs (moelab.model.fp8.enable_fp8)
         self.w_gate_up_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * ffn))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn, dim))
         # GPT-OSS biases; "b_" parameters start at zero (MoETransformer.init_weights).
@@ -74,6 +77,10 @@ class GroupedExperts(nn.Module):
         if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
             b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
+        if self.fp8:
+            from moelab.model.fp8 import fp8_experts
+
+            return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
         impl = self.impl
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"
@@ -82,7 +89,7 @@ class GroupedExperts(nn.Module):
 
             return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
-        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS[self.activation])
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation))
 
 
 def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, rotary embeddings, the dense SwiGLU feed-forward.
+"""Small building blocks: RMSNorm, rotary embeddings, the gated dense feed-forward and its activations.
 
 Shapes: B batch, L sequence, D hidden, H heads, Dh head dim, F feed-forward width.
 """
@@ -53,7 +53,9 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s):
     if s.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / max(high - low, 1e-3)
+    if high == low:  # as transformers: a range that collapsed (or is reversed, for short original contexts)
+        high += 0.001  # keeps its sign, so a reversed one keeps every original frequency
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)
     keep = 1 - ramp.clamp(0, 1)  # 1 = keep the original (extrapolated) frequency
     inv_freq = inv_freq / s.factor * (1 - keep) + inv_freq * keep
     if s.mscale and s.mscale_all_dim:
@@ -69,17 +71,48 @@ def apply_rope(x_BHLD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor)
     return x_BHLD * cos_LD + rotated * sin_LD
 
 
-class SwiGLU(nn.Module):
-    """Dense feed-forward: down(silu(gate(x)) * up(x)). Also used for shared experts.
+def _tanh_gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
-        y_BLD = SwiGLU(64, 256)(x_BLD)
+
+# transformers' ACT2FN by name, computed the way transformers computes each (the parameter-free ones; prelu and
+# xielu learn parameters and are refused by ModelConfig.hidden_act).
+HIDDEN_ACTS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+    "gelu_python": lambda x: x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))),
+    "gelu_new": _tanh_gelu, "gelu_accurate": _tanh_gelu, "gelu_python_tanh": _tanh_gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: torch.clip(F.gelu(x), -10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish, "hardswish": F.hardswish,
+    "laplace": lambda x: 0.5 * (1.0 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0)))),
+    "linear": lambda x: x,
+}
+
+
+def gated(act_name: str):
+    """The gated unit act(gate) * up for a ModelConfig.hidden_act name.
+
+        gated("gelu")(gate_NF, up_NF)   # == F.gelu(gate_NF) * up_NF
+    """
+    act = HIDDEN_ACTS[act_name]
+    return lambda gate, up: act(gate) * up
+
+
+class SwiGLU(nn.Module):
+    """Dense gated feed-forward: down(act(gate(x)) * up(x)), act = silu unless `act` names another
+    (ModelConfig.hidden_act). Also used for shared experts.
+
+        ffn = SwiGLU(64, 256, act="gelu"); y_BLD = ffn(x_BLD)
     """
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, act: str = "silu"):
         super().__init__()
+        self.act = HIDDEN_ACTS[act]
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -75,14 +75,16 @@ class MoE(nn.Module):
         moe = MoE(64, load_config("tiny").model.moe, BackendConfig())
         y_BLD = moe(x_BLD)
     """
-    def __init__(self, dim: int, cfg: MoEConfig, backend: BackendConfig):
+    def __init__(self, dim: int, cfg: MoEConfig, backend: BackendConfig, act: str = "silu"):
         super().__init__()
         self.num_experts = cfg.num_experts
         self.router = Router(dim, cfg, backend.fake_balanced_gate, backend.fake_gate_noise)
+        # act (ModelConfig.hidden_act) is the gate's activation; "swiglu" experts with another one take its name
+        activation = cfg.activation if cfg.activation == "gpt_oss" or act in ("silu", "swish") else act
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_size,
                                       backend.experts if backend.experts in ("auto", "grouped_mm", "loop") else "auto",
-                                      bias=cfg.expert_proj_bias, activation=cfg.activation)
-        self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts)
+                                      bias=cfg.expert_proj_bias, activation=activation)
+        self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts, act)
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()
         self.loss_scale = 1.0  # set by the trainer: 1 / micro batches per step

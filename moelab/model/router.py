@@ -17,12 +17,13 @@ from moelab.config import MoEConfig
 
 
 class Router(nn.Module):
-    """Top-k routing (softmax or sigmoid scores, expert groups, aux-loss-free bias, capacity) and the step's
-    routing statistics (pop_stats).
+    """Scores experts, picks each token's top-k (optionally group-limited and biased), weighs them, and keeps
+    the step's routing statistics; in training its loss (aux + z) carries gradient.
 
-        router = Router(64, load_config("tiny").model.moe)
-        weights_TK, experts_TK, keep_TK, loss = router(x_BLD)   # keep_TK: None without capacity dropping
+        router = Router(64, MoEConfig(num_experts=8, top_k=2)); router.reset_buffers()
+        weights_TK, experts_TK, keep_TK, loss = router(x_BLD)
     """
+
     def __init__(self, dim: int, cfg: MoEConfig, fake_balanced_gate: bool = False, fake_gate_noise: float = 0.0):
         super().__init__()
         self.cfg = cfg
@@ -32,6 +33,9 @@ class Router(nn.Module):
         # Means over the tokens of a batch that other ranks share (context parallelism sets an autograd-aware
         # mean over its ranks, moelab.parallel.context); None: this rank holds whole sequences.
         self.token_mean = None
+        # Bool [T] of the tokens that count, set by the trainer for each micro batch when the model has a pad id
+        # (moelab.train.loss.loss_mask); None: every token. Padding stays out of the aux/z losses and statistics.
+        self.token_mask = None
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -80,21 +84,22 @@ class Router(nn.Module):
             scores_TE = torch.sigmoid(logits_TE) if self.cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
             experts_TK = self._select(scores_TE.detach() + self.expert_bias)
             weights_TK = scores_TE.gather(1, experts_TK)
-            if self.cfg.norm_topk_prob and self.top_k > 1:
+            if self.cfg.norm_topk_prob:  # top_k = 1 too: the weight becomes 1 (times route_scale), as in HF
                 weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
             weights_TK = weights_TK * self.cfg.route_scale
         keep_TK = self._capacity_mask(experts_TK, weights_TK) if self.cfg.capacity_factor > 0 else None
 
+        mask_T = self.token_mask.reshape(-1) if self.token_mask is not None else None
         loss = logits_TE.new_zeros(())
         if self.cfg.aux_loss_coeff > 0 and self.training and not self.fake_balanced_gate:
-            aux = self._aux_loss(scores_TE, experts_TK, B, L)
+            aux = self._aux_loss(scores_TE, experts_TK, B, L, mask_T)
             loss = loss + self.cfg.aux_loss_coeff * aux
             self.stat_aux_loss += aux.detach()
         if self.cfg.z_loss_coeff > 0 and self.training:
-            z = torch.logsumexp(logits_TE, -1).pow(2).mean()
+            z = _mean(torch.logsumexp(logits_TE, -1).pow(2), mask_T)
             loss = loss + self.cfg.z_loss_coeff * z
             self.stat_z_loss += z.detach()
-        self._record(experts_TK, keep_TK, scores_TE.detach(), logits_TE.detach())
+        self._record(experts_TK, keep_TK, scores_TE.detach(), logits_TE.detach(), mask_T)
         return weights_TK.to(x_BLD.dtype), experts_TK, keep_TK, loss
 
     # ------------------------------------------------------------------ selection
@@ -138,13 +143,24 @@ class Router(nn.Module):
         return keep.view(T, K)
 
     # ------------------------------------------------------------------ losses
-    def _aux_loss(self, scores_TE, experts_TK, B, L):
+    def _aux_loss(self, scores_TE, experts_TK, B, L, mask_T=None):
         """Switch-style: E * sum_e f_e * P_e (f: share of assignments, P: mean normalised score).
-        "sequence" (DeepSeek-V3) computes it per sequence and averages over sequences."""
+        "sequence" (DeepSeek-V3) computes it per sequence and averages over sequences.
+        `mask_T`: the tokens that count (the others are left out of f and P)."""
         E, K = self.num_experts, self.top_k
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if self.cfg.score_func == "sigmoid" else scores_TE
         onehot_TE = torch.zeros_like(probs_TE).scatter_(1, experts_TK, 1.0)
         mean = self.token_mean or (lambda x: x)
+        if mask_T is not None:
+            m_BL = mask_T.view(B, L).to(probs_TE.dtype)
+            if self.cfg.aux_loss_type == "sequence":
+                n_B1 = m_BL.sum(1, keepdim=True).clamp(min=1)
+                f_BE = mean((onehot_TE.view(B, L, E) * m_BL[..., None]).sum(1) / (n_B1 * K))
+                p_BE = mean((probs_TE.view(B, L, E) * m_BL[..., None]).sum(1) / n_B1)
+                # a sequence of padding only adds 0 and is not counted
+                return (E * (f_BE * p_BE).sum(-1)).sum() / (m_BL.sum(1) > 0).sum().clamp(min=1)
+            m_T1, n = m_BL.reshape(-1, 1), m_BL.sum().clamp(min=1)
+            return E * (mean((onehot_TE * m_T1).sum(0) / (n * K)) * mean((probs_TE * m_T1).sum(0) / n)).sum()
         if self.cfg.aux_loss_type == "sequence":
             f_BE = mean(onehot_TE.view(B, L, E).sum(1) / (L * K))
             p_BE = mean(probs_TE.view(B, L, E).mean(1))
@@ -153,17 +169,19 @@ class Router(nn.Module):
         return E * (f_E * mean(probs_TE.mean(0))).sum()
 
     # ------------------------------------------------------------------ statistics
-    def _record(self, experts_TK, keep_TK, scores_TE, logits_TE):
+    def _record(self, experts_TK, keep_TK, scores_TE, logits_TE, mask_T=None):
         flat = experts_TK.reshape(-1)
-        self.stat_routed_per_expert += torch.bincount(flat, minlength=self.num_experts)
+        # padding (mask_T false) is counted nowhere: weights 0 for its K assignments
+        w = mask_T.repeat_interleave(self.top_k).to(scores_TE.dtype) if mask_T is not None else None
+        self.stat_routed_per_expert += torch.bincount(flat, w, minlength=self.num_experts)
         if keep_TK is not None:
             kept = keep_TK.reshape(-1)
-            self.stat_dropped += (~kept).sum()
+            self.stat_dropped += (~kept).sum() if w is None else ((~kept) * w).sum()
             flat = torch.where(kept, flat, self.num_experts)
-        self.stat_tokens_per_expert += torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        self.stat_tokens_per_expert += torch.bincount(flat, w, minlength=self.num_experts + 1)[: self.num_experts]
         p = scores_TE / scores_TE.sum(-1, keepdim=True)
-        self.stat_entropy += -(p * (p + 1e-20).log()).sum(-1).mean()
-        self.stat_logit_norm += logits_TE.norm(dim=-1).mean()
+        self.stat_entropy += _mean(-(p * (p + 1e-20).log()).sum(-1), mask_T)
+        self.stat_logit_norm += _mean(logits_TE.norm(dim=-1), mask_T)
         self.stat_calls += 1
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
@@ -203,3 +221,11 @@ class Router(nn.Module):
         cv_W = self.load_history.std(dim=1, correction=0)
         spread = (cv_W * filled_W).sum() / self.history_len
         self.capacity_factor.copy_(1 + 0.5 * torch.sigmoid(spread - 1))
+
+
+def _mean(x_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the tokens that count (all of them without a mask)."""
+    if mask_T is None:
+        return x_T.mean()
+    m_T = mask_T.to(x_T.dtype)
+    return (x_T * m_T).sum() / m_T.sum().clamp(min=1)

@@ -42,7 +42,8 @@ class Block(nn.Module):
         self.attention = build_attention(cfg, backend, index)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.is_moe = index >= cfg.num_dense_layers
-        self.ffn = MoE(cfg.hidden_size, cfg.moe, backend) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size)
+        self.ffn = (MoE(cfg.hidden_size, cfg.moe, backend, cfg.hidden_act) if self.is_moe
+                    else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, cfg.hidden_act))
 
     def forward(self, x_BLD, cos_LD, sin_LD):
         x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD)
@@ -60,12 +61,13 @@ class MoETransformer(nn.Module):
         super().__init__()
         backend = backend or BackendConfig()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # padding_idx: the pad row gets no gradient, as in transformers (ModelConfig.pad_token_id)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                           padding_idx=cfg.pad_token_id if cfg.pad_token_id >= 0 else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, backend, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
 
     def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,6 +83,12 @@ class MoETransformer(nn.Module):
         if self.norm is not None:
             h_BLD = self.norm(h_BLD)
         return self.output(h_BLD) if self.output is not None else h_BLD
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings the head IS the embedding (one parameter). Call again after `to_empty`, which
+        gives each module its own new tensor; a pipeline stage without the embedding or the head has nothing to tie."""
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.layers.values() if b.is_moe]
@@ -111,6 +119,8 @@ class MoETransformer(nn.Module):
             else:
                 full = _seeded_randn(p.shape, seed, name)
             p.copy_((full * scale).to(p.device, p.dtype))
+        if self.cfg.pad_token_id >= 0 and self.tok_embeddings is not None:  # as transformers initialises it
+            self.tok_embeddings.weight[self.cfg.pad_token_id] = 0.0
         for moe in self.moe_layers():
             moe.router.reset_buffers()
 

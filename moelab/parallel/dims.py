@@ -100,6 +100,9 @@ class ParallelDims:
                   f"gives {n_micro} micro batches per data-parallel rank; the pipeline schedule needs at least "
                   f"pp={p.pp}" + (" and a multiple of it (interleaved)" if p.vp > 1 else "")
                   + "; raise global_batch_size or lower micro_batch_size")
+        if p.pp > 1 and cfg.model.pad_token_id >= 0:
+            _fail("model.pad_token_id", cfg.model.pad_token_id, "padding masks are not carried through pipeline "
+                  "stages; set model.pad_token_id=-1 or parallel.pp=1")
         if p.pp > 1 and cfg.model.tie_embeddings:
             _fail("model.tie_embeddings", True, "the embedding and the head live on different pipeline stages; "
                   "set model.tie_embeddings=false or parallel.pp=1")

@@ -73,6 +73,7 @@ class Parallelized:
 def materialize(model: nn.Module, cfg: Config, device) -> None:
     """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave the embedding and the head separate tensors
     model.init_weights(cfg.train.seed)
     if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
         for p in model.parameters():

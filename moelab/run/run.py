@@ -146,7 +146,9 @@ class Run:
 
     @property
     def metrics(self):
-        """The step events as a table: scalar fields and memory.* columns (routing is in .routing())."""
+        """The step events as a table: scalar fields and memory.* columns (routing is in .routing()); `time` is
+        a UTC datetime (a float of unix seconds without pandas) and `elapsed_s` the seconds since the first step
+        event."""
         rows = []
         for e in self.events:
             if e["event"] != "step":
@@ -154,11 +156,17 @@ class Run:
             row = {k: v for k, v in e.items() if k not in ("event", "schema", "routing", "health", "memory")}
             row.update({f"memory.{k}": v for k, v in (e.get("memory") or {}).items() if k != "per_rank"})
             rows.append(row)
+        for row in rows:
+            row["elapsed_s"] = row["time"] - rows[0]["time"]
         try:
             import pandas as pd
         except ImportError:
             return rows
-        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
+        if not rows:
+            return pd.DataFrame(columns=["step", "loss", "tokens_per_s", "step_time_s"])
+        df = pd.DataFrame(rows)
+        df["time"] = pd.to_datetime(df["time"], unit="s")
+        return df
 
     def routing(self):
         """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
@@ -237,8 +245,8 @@ class Run:
         p = self.progress()
         loss = f", loss {p['loss']:.4f}" if p["loss"] is not None else ""
         job = f", job {self.job_id}" if self.job_id else ""
-        return f"Run({self.name!r}, {p['status']}, step {p['step']}/{p['total_steps'] or '?'}{loss}, " \
-               f"{self.executor}{job}, folder={str(self.folder)!r})"
+        steps = f"step {p['step']}/{p['total_steps']}" if p["total_steps"] else "not started"
+        return f"Run({self.name!r}, {p['status']}, {steps}{loss}, {self.executor}{job}, folder={str(self.folder)!r})"
 
     def _repr_html_(self) -> str:
         import html

@@ -70,11 +70,39 @@ class Sweep(list):
         return f"Sweep({len(self)} runs{where}: " + ", ".join(f"{r.name}: {r.status}" for r in self) + ")"
 
 
-def runs(root: "str | Path" = "runs") -> list[Run]:
-    """Every run folder under `root` (sweeps included), oldest first."""
+class RunList(list):
+    """What moelab.runs() returns: a list of Runs that shows itself as a table, one row per run.
+
+        rs = moelab.runs("runs")
+        rs.table        # a pandas DataFrame: name, status, step, total_steps, loss, executor, job_id, folder
+        rs[-1].wait()   # still a list of Runs
+    """
+
+    @property
+    def table(self):
+        rows = [{"name": r.name, **r.progress(), "executor": r.executor, "job_id": r.job_id, "folder": str(r.folder)}
+                for r in self]
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame(rows, columns=["name", "status", "step", "total_steps", "loss", "tokens_per_s",
+                                           "executor", "job_id", "folder"])
+
+    def __repr__(self) -> str:
+        table = self.table
+        return table.to_string(index=False) if hasattr(table, "to_string") and self else repr(list(self))
+
+    def _repr_html_(self) -> str:
+        table = self.table
+        return table.to_html(index=False) if hasattr(table, "to_html") else f"<pre>{self!r}</pre>"
+
+
+def runs(root: "str | Path" = "runs") -> RunList:
+    """Every run folder under `root` (sweeps included), oldest first, as a RunList (a table in Jupyter)."""
     root = Path(root)
     if not root.is_dir():
-        return []
+        return RunList()
     found = {p.parent for name in (INFO, METRICS)
              for p in list(root.glob(f"*/{name}")) + list(root.glob(f"*/*/{name}")) + list(root.glob(name))}
-    return [Run(f) for f in sorted(found, key=lambda f: (RunFolder(f).created(), str(f)))]
+    return RunList(Run(f) for f in sorted(found, key=lambda f: (RunFolder(f).created(), str(f))))

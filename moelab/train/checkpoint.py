@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from moelab.config import Config, ConfigError
-from moelab.train.metrics import parse_line
+from moelab.train import diskspace
+from moelab.train.metrics import rewind_metrics, write_durably
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -59,6 +60,13 @@ RESUMABLE_FIELDS = ("name", "parallel", "backend", "train.steps", "train.checkpo
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and what is wrong with it."""
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint that does not fit on the disk: refused before writing, or stopped when the disk filled up
+    (its partial folder removed). The message names the folder, the bytes needed and free, and the fix:
+    "disk full: checkpoint step 6 needs about 3,752,548 bytes (3.6 MiB) in runs/x/checkpoints, and ... are free
+    there. ... Free space and resume: moelab resume runs/x"."""
 
 
 @dataclass
@@ -219,43 +227,88 @@ class Checkpointer:
             return
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes=None) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes=None,
+             check_space: bool = True) -> Path:
         """Write checkpoints/step_<step> (collective); keep the newest `train.keep_checkpoints`. `meshes`: the
-        layout's moelab.parallel.mesh.Meshes when there is one (needed with expert parallelism)."""
+        layout's moelab.parallel.mesh.Meshes when there is one (needed with expert parallelism). Refused with
+        DiskFullError before anything is written when the size estimated from the state dict is more than the
+        free space (`check_space=False` skips that check: as where a quota hides the real limit, the save then
+        meets the full disk while writing). A save that fails removes its partial folder; every rank raises
+        DiskFullError when it ran out of space, CheckpointError otherwise; older checkpoints stay intact."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         name = step_dir_name(step)
         final, tmp = self.root / name, self.root / f".{name}.tmp"
-        if self._rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
-            (tmp / "rng").mkdir(parents=True)
-        self._barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = _global_experts({"model": model_sd, "optim": optim_sd}, meshes)
-        dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
-        rng_name = f"rng/rank_{self._rank:05d}.json"
-        (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
-        # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
-        mine = [f for f in _files(tmp) if f.startswith(f"__{self._rank}_") or f == rng_name]
-        files = {}
-        for part in self._gather({f: _file_record(tmp / f) for f in mine}):
-            files.update(part)
+        need = sum(self._gather(diskspace.state_bytes(state)))
+        refusal = None
         if self._rank == 0:
-            for f in _files(tmp):
-                files.setdefault(f, _file_record(tmp / f))
-            meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
-                    "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
-                    "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
-            meta["crc32"] = _json_crc32(meta)
-            _write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
-            if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
-        self._barrier()
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+            free = diskspace.free_bytes(self.root)
+            if check_space and diskspace.shortage(need, free):
+                refusal = diskspace.disk_full_message(self.root, step, need, free, self.run_dir, None)
+        refusal = self._broadcast(refusal)
+        if refusal:
+            raise DiskFullError(refusal)
+        error, mine = None, {}
+        try:
+            if self._rank == 0:
+                (tmp / "rng").mkdir(parents=True)
+            self._barrier()
+            dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
+            rng_name = f"rng/rank_{self._rank:05d}.json"
+            (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
+            # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
+            mine = {f: _file_record(tmp / f) for f in _files(tmp) if f.startswith(f"__{self._rank}_") or f == rng_name}
+        except (Exception, CheckpointException) as e:
+            error = e
+        parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
+                              "no_space": diskspace.no_space_error(error)})
+        failure = next((p["error"] for p in parts if p["error"]), None)
+        outcome = None  # rank 0: None when saved, else (out of space?, message) for every rank to raise
+        if self._rank == 0:
+            if failure is None:
+                try:
+                    self._finish(step, tmp, final, {f: r for p in parts for f, r in p["files"].items()})
+                except Exception as e:
+                    error, failure = e, _describe(e)
+                    parts.append({"no_space": diskspace.no_space_error(e)})
+            if failure is not None:
+                outcome = self._failed(step, tmp, need, failure, any(p["no_space"] for p in parts))
+        outcome = self._broadcast(outcome)
+        if outcome is not None:
+            no_space, message = outcome
+            raise (DiskFullError if no_space else CheckpointError)(message) from error
         return final
+
+    def _finish(self, step: int, tmp: Path, final: Path, files: dict) -> None:
+        """Rank 0: metadata.json (written last: it means "complete"), the rename into place, pruning."""
+        for f in _files(tmp):
+            files.setdefault(f, _file_record(tmp / f))
+        meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
+                "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
+                "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
+        meta["crc32"] = _json_crc32(meta)
+        write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
+        if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+
+    def _failed(self, step: int, tmp: Path, need: int, failure: str, no_space: bool) -> tuple[bool, str]:
+        """Rank 0, after a failed save: remove the partial folder; (out of space?, the message to raise)."""
+        written, free = diskspace.folder_bytes(tmp), diskspace.free_bytes(self.root)
+        no_space = no_space or diskspace.left_too_little(need, written, free)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if no_space:
+            free = diskspace.free_bytes(self.root)
+            return True, diskspace.disk_full_message(self.root, step, need, free, self.run_dir, tmp)
+        return False, f"checkpoint step {step} could not be saved in {self.root} ({failure}); the partial " \
+                      f"folder {tmp} was removed, older checkpoints are intact"
 
     def _prune(self) -> None:
         complete = [p for p in list_checkpoints(self.run_dir) if (p / "metadata.json").is_file()]
@@ -312,9 +365,8 @@ class Checkpointer:
                     f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
                     f"onto {now['world_size']} ranks with layout {now['layout']}")})
         if self._rank == 0 and metrics_path is not None:
-            out.records, cut = rewind_metrics(metrics_path, out.step)
-            if cut:
-                out.warnings.append({"kind": "truncated_metrics_line", "message": cut})
+            out.records, notes = rewind_metrics(metrics_path, out.step)
+            out.warnings.extend(notes)
         for w in out.warnings:
             w["step"] = out.step
         self._barrier()
@@ -382,34 +434,16 @@ def _copy_back(view, state) -> None:
             state[k] = v
 
 
-# ---------------------------------------------------------------------- the metrics stream on resume
-def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], str]:
-    """Rewrite metrics.jsonl (atomically) without the step and checkpoint events after `step`: the resumed run
-    writes them again, so every step appears exactly once. Returns the kept step events and, if the last line
-    was cut by a kill mid-write, a message saying it was dropped. A corrupt complete line raises MetricsError."""
-    path = Path(path)
-    if not path.exists():
-        return [], ""
-    lines = path.read_bytes().split(b"\n")
-    tail = lines.pop()
-    kept, records = [], []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        event = parse_line(line, f"{path}:{i}")
-        if event["event"] in ("step", "checkpoint") and event.get("step", 0) > step:
-            continue
-        kept.append(line)
-        if event["event"] == "step":
-            records.append(event)
-    tmp = path.with_name(path.name + ".rewind")
-    _write_durably(tmp, b"".join(line + b"\n" for line in kept))
-    os.replace(tmp, path)
-    cut = f"{path}:{len(lines) + 1}: dropped a half-written last line ({len(tail)} bytes)" if tail.strip() else ""
-    return records, cut
-
-
 # ---------------------------------------------------------------------- helpers
+def _describe(e: BaseException) -> str:
+    """One line for an exception (DCP's CheckpointException: the first failing rank's)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, (inner, _) = next(iter(failures.items()))
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}"
+
+
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
@@ -428,13 +462,6 @@ def _json_crc32(obj: dict) -> int:
 
 def _file_record(path: Path) -> dict:
     return {"size": path.stat().st_size, "crc32": _crc32(path)}
-
-
-def _write_durably(path: Path, data: "str | bytes") -> None:
-    with open(path, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -3,36 +3,111 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from moelab.config import Config
 
 
+def balance_L(counts_LE) -> dict:
+    """Load-balance figures of each MoE layer from one step's tokens per expert (a [layers][experts] array):
+    max/mean (the busiest expert over the mean load), cv (std / mean, population std), normalised entropy
+    (1 = perfectly even) and dead (experts that got nothing); each a list over layers. A layer that routed
+    nothing has max/mean, cv and entropy 0 and every expert dead."""
+    c_LE = np.asarray(counts_LE, dtype=np.float64)
+    if c_LE.ndim != 2 or c_LE.shape[1] == 0:
+        n = c_LE.shape[-1] if c_LE.ndim == 2 else 0
+        return {"max_over_mean": [0.0] * len(c_LE), "cv": [0.0] * len(c_LE), "entropy": [0.0] * len(c_LE),
+                "dead": [n] * len(c_LE)}
+    E = c_LE.shape[1]
+    total_L = c_LE.sum(-1)
+    ok_L = total_L > 0
+    mean_L = np.where(ok_L, total_L / E, 1.0)
+    p_LE = c_LE / np.where(ok_L, total_L, 1.0)[:, None]
+    plogp_LE = np.where(p_LE > 0, p_LE * np.log(np.where(p_LE > 0, p_LE, 1.0)), 0.0)
+    entropy_L = -plogp_LE.sum(-1) / math.log(E) if E > 1 else np.ones(len(c_LE))
+    zero = lambda x_L: [float(v) if k else 0.0 for v, k in zip(x_L, ok_L)]
+    return {"max_over_mean": zero(c_LE.max(-1) / mean_L), "cv": zero(c_LE.std(-1) / mean_L),
+            "entropy": zero(entropy_L), "dead": [int(d) for d in (c_LE == 0).sum(-1)]}
+
+
 def balance(counts: list[float]) -> dict:
-    """Load-balance figures of one layer's tokens per expert: max/mean, coefficient of variation, normalised
-    entropy (1 = perfectly even), and the number of experts that got nothing."""
-    n = len(counts)
-    total = sum(counts)
-    if n == 0 or total <= 0:
-        return {"max_over_mean": 0.0, "cv": 0.0, "entropy": 0.0, "dead": n}
-    mean = total / n
-    std = math.sqrt(sum((c - mean) ** 2 for c in counts) / n)
-    shares = [c / total for c in counts if c > 0]
-    entropy = -sum(s * math.log(s) for s in shares) / math.log(n) if n > 1 else 1.0
-    return {"max_over_mean": max(counts) / mean, "cv": std / mean, "entropy": entropy,
-            "dead": sum(1 for c in counts if c == 0)}
+    """balance_L of one layer: {max_over_mean, cv, entropy, dead}."""
+    return {k: v[0] for k, v in balance_L([list(counts)]).items()} if len(counts) else \
+        {"max_over_mean": 0.0, "cv": 0.0, "entropy": 0.0, "dead": 0}
+
+
+# moelab's ONE definition of a run's balance (dashboard, summary, compare, README): per step and MoE layer on
+# the router's demand (routed_per_expert: before capacity drops), max/mean and cv as balance_L computes them,
+# averaged over the layers of the step (step_balance), then over steps (mean_balance: the whole run, or the
+# last N steps where a view says "last N steps").
+BALANCE_KEYS = ("max_over_mean", "cv", "entropy")
+
+
+def step_balance(counts_LE) -> "dict | None":
+    """One step's balance: balance_L averaged over the MoE layers that routed tokens (None if none did)."""
+    per_L = balance_L(counts_LE)
+    routed = [i for i, c in enumerate(counts_LE) if sum(c) > 0]
+    if not routed:
+        return None
+    return {k: sum(per_L[k][i] for i in routed) / len(routed) for k in BALANCE_KEYS}
+
+
+def mean_balance(per_step: list) -> "dict | None":
+    """The mean over steps of step_balance (or of one layer's balance) dicts; None entries are skipped."""
+    steps = [b for b in per_step if b]
+    if not steps:
+        return None
+    return {k: sum(b[k] for b in steps) / len(steps) for k in BALANCE_KEYS}
+
+
+def demand_LE(record: dict):
+    """The router's demand of a step event: routed_per_expert, or tokens_per_expert in older streams."""
+    routing = record.get("routing") or {}
+    return routing.get("routed_per_expert") or routing.get("tokens_per_expert")
+
+
+def timed_steps(records: list) -> list:
+    """The steps a run's throughput is averaged over: all but the first two (start-up and warm-up)."""
+    return records[2:] if len(records) > 3 else records
+
+
+def _well_formed(r: dict, layers: int) -> bool:
+    """A step record with every field the summary reads, `layers` MoE layers of routing (a step event read
+    back from a damaged stream may parse and still lack them)."""
+    num = (int, float)
+    routing, memory = r.get("routing"), r.get("memory")
+    return (isinstance(r.get("loss"), num) and isinstance(memory, dict)
+            and isinstance(memory.get("max_peak_allocated_gb"), num) and isinstance(routing, dict)
+            and isinstance(routing.get("tokens_per_expert"), list) and len(routing["tokens_per_expert"]) == layers
+            and all(isinstance(c, list) and all(isinstance(x, num) for x in c)
+                    for c in routing["tokens_per_expert"])
+            and isinstance(routing.get("dropped_tokens"), list)
+            and all(isinstance(x, num) for x in routing["dropped_tokens"]))
 
 
 def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0) -> dict:
-    """Throughput is averaged over steps after the first two of this process (start-up and warm-up)."""
-    timed = records[2:] if len(records) > 3 else records
+    """Throughput is averaged over timed_steps (all but the first two of this process); balance is
+    mean_balance over every step, per MoE layer in routing_balance and over layers in `balance`. Records that
+    lack a field the summary reads (read back from a damaged stream) are left out and counted in
+    `unreadable_steps`."""
+    counts = [len(r["routing"]["tokens_per_expert"]) for r in records
+              if isinstance(r.get("routing"), dict) and isinstance(r["routing"].get("tokens_per_expert"), list)]
+    layers = max(set(counts), key=counts.count) if counts else 0  # what nearly every record has
+    usable = [r for r in records if _well_formed(r, layers)]
     out: dict = {"name": cfg.name, "status": status, "steps": records[-1]["step"] if records else start_step,
                  "total_steps": cfg.train.steps, "start_step": start_step}
+    if len(usable) < len(records):
+        out["unreadable_steps"] = len(records) - len(usable)
+    records = usable
+    timed = timed_steps(records)
     if not records:
         return out
     mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / max(
         sum(1 for r in timed if r.get(key) is not None), 1)
-    layers = len(records[-1]["routing"]["tokens_per_expert"])
-    totals = [[sum(c) for c in zip(*(r["routing"]["tokens_per_expert"][i] for r in records))]
-              for i in range(layers)]
+    per_step_L = [balance_L(demand_LE(r)) for r in records]
+    totals = [[sum(c) for c in zip(*(demand_LE(r)[i] for r in records))] for i in range(layers)]
+    routing_balance = [{"layer": i, **mean_balance([{k: b[k][i] for k in BALANCE_KEYS} for b in per_step_L]),
+                        "dead": balance(totals[i])["dead"]} for i in range(layers)]
     out.update(
         first_loss=records[0]["loss"], final_loss=records[-1]["loss"],
         tokens_per_s=mean("tokens_per_s"), tokens_per_s_per_gpu=mean("tokens_per_s_per_gpu"),
@@ -41,7 +116,7 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
         peak_memory_gb=max(r["memory"]["max_peak_allocated_gb"] for r in records),
         dropped_tokens=sum(sum(r["routing"]["dropped_tokens"]) for r in records),
         skipped_steps=sum(1 for r in records if r.get("skipped")),
-        routing_balance=[{"layer": i, **balance(c)} for i, c in enumerate(totals)])
+        routing_balance=routing_balance, balance=mean_balance([step_balance(demand_LE(r)) for r in records]))
     return out
 
 
@@ -55,7 +130,7 @@ def format_summary(s: dict) -> str:
              f"{s['tflops_per_gpu']:.3f} TFLOPs/GPU" + (f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""),
              f"  peak memory {s['peak_memory_gb']:.2f} GB, dropped tokens {s['dropped_tokens']:.0f}"]
     if s["routing_balance"]:
-        lines.append("  routing balance per MoE layer (max/mean load, coefficient of variation):")
+        lines.append("  routing balance per MoE layer (max/mean load, coefficient of variation; mean over steps):")
         for b in s["routing_balance"]:
             lines.append(f"    layer {b['layer']}: max/mean {b['max_over_mean']:.2f}  cv {b['cv']:.2f}"
                          f"  dead experts {b['dead']}")

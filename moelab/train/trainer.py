@@ -30,7 +30,7 @@ from moelab.train.checkpoint import Checkpointer
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
-from moelab.train.loss import cross_entropy
+from moelab.train.loss import cross_entropy, loss_mask
 from moelab.train.metrics import MetricsWriter, append_event
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
@@ -81,6 +81,11 @@ class Trainer:
         # then materialise and initialise only what is left: the same weights as one process would have.
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.backend)
+        if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
+            from moelab.model.fp8 import check_fp8, enable_fp8
+
+            check_fp8(cfg, env.device)
+            enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
         self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
@@ -115,7 +120,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
-        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses."""
+        """Forward and backward over this rank's micro batches; returns the summed micro-batch losses. Under
+        train.fp8 with several micro batches the expert weights are quantised once for all of them."""
+        if self.cfg.train.fp8 != "off" and self.micro_per_rank > 1:
+            from moelab.model.fp8_cache import expert_weights_cached
+
+            with expert_weights_cached(self.model, self.dtype if self.env.is_cuda else None):
+                return self.micro_batches(step)
+        return self.micro_batches(step)
+
+    def micro_batches(self, step: int) -> torch.Tensor:
         t, par = self.cfg.train, self.par
         if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
             size = self.micro_per_rank * t.micro_batch_size
@@ -127,15 +141,22 @@ class Trainer:
             # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
             batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device, non_blocking=True)
             inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
+            mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing stats
+            for moe in par.moe_layers:
+                moe.router.token_mask = mask
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
                 logits = self.model(inputs, par.positions(t.seq_len, self.env.device))
-            loss = cross_entropy(logits, targets, compiled=t.compile)
+            loss = cross_entropy(logits, targets, compiled=t.compile, pad_token_id=self.cfg.model.pad_token_id)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
         return loss_sum
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int, metrics: bool = True) -> dict:
+        """One optimizer step. metrics=False (moelab.bench's metrics-overhead variant) makes the same updates
+        (optimizer, expert learning rates, router bias, capacity) without collecting metrics: only the routing
+        counts those updates need are summed over ranks, on the device; nothing is read on the host, so there
+        is no non-finite check either. Returns {"step", "lr"} then."""
         cfg, par = self.cfg, self.par
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr)
@@ -148,6 +169,11 @@ class Trainer:
         E, n_layers = cfg.model.moe.num_experts, len(moes)
         stats = [m.router.pop_stats() if m is not None else None for m in moes]
         dev = self.env.device
+        if not metrics:
+            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=dev)
+                      for key in ("tokens_per_expert", "routed_per_expert") for s in stats]
+            self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
+            return {"step": step, "lr": lr}
         pack = StatsPack()
         pack.add("loss", par.loss_contribution(loss_sum))
         pack.add("grad_norm", grad_norm.reshape(1).float() * par.grad_norm_weight())
@@ -181,25 +207,32 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             skipped = True
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if n_layers:
-                # the summed counts are still on the device: no host-to-device copy (it would wait for the
-                # optimizer step just queued)
-                counts = packed[pack.slice("tokens_per_expert")].view(n_layers, E)
-                routed = packed[pack.slice("routed_per_expert")].view(n_layers, E)
-                if self.expert_lr is not None:
-                    self.expert_lr.apply(counts)
-            for i, moe in enumerate(moes):
-                if moe is not None:
-                    moe.router.update_bias(routed[i])
-                    moe.router.update_capacity(routed[i])
+            # the summed counts are still on the device: no host-to-device copy (it would wait for the
+            # optimizer step just queued)
+            counts_2LE = torch.stack([packed[pack.slice("tokens_per_expert")],
+                                      packed[pack.slice("routed_per_expert")]]).view(2, n_layers, E)
+            self.apply_step(counts_2LE if n_layers else None)
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]),
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
                             "dropped_tokens": per_layer["dropped"],
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
                             "capacity_factor": per_layer["capacity_factor"]}}
+
+    def apply_step(self, counts_2LE: "torch.Tensor | None") -> None:
+        """The optimizer step and the routing updates after it, from the per-expert token counts summed over
+        ranks ([tokens kept, tokens routed] x layers x experts, on the device; None without MoE layers)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if counts_2LE is None:
+            return
+        counts, routed = counts_2LE
+        if self.expert_lr is not None:
+            self.expert_lr.apply(counts)
+        for i, moe in enumerate(self.par.moe_layers_all):
+            if moe is not None:
+                moe.router.update_bias(routed[i])
+                moe.router.update_capacity(routed[i])
 
     def nonfinite_hint(self) -> str:
         """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails)."""

@@ -2,7 +2,7 @@
 included) form no cycle, and none points up the layers
 
     contract (run/folder.py, presets/) -> config -> layout (parallel/dims.py) -> planner -> model, backends
-    -> parallel, hf -> train, bench -> launch -> run, session -> live, cli, gallery, the package's face
+    -> parallel, hf/ -> train, bench -> launch -> run, session -> live, cli, gallery, the package's face
 
 A module may import its own layer and any layer below it. A package face (an __init__.py that lower layers
 pass through when they import one of its modules) imports nothing at module level, so that passing through it
@@ -18,11 +18,11 @@ PACKAGE = ROOT / "moelab"
 # (layer name, path prefixes relative to moelab/), lowest first; the longest matching prefix wins
 LAYERS = [
     ("contract", ["run/folder.py", "presets/"]),
-    ("config", ["config.py"]),
+    ("config", ["config.py", "yaml_loader.py"]),
     ("layout", ["parallel/dims.py"]),
     ("planner", ["planner/", "model_shapes.py"]),
     ("model", ["model/", "backends/"]),
-    ("parallel", ["parallel/", "hf.py"]),
+    ("parallel", ["parallel/", "hf/"]),
     ("train", ["train/", "bench.py"]),
     ("launch", ["launch/"]),
     ("run", ["run/", "session.py"]),

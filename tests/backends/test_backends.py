@@ -138,3 +138,59 @@ def test_grouped_backends_refuse_experts_they_would_compute_wrongly(monkeypatch,
     gpt_oss_like = {"backend.experts": experts, "model.moe.expert_proj_bias": True, "model.moe.activation": "gpt_oss"}
     with pytest.raises(BackendUnavailable, match="plain SwiGLU experts.*use backend.experts=auto"):
         check_backends(cfg(**gpt_oss_like), device="cuda")
+
+
+def test_installed_but_broken_te_names_the_real_cause(tmp_path):
+    """TE installed but its torch extension cannot load (a wrong CUDA/torch build): the error names the module
+    that failed and the innermost cause, not an AttributeError. A real package on disk, imported for real."""
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch" / "__init__.py").write_text(
+        "try:\n    import transformer_engine_torch_missing_ext\n"
+        "except ImportError as e:\n    raise RuntimeError('transformer_engine_torch failed to load') from e\n")
+    code = ("from moelab.backends import import_package, BackendUnavailable\n"
+            "try:\n    import_package('te')\nexcept BackendUnavailable as e:\n    print('ERR', e)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    msg = out.stdout
+    assert msg.startswith("ERR") and "transformer_engine.pytorch does not import" in msg
+    assert "transformer_engine_torch failed to load" in msg
+    assert "No module named 'transformer_engine_torch_missing_ext'" in msg  # the innermost cause
+
+
+MLA = {"model.attention": "mla", "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8,
+       "model.qk_rope_head_dim": 8, "model.v_head_dim": 8}
+
+
+@pytest.mark.parametrize("over,ok", [
+    ({"backend.te_fp8": "current"}, False),  # needs backend.attention=te
+    ({"backend.te_fp8": "block", "backend.attention": "te"}, True),
+    ({"backend.te_fp8": "current", "backend.attention": "te", **MLA}, False),
+])
+def test_te_fp8_recipes_are_validated(over, ok):
+    if ok:
+        assert cfg(**over).backend.te_fp8 == over["backend.te_fp8"]
+        return
+    with pytest.raises(ConfigError, match="backend.te_fp8"):
+        cfg(**over)
+
+
+def test_te_attention_is_accepted_for_mla_and_sinks(monkeypatch):
+    """MLA and GPT-OSS's sinks are no longer refused by the TE attention backend: with TE present, only the
+    hardware decides (here: a CPU run)."""
+    monkeypatch.setitem(backends._DETECTED, "te", True)
+    for c in (cfg(**{"backend.attention": "te", **MLA}),
+              cfg(**{"backend.attention": "te", "model.attention_sinks": True})):
+        with pytest.raises(BackendUnavailable, match="this run is on 'cpu'"):
+            check_backends(c, device="cpu")
+
+
+@pytest.mark.parametrize("experts", ["grouped_gemm", "te"])
+def test_grouped_backends_refuse_another_hidden_act(monkeypatch, experts):
+    # their kernels compute silu(gate) * up: a gelu model would be computed wrongly, silently
+    monkeypatch.setitem(backends._DETECTED, "grouped_gemm", True)
+    monkeypatch.setitem(backends._DETECTED, "te", True)
+    with pytest.raises(BackendUnavailable, match="model.hidden_act='gelu'"):
+        check_backends(cfg(**{"backend.experts": experts, "model.hidden_act": "gelu"}), device="cuda")

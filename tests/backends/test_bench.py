@@ -37,3 +37,37 @@ def test_bench_api_without_variants():
     rec = bench(load_config("tiny"), steps=1, warmup=0, real_router=False, metrics_overhead=False, command="t")
     assert "real_router" not in rec and "metrics_overhead" not in rec and rec["command"] == "t"
     assert rec["steps"] == 1 and rec["param_dtype"] == "float32"
+    assert rec["compile"] is False and rec["fp8"] == "off"  # every record says how it was computed
+
+
+def test_step_without_metrics_makes_the_same_updates(tmp_path):
+    """bench's metrics-overhead variant differs from the trainer's step only in metrics: the same parameters,
+    router bias (aux-loss-free balancing), dynamic capacity and per-expert learning rates after the same steps."""
+    import torch
+
+    from moelab.bench import step_without_metrics
+    from moelab.config import load_config
+    from moelab.train.trainer import Trainer
+
+    cfg = load_config("tiny", ["model.moe.bias_update_rate=0.01", "model.moe.capacity_factor=1.5",
+                               "model.moe.dynamic_capacity=true", "model.moe.expert_lr_power=0.5",
+                               "train.steps=4", "train.save_checkpoints=false"])
+    trainers = []
+    for name, metrics in (("with", True), ("without", False)):
+        tr = Trainer(cfg, tmp_path / name)
+        tr.setup()
+        for step in (1, 2, 3):
+            tr.train_step(step) if metrics else step_without_metrics(tr, step)
+        trainers.append(tr)
+    a, b = (dict(t.model.state_dict()) for t in trainers)
+    assert a.keys() == b.keys()
+    biases = [k for k in a if k.endswith("expert_bias")]
+    assert biases and any(a[k].abs().sum() > 0 for k in biases)  # the bias did move
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    histories = [k for k in a if k.endswith("load_history")]
+    assert histories and any(a[k].abs().sum() > 0 for k in histories)  # dynamic capacity saw the loads
+    # the per-expert learning rates were applied after each optimizer step (apply() consumes the snapshot)
+    assert all(t.expert_lr is not None and t.expert_lr._before is None for t in trainers)
+    for t in trainers:
+        t.env.shutdown()

@@ -284,8 +284,9 @@ def test_rewind_drops_steps_after_the_checkpoint_and_a_cut_last_line(tmp_path):
     w.close()
     with open(path, "ab") as f:
         f.write(b'{"event": "st')
-    records, cut = rewind_metrics(path, 3)
-    assert [r["step"] for r in records] == [1, 2, 3] and "half-written" in cut
+    records, notes = rewind_metrics(path, 3)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [n["kind"] for n in notes] == ["truncated_metrics_line"] and "half-written" in notes[0]["message"]
     events = read_events(path)
     assert [(e["event"], e.get("step")) for e in events] == [
         ("start", None), ("step", 1), ("step", 2), ("step", 3), ("checkpoint", 3)]

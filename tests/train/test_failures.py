@@ -125,7 +125,7 @@ def test_damaged_bytes_are_an_error_naming_the_line_never_a_crash(tmp_path):
         path.write_bytes(bytes(damaged))
         tally[0] += 1
         try:
-            events = read_events(path, live=True)
+            events = read_events(path, live=True, strict=True)
         except MetricsError as e:
             tally[1] += 1
             assert f"{path}:" in str(e)  # names the file and line
@@ -153,7 +153,7 @@ def test_a_corrupt_line_in_the_middle_is_reported_with_its_number(tmp_path, line
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"\n".join(data))
     with pytest.raises(MetricsError, match=f"bad.jsonl:3: .*{words}"):
-        read_events(path)
+        read_events(path, strict=True)
     tail = JsonlTail(path)
     assert len(tail.poll()) == 5 and len(tail.errors) == 1 and ":3:" in tail.errors[0]
 

@@ -9,58 +9,13 @@ transformers = pytest.importorskip("transformers")
 from moelab import load_hf, save_hf  # noqa: E402
 from moelab.config import ConfigError  # noqa: E402
 
-V = 96
+V = 96  # conftest's vocabulary
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
 
 
-def _qwen():
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[0], rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
-
-
-def _deepseek():
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, n_group=4, topk_group=2,
-        num_experts_per_tok=3, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 64}))
-
-
-def _gpt_oss(intermediate_size=16):  # transformers' default GPT-OSS rope: yarn, factor 32, truncate false
-    return transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=4))
-
-
-BUILDERS = {"qwen3_moe": _qwen, "deepseek_v3": _deepseek, "gpt_oss": _gpt_oss}
-
-
-def _randomize(model, seed=0, buffers=True):
-    """Random values everywhere (HF's init leaves biases, sinks and the DeepSeek score bias at zero), large enough
-    to reach GPT-OSS's clamp and to make routing choices matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + (list(model.named_buffers()) if buffers else []):
-            if not t.is_floating_point() or "inv_freq" in name:
-                continue
-            noise = torch.randn(t.shape, generator=g)
-            if "norm" in name:
-                t.copy_(1 + 0.2 * noise)
-            elif "experts" in name and "shared" not in name:
-                t.copy_(0.6 * noise)
-            else:
-                t.copy_(0.3 * noise)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(BUILDERS))
-def hf_checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    ref = _randomize(BUILDERS[request.param]())
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_checkpoint(request, tmp_path_factory, hfm):
+    ref = hfm.build(request.param)
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path, max_shard_size="40KB")  # sharded: exercises the index json
     ids = torch.randint(0, V, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -90,12 +45,11 @@ def test_save_hf_round_trip_loads_in_transformers(hf_checkpoint, tmp_path):
     torch.testing.assert_close(load_hf(tmp_path).eval()(ids).detach(), ref_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_expert_layout_loads_like_per_expert(tmp_path):
+def test_fused_expert_layout_loads_like_per_expert(tmp_path, hfm):
     """transformers' in-memory fused layout ([E, 2F, D] gate|up, [E, D, F]) is read as well as per-expert files."""
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(0)
-    ref = _randomize(_qwen())
+    ref = hfm.build("qwen3_moe")
     ref.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     for i in (1, 2):
@@ -124,13 +78,12 @@ def test_load_hf_overrides_and_errors(hf_checkpoint, tmp_path):
         load_hf(tmp_path)
 
 
-def test_block_fp8_checkpoint_is_dequantized(tmp_path):
+def test_block_fp8_checkpoint_is_dequantized(tmp_path, hfm):
     """The published DeepSeek-V3 / Kimi-K2 layout: 2-D weights in float8_e4m3fn with a `weight_scale_inv` per
     block; the logits must equal transformers' on the dequantized weights."""
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(0)
-    ref = _randomize(_deepseek())
+    ref = hfm.build("deepseek_v3")
     ref.save_pretrained(tmp_path)
     state, block = load_file(tmp_path / "model.safetensors"), 16
     params = dict(ref.named_parameters())
@@ -171,14 +124,13 @@ def test_block_fp8_checkpoint_is_dequantized(tmp_path):
         load_hf(tmp_path)
 
 
-def test_mxfp4_gpt_oss_checkpoint_is_dequantized(tmp_path):
+def test_mxfp4_gpt_oss_checkpoint_is_dequantized(tmp_path, hfm):
     """The published GPT-OSS layout: expert matrices as MXFP4 `_blocks` + `_scales`; compared with transformers'
     own dequantization (transformers.integrations.mxfp4.convert_moe_packed_tensors)."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    torch.manual_seed(0)
-    ref = _randomize(_gpt_oss(intermediate_size=32))  # MXFP4 packs 32 values per scale
+    ref = hfm.build("gpt_oss", intermediate_size=32)  # MXFP4 packs 32 values per scale
     ref.save_pretrained(tmp_path)
     state, g = load_file(tmp_path / "model.safetensors"), torch.Generator().manual_seed(5)
     for i, layer in enumerate(ref.model.layers):
@@ -200,7 +152,7 @@ def test_mxfp4_gpt_oss_checkpoint_is_dequantized(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-30b-a3b-proxy", "deepseek-v3-proxy", "gpt-oss-20b-proxy"])
-def test_save_hf_of_a_moelab_model_loads_in_transformers(preset, tmp_path):
+def test_save_hf_of_a_moelab_model_loads_in_transformers(preset, tmp_path, hfm):
     """A model built by moelab (no config.json behind it) exports to the matching HF family, YaRN included."""
     from moelab.config import load_config
     from moelab.model import build_model
@@ -213,7 +165,7 @@ def test_save_hf_of_a_moelab_model_loads_in_transformers(preset, tmp_path):
                                    "model.moe.num_groups": 4, "model.moe.topk_groups": 2},
              "gpt-oss-20b-proxy": {"model.sliding_window": 4, "backend.attention": "eager"}}
     cfg = load_config(preset, {**small, **extra.get(preset, {})})
-    model = _randomize(build_model(cfg), buffers=False)  # moelab's buffers: routing state, capacity, statistics
+    model = hfm.randomize(build_model(cfg), buffers=False)  # moelab's buffers: routing state, capacity, statistics
     save_hf(model, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(3))

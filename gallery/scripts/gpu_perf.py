@@ -1,0 +1,297 @@
+"""moelab's side of the issue-17 GPU call (gallery/scripts/gpu_perf.sh): throughput records, a profile summary
+and the FP8 loss-parity curves.
+
+    python gallery/scripts/gpu_perf.py bench  --out DIR [--fp8 off,rowwise] [--gbs 2,16] [--profile] [--set k=v]
+    python gallery/scripts/gpu_perf.py parity --out DIR [--steps 300] [--fp8 off,rowwise] [--set k=v]
+    python gallery/scripts/gpu_perf.py table  DIR          # the short table of every record under DIR
+    python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
+
+bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 parameters, train.compile=true),
+built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch, first in bf16
+(--triton-adamw: again with moelab.train.adamw_triton's optimizer, then back to torch's), then converted in
+place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
+global batch (moelab.bench's fields plus fp8, compile, variant). --profile: one compiled step under
+torch.profiler, kernels summed by category (matmul, attention, optimizer, elementwise, permute, comm, other).
+parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 32 experts top 4, vocab
+8192, the synthetic Markov data, seq 1024, global batch 8, eager, fp32 master weights + bf16 autocast) trained `--steps` steps from the same seed; the
+loss curve is written to DIR/parity-<fp8>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from moelab.bench import Bencher, bench_config, commit_id
+from moelab.config import load_config
+from moelab.flops import FLOPS_CONVENTION
+
+PRESET = "qwen3-moe-30b-a3b-proxy"
+BENCH_SET = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compile=true",
+             "backend.fake_balanced_gate=false", "train.seq_len=4096", "train.micro_batch_size=2",
+             "train.global_batch_size=2", "train.save_checkpoints=false"]
+DRY_SET = ["train.compile=false", "train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=2",
+           "train.save_checkpoints=false"]
+PARITY_SET = ["model.hidden_size=1024", "model.num_layers=4", "model.num_heads=16", "model.num_kv_heads=4",
+              "model.head_dim=64", "model.vocab_size=8192", "model.moe.num_experts=32", "model.moe.top_k=4",
+              "model.moe.expert_ffn_size=512", "train.seq_len=1024", "train.micro_batch_size=8",
+              "train.global_batch_size=8", "train.lr=0.001", "train.warmup_steps=20", "train.grad_clip=1.0",
+              "train.dtype=bfloat16", "train.param_dtype=float32", "data.kind=synthetic", "train.seed=0",
+              "train.save_checkpoints=false", "train.checkpoint_every=0", "parallel.ep=1"]
+
+# Kernel-name patterns -> category, first match wins (CUDA kernel names as torch.profiler reports them).
+CATEGORIES = [
+    ("comm", r"nccl|all_?reduce|all_?gather|reduce_?scatter|alltoall|all_to_all"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn.*mha|_efficient_attention"),
+    ("optimizer", r"adam|fused_.*optim|multi_tensor_apply|foreach|_amp_foreach|lpnorm|clip"),
+    ("matmul", r"gemm|aten::mm|addmm|bmm|sm90_xmma|cutlass|cublas|nvjet|matmul|_mm_|grouped_mm|scaled_mm|wgmma|sm80_xmma"),
+    ("permute", r"index|gather|scatter|sort|radix|cumsum|searchsorted|histogram|bincount|embedding|take|put_"),
+    ("elementwise", r"triton|elementwise|vectorized|reduce|copy|fill|cast|softmax|norm|silu|mul|add|where|cat"),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def summarize_kernels(kernels: list[tuple[str, float]], step_ms: float, top: int = 40) -> dict:
+    """kernels: (name, self device ms) for one step -> totals per category, the top kernels, idle time."""
+    by_cat: dict[str, float] = {}
+    for name, ms in kernels:
+        by_cat[categorize(name)] = by_cat.get(categorize(name), 0.0) + ms
+    busy = sum(by_cat.values())
+    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "idle_ms": max(step_ms - busy, 0.0),
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": n[:160], "ms": round(ms, 4), "category": categorize(n)} for n, ms in ranked]}
+
+
+def profile_step(b: Bencher) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        ms = b.run(1)[0]
+    kernels = []
+    for e in prof.key_averages():
+        if torch.cuda.is_available():
+            if e.device_type.name != "CUDA":
+                continue
+            t = getattr(e, "self_device_time_total", None)
+            t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+        else:  # --dry-run: CPU ops stand in for kernels
+            t = e.self_cpu_time_total
+        if t:
+            kernels.append((e.key, t / 1e3))
+    return summarize_kernels(kernels, ms)
+
+
+def base_record(tr, b, args, fp8: str) -> dict:
+    t = tr.cfg.train
+    return {"system": "moelab", "workload": tr.cfg.name, "gpus": 1, "gpu_name": tr.gpu_name,
+            "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION, "peak_tflops": b.peak,
+            "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size, "dtype": "bfloat16",
+            "param_dtype": t.param_dtype, "compile": t.compile, "fp8": fp8, "router": "learned",
+            "fake_balanced_gate": False, "commit": commit_id(), "torch_version": torch.__version__,
+            "command": " ".join(["python"] + sys.argv)}
+
+
+def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
+    """Convert the built (and compiled) model to train.fp8=mode in place: torch's compile caches are dropped
+    first, so every block is recompiled with the FP8 modules (no stale bf16 graph can run)."""
+    from moelab.model.fp8 import check_fp8, enable_fp8
+
+    cfg = tr.cfg.replace(**{"train.fp8": mode}) if not dry_run else tr.cfg
+    if not dry_run:  # CPU (dry run): the config refuses FP8; convert anyway to run the emulation
+        check_fp8(cfg, tr.env.device)
+    torch._dynamo.reset()
+    enable_fp8(tr.model, lm_head=mode == "rowwise_lm_head")
+    tr.cfg.train.fp8 = mode  # the trainer's step now runs as train.fp8=mode (expert weights cached per step)
+
+
+def cmd_bench(args) -> None:
+    """One model, built once; each FP8 mode of --fp8 in turn (off first), each global batch of --gbs."""
+    from moelab.train.trainer import Trainer
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = args.fp8.split(",")
+    cfg = load_config("tiny" if args.dry_run else PRESET, (DRY_SET if args.dry_run else BENCH_SET) + args.overrides)
+    cfg = bench_config(cfg, 400, 0)
+    t0 = time.perf_counter()
+    tr = Trainer(cfg, tempfile.mkdtemp(prefix="moelab-perf-"))
+    tr.setup()
+    print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
+    b = Bencher(tr)
+    for mode in modes:
+        if mode == "off" and args.triton_adamw:  # the same model and step with moelab.train.adamw_triton
+            bench_mode(tr, b, args, mode, out)
+            from moelab.train.adamw_triton import use_triton_adamw
+
+            use_triton_adamw(tr.optimizer)
+            bench_mode(tr, b, args, mode, out, tag="bf16-triton-adamw", profile=False)
+            tr.optimizer.__class__ = torch.optim.AdamW
+            continue
+        if mode != "off":
+            try:
+                switch_to_fp8(tr, mode, args.dry_run)
+            except Exception as e:  # noqa: BLE001 (recorded; the bf16 records stand)
+                traceback.print_exc()
+                (out / f"moelab-fp8-{mode}-error.json").write_text(json.dumps(
+                    {**base_record(tr, b, args, mode), "variant": f"fp8-{mode}", "global_batch_size": 0,
+                     "error": f"{type(e).__name__}: {str(e)[:500]}"}, indent=1) + "\n")
+                continue
+        bench_mode(tr, b, args, mode, out)
+
+
+def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True) -> None:
+    tag = tag or ("bf16" if mode == "off" else f"fp8-{mode}")
+    for gbs in [int(g) for g in args.gbs.split(",")]:
+        steps, warmup = (args.steps, args.warmup) if gbs <= 4 else (max(2, args.steps // 2), 1)
+        name = f"{tag}-compile-gbs{gbs}" if tr.cfg.train.compile else f"{tag}-gbs{gbs}"
+        rec = {**base_record(tr, b, args, mode), "variant": name, "global_batch_size": gbs,
+               "steps": steps, "warmup": warmup}
+        try:
+            b.set_global_batch(gbs)
+            if tr.env.is_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t1 = time.perf_counter()
+            rec.update(b.measure(steps, warmup), peak_memory_gb=b.peak_memory_gb(),
+                       wall_s=time.perf_counter() - t1)
+            if mode != "off":
+                from moelab.model.fp8_cache import ExpertWeightCache
+
+                rec["fp8_expert_weight_cache"] = {"refreshes_so_far": ExpertWeightCache.refreshes,
+                                                  "error": ExpertWeightCache.error}
+            print(f"moelab {name:24s} {rec['tokens_per_s_per_gpu']:9,.0f} tok/s {rec['tflops_per_gpu']:6.1f} "
+                  f"TFLOP/s step {rec['step_time_ms']:8.1f} ms peak {rec['peak_memory_gb']:5.1f} GiB", flush=True)
+        except Exception as e:  # noqa: BLE001 (one failing size must not lose the others)
+            traceback.print_exc()
+            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        (out / f"moelab-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        if args.profile and profile and gbs == 2 and "error" not in rec:
+            try:
+                prof = {**base_record(tr, b, args, mode), "variant": f"profile-{name}",
+                        "global_batch_size": gbs, **profile_step(b)}
+                (out / f"profile-moelab-{name}.json").write_text(json.dumps(prof, indent=1) + "\n")
+                print(format_profile(prof), flush=True)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile {p['variant']}: step {p['step_ms']:.1f} ms, kernels {p['gpu_busy_ms']:.1f} ms, "
+             f"idle {p['idle_ms']:.1f} ms"]
+    lines += [f"  {k:12s} {v:8.2f} ms" for k, v in p["by_category_ms"].items()]
+    lines += [f"  {k['ms']:8.3f} ms  {k['category']:11s} {k['name'][:90]}" for k in p["top_kernels"][:15]]
+    return "\n".join(lines)
+
+
+def cmd_parity(args) -> None:
+    """Each FP8 mode of --fp8 trains the same workload from the same seed in turn (one process)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode in args.fp8.split(","):
+        parity_run(args, mode, out)
+
+
+def parity_run(args, mode: str, out: Path) -> None:
+    from moelab.train.trainer import Trainer
+
+    over = PARITY_SET + [f"train.steps={args.steps}", f"train.fp8={mode}"] + args.overrides
+    if args.dry_run:
+        over = ["train.steps=%d" % args.steps, "train.save_checkpoints=false", "data.kind=synthetic"]
+    cfg = load_config("tiny" if args.dry_run else PRESET, over)
+    run_dir = tempfile.mkdtemp(prefix="moelab-parity-")
+    t0 = time.perf_counter()
+    rec = {"system": "moelab", "workload": f"{PRESET}-parity-small", "variant": f"parity-fp8-{mode}", "fp8": mode,
+           "config": cfg.to_dict(), "commit": commit_id(), "torch_version": torch.__version__,
+           "command": " ".join(["python"] + sys.argv)}
+    try:
+        summary = Trainer(cfg, run_dir).run()
+        steps = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        steps = [s for s in steps if s.get("event") == "step"]
+        rec.update(losses=[s["loss"] for s in steps], grad_norms=[s.get("grad_norm") for s in steps],
+                   step_times_s=[s.get("step_time_s") for s in steps], status=summary.get("status"),
+                   wall_s=time.perf_counter() - t0)
+        last = rec["losses"][-20:]
+        rec["final_loss_mean20"] = statistics.mean(last) if last else None
+        print(f"parity fp8={mode}: {len(rec['losses'])} steps, first {rec['losses'][0]:.4f}, final (mean of "
+              f"last 20) {rec['final_loss_mean20']:.4f}, {rec['wall_s']:.0f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    (out / f"parity-{mode}.json").write_text(json.dumps(rec, indent=1) + "\n")
+
+
+def table_rows(records: list[dict]) -> list[str]:
+    rows = [f"{'system':16s} {'variant':58s} {'gbs':>4s} {'tok/s':>9s} {'TFLOPs':>7s} {'GiB':>6s}"]
+    for r in records:
+        if "parity" in str(r.get("variant", "")):
+            if "losses" in r and r["losses"]:
+                rows.append(f"{'parity':16s} {r['variant']:58s} {len(r['losses']):4d} steps, final "
+                            f"{r['final_loss_mean20']:.4f}")
+            else:
+                rows.append(f"{'parity':16s} {r['variant']:58s} ERROR {r.get('error', '?')[:60]}")
+            continue
+        if "tokens_per_s_per_gpu" not in r and "error" not in r:
+            continue
+        v = str(r.get("variant", ""))[:58]
+        head = f"{r.get('system', '?'):16s} {v:58s} {r.get('global_batch_size', 0):4d}"
+        if "error" in r:
+            rows.append(f"{head} ERROR {r['error'][:70]}")
+        else:
+            rows.append(f"{head} {r['tokens_per_s_per_gpu']:9,.0f} {r['tflops_per_gpu']:7.1f} "
+                        f"{r.get('peak_memory_gb', 0):6.1f}")
+    return rows
+
+
+def cmd_table(args) -> None:
+    records = []
+    for p in sorted(Path(args.dir).glob("*.json")):
+        try:
+            records.append(json.loads(p.read_text()))
+        except ValueError:
+            pass
+    print("\n".join(table_rows(records)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("bench", "parity"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", required=True)
+        p.add_argument("--fp8", default="off", help="off, rowwise, or several in turn: off,rowwise")
+        p.add_argument("--set", dest="overrides", action="append", default=[])
+        p.add_argument("--dry-run", action="store_true", help="tiny preset on CPU (checks the code paths)")
+        if name == "bench":
+            p.add_argument("--gbs", default="2,16")
+            p.add_argument("--steps", type=int, default=6)
+            p.add_argument("--warmup", type=int, default=3)
+            p.add_argument("--profile", action="store_true")
+            p.add_argument("--triton-adamw", action="store_true",
+                           help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
+        else:
+            p.add_argument("--steps", type=int, default=300)
+    p = sub.add_parser("table")
+    p.add_argument("dir")
+    args = ap.parse_args(argv)
+    {"bench": cmd_bench, "parity": cmd_parity, "table": cmd_table}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

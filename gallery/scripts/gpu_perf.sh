@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 17, ONE call on one H200 (about 9 minutes): peers and moelab in the same run, same shapes (Qwen3-30B-A3B
+# proxy, seq 4096, micro batch 2, learned router, bf16 parameters, fused AdamW), same harness and FLOPs convention.
+# Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
+# a part that no longer fits in the call's budget (BUDGET_S, default 540 s) is skipped and says so.
+#   PARTS="fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
+#   FP8_MODES=off,rowwise,rowwise_lm_head  PARITY_MODES=...   the train.fp8 modes benchmarked / trained (default
+#                                                            off,rowwise; each FP8 mode recompiles: about 60 s)
+#   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
+#   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
+# Device call: command "MOELAB_COMMIT=<sha> bash gallery/scripts/gpu_perf.sh", carry [".whl"] (the wheels from
+# carry_wheels.sh, about 5 MB), one nvidia-h200, timeout 600.
+# Results: $OUT/results.tar.gz (one JSON per system, variant and global batch; profile and parity JSONs) and
+# $OUT/logs.tar.gz; the short table is printed last.
+set -u
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/gpu_perf_out}; mkdir -p "$OUT"
+R=/tmp/perf-results; L=/tmp/perf-logs; rm -rf $R $L; mkdir -p $R $L
+BUDGET_S=${BUDGET_S:-540}
+PARTS=${PARTS:-"fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"}
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+trap '(cd /tmp && tar czf $OUT/results.tar.gz perf-results && tar czf $OUT/logs.tar.gz perf-logs)' EXIT
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${DRY_RUN:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > $L/pip.log 2>&1 || echo "pip install of .whl failed (see logs/pip.log)"
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT:/tmp/site:$ROOT/gallery/peers
+export MOELAB_COMMIT=${MOELAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > $L/machine.txt 2>&1
+python3 -c "import torch; print('torch', torch.__version__)" >> $L/machine.txt 2>&1
+python3 -c "import torchao; print('torchao', torchao.__version__)" >> $L/machine.txt 2>&1
+python3 -c "import torchtitan; print('torchtitan ok')" >> $L/machine.txt 2>&1
+cat $L/machine.txt
+PEER="--seq 4096 --micro-batch 2 --steps 5 --warmup 3"
+DRY=${DRY_RUN:+--dry-run}
+
+# part NAME TIMEOUT_S COMMAND...: runs COMMAND under timeout if it still fits the budget; log in $L/NAME.log
+part() {
+  local name=$1 t=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) return ;; esac
+  local left=$(( BUDGET_S - $(el) ))
+  if [ $left -lt 40 ]; then echo "[$(el)s] $name: SKIPPED (budget: ${left}s left)"; return; fi
+  [ $t -gt $left ] && t=$left
+  echo "[$(el)s] $name (timeout ${t}s)"
+  timeout -k 5 $t "$@" > $L/$name.log 2>&1
+  local rc=$?
+  [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+}
+
+part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
+part moelab 250 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 ${FP8_MODES:-off,rowwise} --gbs 2,16 \
+  --profile --triton-adamw $DRY
+[ -n "${DRY_RUN:-}" ] || part tt-compile 120 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
+  --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
+part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 ${PARITY_MODES:-off,rowwise} \
+  --steps ${PARITY_STEPS:-300} $DRY
+if [ -z "${DRY_RUN:-}" ]; then
+  part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
+    --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json
+  part tt-eager 60 python3 gallery/peers/torchtitan_qwen3.py $PEER --global-batch 2 \
+    --json $R/torchtitan-eager-gbs{gbs}.json
+  part hf 70 python3 gallery/peers/hf_transformers.py $PEER --experts grouped_mm --global-batch 2 \
+    --json $R/hf-transformers-grouped_mm-gbs{gbs}.json
+fi
+grep -h "^profile\|^  " $L/moelab.log 2>/dev/null | head -24
+echo "[$(el)s] done"
+python3 gallery/scripts/gpu_perf.py table $R
