@@ -111,7 +111,8 @@ def base_record(tr, b, args, fp8: str) -> dict:
 def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
     """Convert the built (and compiled) model to train.fp8=mode in place: torch's compile caches are dropped
     first, so every block is recompiled with the FP8 modules (no stale bf16 graph can run)."""
-    from moelab.model.fp8 import check_fp8, enable_fp8
+    from moelab.model.fp8 import check_fp8
+    from moelab.model.fp8_convert import enable_fp8
 
     cfg = tr.cfg.replace(**{"train.fp8": mode}) if not dry_run else tr.cfg
     if not dry_run:  # CPU (dry run): the config refuses FP8; convert anyway to run the emulation

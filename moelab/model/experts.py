@@ -60,7 +60,7 @@ class GroupedExperts(nn.Module):
         # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
         # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
         self.expert_offset = 0
-        self.fp8 = False  # train.fp8='rowwise': FP8 grouped GEMMs (moelab.model.fp8.enable_fp8)
+        self.fp8 = False  # train.fp8='rowwise': FP8 grouped GEMMs (moelab.model.fp8_convert.enable_fp8)
         self.w_gate_up_EDF2 = nn.Parameter(torch.empty(num_experts, dim, 2 * ffn))
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, ffn, dim))
         # GPT-OSS biases; "b_" parameters start at zero (MoETransformer.init_weights).

@@ -17,7 +17,7 @@ that recipe does); rowwise torch._scaled_mm writes bf16 only, so every FP8 GEMM'
 On CPU (tests) the same quantisation runs and the scaled GEMM is emulated: dequantise, matmul in fp32, round to
 the output dtype; `torch._scaled_mm`'s CUDA kernel computes the same function up to accumulation order.
 
-    from moelab.model.fp8 import enable_fp8
+    from moelab.model.fp8_convert import enable_fp8
     enable_fp8(model)            # nn.Linear projections -> FP8Linear, experts -> FP8 grouped GEMMs
 """
 from __future__ import annotations
@@ -204,34 +204,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "
                "gate_proj", "up_proj", "down_proj")
 
 
-def enable_fp8(model: nn.Module, lm_head: bool = False) -> dict:
-    """Convert in place: the attention and dense projections (PROJECTIONS) to FP8Linear, every GroupedExperts
-    to FP8 grouped GEMMs (with an ExpertWeightCache, used under moelab.model.fp8_cache.expert_weights_cached).
-    The router, norms and embedding are left in bf16, and the LM head (`output`) unless lm_head. Returns counts."""
-    from moelab.model.experts import GroupedExperts
-
-    linears = experts = 0
-    for module in model.modules():
-        for name in PROJECTIONS:
-            child = getattr(module, name, None)
-            if type(child) is nn.Linear:
-                child.__class__ = FP8Linear
-                linears += 1
-        if isinstance(module, GroupedExperts):
-            if module.b_gate_up_EF2 is not None:
-                raise ConfigError("train.fp8='rowwise': the FP8 expert GEMMs take no expert biases (GPT-OSS "
-                                  "experts); set train.fp8=off for this model")
-            module.fp8 = True
-            experts += 1
-    if lm_head and type(getattr(model, "output", None)) is nn.Linear:
-        model.output.__class__ = FP8Linear
-        linears += 1
-    from moelab.model.fp8_cache import attach
-
-    attach(model)
-    return {"linears": linears, "experts": experts}
-
-
 def fp8_supported(device: "str | torch.device") -> tuple[bool, str]:
     """(ok, why not): FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer (9.0 for grouped GEMMs)."""
     device = torch.device(device)
@@ -253,5 +225,5 @@ def check_fp8(cfg, device: "str | torch.device") -> None:
         raise ConfigError(f"train.fp8={cfg.train.fp8!r}: {why}; set train.fp8=off")
 
 
-__all__ = ["FP8Linear", "check_fp8", "enable_fp8", "fp8_grouped_mm", "fp8_grouped_swiglu", "fp8_linear", "fp8_supported",
+__all__ = ["FP8Linear", "check_fp8", "fp8_grouped_mm", "fp8_grouped_swiglu", "fp8_linear", "fp8_supported",
            "quantize_rowwise"]

@@ -82,7 +82,8 @@ class Trainer:
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.backend)
         if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
-            from moelab.model.fp8 import check_fp8, enable_fp8
+            from moelab.model.fp8 import check_fp8
+            from moelab.model.fp8_convert import enable_fp8
 
             check_fp8(cfg, env.device)
             enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")

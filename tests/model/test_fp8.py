@@ -8,7 +8,8 @@ from torch import nn
 
 from moelab.config import ConfigError, load_config
 from moelab.model import fp8
-from moelab.model.fp8 import E4M3_MAX, FP8Linear, enable_fp8, fp8_grouped_mm, fp8_linear, quantize_rowwise
+from moelab.model.fp8 import E4M3_MAX, FP8Linear, fp8_grouped_mm, fp8_linear, quantize_rowwise
+from moelab.model.fp8_convert import enable_fp8
 
 
 def rel(a, b):
