@@ -79,7 +79,7 @@ def reset_peak() -> None:
 
 def result(system: str, variant: str, args, times_ms: "list[float] | None", extra: dict | None = None,
            gbs: int | None = None, error: str | None = None) -> dict:
-    """One result record (tokens/s, TFLOPs by moelab.flops, peak memory, provenance); times_ms None = error."""
+    """One result record (tokens/s, TFLOPs by moelab.planner.flops, peak memory, provenance); times_ms None = error."""
     m = model_config(args)
     gbs = gbs if gbs is not None else global_batches(args)[0]
     step_ms = statistics.median(times_ms) if times_ms else float("nan")

@@ -20,7 +20,7 @@ LAYERS = [
     ("contract", ["run/folder.py", "presets/"]),
     ("config", ["config.py", "config_rules.py", "yaml_loader.py"]),
     ("layout", ["parallel/dims.py"]),
-    ("planner", ["planner/", "model_shapes.py"]),
+    ("planner", ["planner/"]),
     ("model", ["model/", "backends/"]),
     ("parallel", ["parallel/", "hf/"]),
     ("train", ["train/", "bench.py"]),

@@ -27,7 +27,7 @@ def lift_gpu_check():
 
 @pytest.mark.slow
 def test_fp8_ep2_fsdp2_matches_one_process(tmp_path, monkeypatch):
-    from moelab.launch.env import DistEnv
+    from moelab.parallel.env import DistEnv
     from moelab.launch.local import run_local_processes
     from moelab.model import fp8
     from moelab.train.trainer import Trainer

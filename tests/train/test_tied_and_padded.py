@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, load_config
+from moelab.parallel.dims import ParallelDims
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.metrics import read_events
 from moelab.train.trainer import Trainer
@@ -64,4 +65,4 @@ def test_padding_is_left_out_of_loss_and_routing_counts(tmp_path):
 
 def test_padding_with_pipeline_stages_is_refused():
     with pytest.raises(ConfigError, match="model.pad_token_id"):
-        load_config("tiny", {"model.pad_token_id": 0, "parallel.pp": 2, "model.num_layers": 4}).resolved_parallel(2)
+        ParallelDims.build(load_config("tiny", {"model.pad_token_id": 0, "parallel.pp": 2, "model.num_layers": 4}), 2)
