@@ -3,7 +3,7 @@
     from moelab import Session
     s = Session("tiny", train={"steps": 50}, parallel={"ep": 2})
     s = s.set("model.moe.num_experts", 16)         # a new Session; the old one is unchanged
-    s.plan(gpus=8)                                 # analytic estimate (moelab.planner)
+    s.plan(gpus=8)                                 # analytic estimate (moelab.planner.plan)
     run = s.submit("local", nproc=2)               # -> moelab.Run; "inline", "local", "slurm" or "auto"
     sweep = s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3, 1e-2]}, executor="slurm", time=30)
 

@@ -1,7 +1,7 @@
 """What every peer benchmark shares with moelab's: the workload's shapes, the FLOPs convention, step timing and
 the result record. Peers train bf16 parameters with fused AdamW in a plain loop (micro batches accumulated, one
 optimizer step per global batch), uniform random tokens, the learned router; timing = median of CUDA-event step
-times after warm-up; FLOPs by moelab.flops (the same convention as moelab's own results)."""
+times after warm-up; FLOPs by moelab.planner.flops (the same convention as moelab's own results)."""
 from __future__ import annotations
 
 import argparse
@@ -79,7 +79,7 @@ def reset_peak() -> None:
 
 def result(system: str, variant: str, args, times_ms: "list[float] | None", extra: dict | None = None,
            gbs: int | None = None, error: str | None = None) -> dict:
-    """One result record (tokens/s, TFLOPs by moelab.flops, peak memory, provenance); times_ms None = error."""
+    """One result record (tokens/s, TFLOPs by moelab.planner.flops, peak memory, provenance); times_ms None = error."""
     m = model_config(args)
     gbs = gbs if gbs is not None else global_batches(args)[0]
     step_ms = statistics.median(times_ms) if times_ms else float("nan")

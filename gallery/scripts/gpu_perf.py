@@ -32,7 +32,7 @@ import torch
 
 from moelab.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
-from moelab.flops import FLOPS_CONVENTION
+from moelab.planner.flops import FLOPS_CONVENTION
 
 PRESET = "qwen3-moe-30b-a3b-proxy"
 BENCH_SET = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compile=true",

@@ -1,5 +1,5 @@
 """The gallery's routing comparison: five load-balancing strategies on the tiny preset with a skewed router,
-trained for real on this machine's CPU, compared with moelab.compare.
+trained for real on this machine's CPU, compared with moelab.live.compare.
 
     python gallery/scripts/routing_comparison.py                 # -> gallery/routing/routing_comparison.png
     python gallery/scripts/routing_comparison.py --steps 200 --runs /tmp/routing-runs

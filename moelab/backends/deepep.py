@@ -1,10 +1,10 @@
 """DeepEP's intranode (NVLink) normal kernels as the expert-parallel dispatcher.
 
-Shapes: T tokens on this rank, K top-k, D hidden, R tokens received from all EP ranks (each token once per rank
-that owns one of its experts), N routed rows on this rank sorted by local expert, E local experts.
+Shapes (docs/shapes.md): T tokens on this rank, K top-k, D hidden, W tokens received from all EP ranks (each
+token once per rank that owns one of its experts), N routed rows on this rank sorted by local expert, X local experts.
 
 Same interface as moelab.model.moe.LocalDispatcher: ``dispatch(x_TD, experts_TK, keep_TK, num_experts) ->
-(x_ND, counts_E, ctx)`` and ``combine(y_ND, ctx, weights_TK, keep_TK, counts_E) -> y_TD``. DeepEP sends each token
+(x_ND, counts_X, ctx)`` and ``combine(y_ND, ctx, weights_TK, keep_TK, counts_X) -> y_TD``. DeepEP sends each token
 once per destination rank (not once per expert) and sums the ranks' results on the way back, so the top-k
 weights are applied on the expert side: they travel through the same cached layout at combine time (bf16, the
 dtype MoE computes them in, so nothing is lost). Dispatch and combine are autograd functions whose backward is
@@ -28,18 +28,18 @@ def buffer_bytes(hidden: int, num_ranks: int, dtype_bytes: int = 2) -> int:
 
 
 class _Dispatch(torch.autograd.Function):
-    """x_TD -> recv_RD. The first call of a layer passes DeepEP's layout arguments in `layout["args"]` and leaves
+    """x_TD -> recv_WD. The first call of a layer passes DeepEP's layout arguments in `layout["args"]` and leaves
     the handle, received expert ids and counts in `layout`; later calls reuse the handle (cached mode)."""
 
     @staticmethod
     def forward(ctx, x_TD, buffer, layout: dict):
         if "handle" in layout:
-            recv_RD, *_ = buffer.dispatch(x_TD, handle=layout["handle"])
+            recv_WD, *_ = buffer.dispatch(x_TD, handle=layout["handle"])
         else:
-            recv_RD, recv_idx_RK, _, counts, handle, _ = buffer.dispatch(x_TD, **layout.pop("args"))
-            layout.update(handle=handle, recv_idx_RK=recv_idx_RK, counts=counts)
+            recv_WD, recv_idx_WK, _, counts, handle, _ = buffer.dispatch(x_TD, **layout.pop("args"))
+            layout.update(handle=handle, recv_idx_WK=recv_idx_WK, counts=counts)
         ctx.buffer, ctx.handle = buffer, layout["handle"]
-        return recv_RD
+        return recv_WD
 
     @staticmethod
     def backward(ctx, grad_recv):
@@ -49,15 +49,15 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_RD, buffer, handle):
-        y_TD, _, _ = buffer.combine(y_RD, handle)
+    def forward(ctx, y_WD, buffer, handle):
+        y_TD, _, _ = buffer.combine(y_WD, handle)
         ctx.buffer, ctx.handle = buffer, handle
         return y_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        grad_R, *_ = ctx.buffer.dispatch(grad_TD.contiguous(), handle=ctx.handle)
-        return grad_R, None, None
+        grad_W, *_ = ctx.buffer.dispatch(grad_TD.contiguous(), handle=ctx.handle)
+        return grad_W, None, None
 
 
 class DeepEPDispatcher:
@@ -82,24 +82,24 @@ class DeepEPDispatcher:
         layout = {"args": dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=ones_TK)}
         recv_x = _Dispatch.apply(x_TD.contiguous(), buf, layout)
-        handle, recv_idx_RK, counts_list = layout["handle"], layout["recv_idx_RK"], layout["counts"]
+        handle, recv_idx_WK, counts_list = layout["handle"], layout["recv_idx_WK"], layout["counts"]
         # Expert-major order of the valid (row, slot) pairs on this rank.
-        flat_N = recv_idx_RK.reshape(-1)
+        flat_N = recv_idx_WK.reshape(-1)
         key_N = torch.where(flat_N >= 0, flat_N, num_experts // self.group.size())
         total = sum(counts_list)  # already on the host: DeepEP waited for the counts
         order_N = torch.argsort(key_N, stable=True)[:total]
-        counts_E = torch.tensor(counts_list, dtype=torch.int64, device=x_TD.device)
+        counts_X = torch.tensor(counts_list, dtype=torch.int64, device=x_TD.device)
         ctx = (handle, order_N, recv_x.shape[0], K)
-        return recv_x[order_N // K], counts_E, ctx
+        return recv_x[order_N // K], counts_X, ctx
 
-    def combine(self, y_ND, ctx, weights_TK, keep_TK, counts_E):
+    def combine(self, y_ND, ctx, weights_TK, keep_TK, counts_X):
         handle, order_N, R, K = ctx
         w_TK = weights_TK.to(y_ND.dtype)
         if keep_TK is not None:
             w_TK = w_TK * keep_TK
         # The top-k weights, as bf16 rows of K, through the same layout (backward: combine of their gradients).
-        recv_w_RK = _Dispatch.apply(w_TK.contiguous(), self.buffer, {"handle": handle})
-        w_N = recv_w_RK.reshape(-1)[order_N]
-        y_RD = torch.zeros(R, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
-        y_RD = y_RD.index_add(0, order_N // K, y_ND[: order_N.shape[0]] * w_N[:, None])
-        return _Combine.apply(y_RD, self.buffer, handle)
+        recv_w_WK = _Dispatch.apply(w_TK.contiguous(), self.buffer, {"handle": handle})
+        w_N = recv_w_WK.reshape(-1)[order_N]
+        y_WD = torch.zeros(R, y_ND.shape[1], dtype=y_ND.dtype, device=y_ND.device)
+        y_WD = y_WD.index_add(0, order_N // K, y_ND[: order_N.shape[0]] * w_N[:, None])
+        return _Combine.apply(y_WD, self.buffer, handle)

@@ -17,7 +17,7 @@ max/mean = the busiest expert's load over the mean load, cv = std/mean of the lo
 averaged over layers (moelab.train.summary.step_balance, the one definition the dashboard and summary.json use
 too), then over steps. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
 
-Shape legend: S steps, L MoE layers, E experts.
+Shape legend (docs/shapes.md): I steps, M MoE layers, E experts.
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ class Comparison:
             status=run.status, steps=d.steps[-1] if n else 0,
             final_loss=summary.get("final_loss", d.loss[-1] if n else None),
             eval_loss=d.eval_loss[-1] if d.eval_loss else None,  # the last held-out loss (train.eval_every)
-            max_over_mean=_mean(d.max_over_mean_S), final_max_over_mean=_mean(d.max_over_mean_S[-w:]),
-            cv=_mean(d.cv_S), final_cv=_mean(d.cv_S[-w:]),
+            max_over_mean=_mean(d.max_over_mean_I), final_max_over_mean=_mean(d.max_over_mean_I[-w:]),
+            cv=_mean(d.cv_I), final_cv=_mean(d.cv_I[-w:]),
             dropped_pct=100.0 * d.dropped / d.assignments if d.assignments else 0.0,
             dead_experts=d.dead_at_end)
         return row
@@ -129,7 +129,7 @@ class Comparison:
         return fig
 
     def _num_layers(self) -> int:
-        return max((d.load_SLE.shape[1] for d in self._data), default=1)
+        return max((d.load_IME.shape[1] for d in self._data), default=1)
 
     def _draw_losses(self, ax) -> None:
         for label, d in zip(self.labels, self._data):
@@ -142,8 +142,8 @@ class Comparison:
 
     def _draw_balance(self, ax_max, ax_cv) -> None:
         for label, d in zip(self.labels, self._data):
-            ax_max.plot(*thin_points(d.steps, d.max_over_mean_S), label=label, lw=1.2)
-            ax_cv.plot(*thin_points(d.steps, d.cv_S), label=label, lw=1.2)
+            ax_max.plot(*thin_points(d.steps, d.max_over_mean_I), label=label, lw=1.2)
+            ax_cv.plot(*thin_points(d.steps, d.cv_I), label=label, lw=1.2)
         ax_max.axhline(1.0, color="0.3", ls="--", lw=1)
         style_axes(ax_max, "busiest expert / mean load (mean over layers)", "step", "max / mean")
         style_axes(ax_cv, "coefficient of variation of the load", "step", "cv")
@@ -152,21 +152,21 @@ class Comparison:
     def _draw_heatmaps(self, fig, axes, last: int | None) -> None:
         loads = []
         for d in self._data:
-            counts_LE = d.load_SLE[-last:].sum(0) if last else d.load_SLE.sum(0)
-            mean_L1 = counts_LE.mean(-1, keepdims=True)
-            loads.append(np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE), where=mean_L1 > 0))
+            counts_ME = d.load_IME[-last:].sum(0) if last else d.load_IME.sum(0)
+            mean_M1 = counts_ME.mean(-1, keepdims=True)
+            loads.append(np.divide(counts_ME, mean_M1, out=np.zeros_like(counts_ME), where=mean_M1 > 0))
         top = max([2.0] + [float(x.max()) for x in loads if x.size])
         norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
         im = None
-        for ax, label, load_LE in zip(axes, self.labels, loads):
-            if not load_LE.size:
+        for ax, label, load_ME in zip(axes, self.labels, loads):
+            if not load_ME.size:
                 ax.text(0.5, 0.5, "no routing", ha="center", va="center", transform=ax.transAxes)
                 continue
-            im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
+            im = ax.imshow(load_ME, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
             style_axes(ax, label, "expert", "MoE layer")
             ax.grid(False)
-            L, E = load_LE.shape
-            ax.set_yticks(range(0, L, max(L // 8, 1)))
+            M, E = load_ME.shape
+            ax.set_yticks(range(0, M, max(M // 8, 1)))
             ax.set_xticks(range(0, E, max(E // 8, 1)))
         if im is not None:
             span = f"last {last} steps" if last else "whole run"
@@ -206,14 +206,14 @@ class _RunData:
         self.eval_steps, self.eval_loss = [e["step"] for e in evals], [e.get("loss") for e in evals]
         routing = [e.get("routing") or {} for e in steps]
         demand = [demand_LE(e) for e in steps]
-        self.load_SLE = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
-        if self.load_SLE.ndim != 3:
-            self.load_SLE = np.zeros((len(steps), 0, 0))
-        per_step = [step_balance(c) for c in self.load_SLE] if self.load_SLE.size else [None] * len(steps)
-        self.max_over_mean_S = [b["max_over_mean"] if b else None for b in per_step]
-        self.cv_S = [b["cv"] if b else None for b in per_step]
+        self.load_IME = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
+        if self.load_IME.ndim != 3:
+            self.load_IME = np.zeros((len(steps), 0, 0))
+        per_step = [step_balance(c) for c in self.load_IME] if self.load_IME.size else [None] * len(steps)
+        self.max_over_mean_I = [b["max_over_mean"] if b else None for b in per_step]
+        self.cv_I = [b["cv"] if b else None for b in per_step]
         self.dropped = sum(sum(r.get("dropped_tokens") or []) for r in routing)
-        self.assignments = float(self.load_SLE.sum())
+        self.assignments = float(self.load_IME.sum())
         self.dead_at_end = len((steps[-1].get("health") or {}).get("dead_experts", [])) if steps else 0
 
 

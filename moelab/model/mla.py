@@ -1,10 +1,10 @@
 """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
 
-Shapes: B batch, L sequence, D hidden, H heads, Q q_lora_rank, C kv_lora_rank, N qk_nope_head_dim,
-R qk_rope_head_dim, V v_head_dim.
+Shapes (docs/shapes.md): B batch, L sequence, D hidden, H heads, Q q_lora_rank, C kv_lora_rank,
+Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim.
 
-Queries go through a low-rank bottleneck (D -> Q, RMSNorm, Q -> H*(N+R)); keys and values through a compressed
-latent (D -> C, RMSNorm, C -> H*(N+V)) plus one decoupled rotary key of width R shared by every head. Only the R
+Queries go through a low-rank bottleneck (D -> Q, RMSNorm, Q -> H*(Dn+Dr)); keys and values through a compressed
+latent (D -> C, RMSNorm, C -> H*(Dn+Dv)) plus one decoupled rotary key of width Dr shared by every head. Only the Dr
 dims of q and k are rotated. The rotary layout is HF's "rotate half"; published DeepSeek weights use interleaved
 pairs, which moelab.hf permutes at load (a fixed permutation of output rows, so q.k is unchanged).
 
@@ -26,7 +26,7 @@ LATENT_NORM_EPS = 1e-6
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
-    """1/sqrt(N+R), times DeepSeek's YaRN correction mscale(factor, mscale_all_dim)^2 when rope scaling is on."""
+    """1/sqrt(Dn+Dr), times DeepSeek's YaRN correction mscale(factor, mscale_all_dim)^2 when rope scaling is on."""
     scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     rs = cfg.rope_scaling
     if rs.kind == "yarn" and rs.mscale_all_dim:
@@ -66,20 +66,20 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BLD, cos_LD, sin_LD):
         B, L, _ = x_BLD.shape
-        H, N, R = self.num_heads, self.nope_dim, self.rope_dim
+        H, Dn, Dr = self.num_heads, self.nope_dim, self.rope_dim
         q = self.q_proj(x_BLD) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BLD)))
-        q_nope_BHLN, q_rope_BHLR = q.view(B, L, H, N + R).transpose(1, 2).split([N, R], dim=-1)
-        kv_c_BLC, k_rope_BLR = self.kv_a_proj(x_BLD).split([self.kv_rank, R], dim=-1)
-        kv_BHL2 = self.kv_b_proj(self.kv_a_norm(kv_c_BLC)).view(B, L, H, N + self.v_dim).transpose(1, 2)
-        k_nope_BHLN, v_BHLV = kv_BHL2.split([N, self.v_dim], dim=-1)
-        q_rope_BHLR = apply_rope(q_rope_BHLR, cos_LD, sin_LD)
-        k_rope_B1LR = apply_rope(k_rope_BLR[:, None], cos_LD, sin_LD)
-        q_BHLD = torch.cat([q_nope_BHLN, q_rope_BHLR], dim=-1)
-        k_BHLD = torch.cat([k_nope_BHLN, k_rope_B1LR.expand(-1, H, -1, -1)], dim=-1)
-        o_BHLV = self.attend(q_BHLD, k_BHLD, v_BHLV)
-        return self.o_proj(o_BHLV.transpose(1, 2).reshape(B, L, H * self.v_dim))
+        q_nope_BHLDn, q_rope_BHLDr = q.view(B, L, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)
+        kv_c_BLC, k_rope_BLDr = self.kv_a_proj(x_BLD).split([self.kv_rank, Dr], dim=-1)
+        kv_BHL2 = self.kv_b_proj(self.kv_a_norm(kv_c_BLC)).view(B, L, H, Dn + self.v_dim).transpose(1, 2)
+        k_nope_BHLDn, v_BHLDv = kv_BHL2.split([Dn, self.v_dim], dim=-1)
+        q_rope_BHLDr = apply_rope(q_rope_BHLDr, cos_LD, sin_LD)
+        k_rope_B1LDr = apply_rope(k_rope_BLDr[:, None], cos_LD, sin_LD)
+        q_BHLD = torch.cat([q_nope_BHLDn, q_rope_BHLDr], dim=-1)
+        k_BHLD = torch.cat([k_nope_BHLDn, k_rope_B1LDr.expand(-1, H, -1, -1)], dim=-1)
+        o_BHLDv = self.attend(q_BHLD, k_BHLD, v_BHLDv)
+        return self.o_proj(o_BHLDv.transpose(1, 2).reshape(B, L, H * self.v_dim))
 
-    def attend(self, q_BHLD, k_BHLD, v_BHLV):
+    def attend(self, q_BHLD, k_BHLD, v_BHLDv):
         block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0) if self.backend == "flex" else None
-        return causal_attention(q_BHLD, k_BHLD, v_BHLV, self.backend, scale=self.softmax_scale,
+        return causal_attention(q_BHLD, k_BHLD, v_BHLDv, self.backend, scale=self.softmax_scale,
                                 block_mask=block_mask)

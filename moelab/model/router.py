@@ -1,6 +1,7 @@
 """Token-choice top-k router with the load-balancing strategies used in practice.
 
-Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, G expert groups.
+Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, P expert groups, X experts per group
+(docs/shapes.md).
 
 Routing statistics are accumulated in buffers on the device (no host synchronisation); the trainer reads and
 resets them once per optimizer step (``pop_stats``). The expert bias only changes which experts are selected,
@@ -236,8 +237,8 @@ def limit_to_groups(sel_TE: torch.Tensor, groups: int, keep: int, best: int) -> 
         limit_to_groups(torch.tensor([[0., 1, 5, 6]]), groups=2, keep=1, best=1)   # [[-inf, -inf, 5, 6]]
     """
     T, E = sel_TE.shape
-    grouped_TGX = sel_TE.view(T, groups, E // groups)
-    group_TG = grouped_TGX.topk(min(best, E // groups), dim=-1).values.sum(-1)
-    top_TG = group_TG.topk(keep, dim=-1).indices
-    mask_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, top_TG, False)
-    return grouped_TGX.masked_fill(mask_TG[..., None], float("-inf")).view(T, E)
+    grouped_TPX = sel_TE.view(T, groups, E // groups)
+    group_TP = grouped_TPX.topk(min(best, E // groups), dim=-1).values.sum(-1)
+    top_TP = group_TP.topk(keep, dim=-1).indices
+    mask_TP = torch.ones_like(group_TP, dtype=torch.bool).scatter_(1, top_TP, False)
+    return grouped_TPX.masked_fill(mask_TP[..., None], float("-inf")).view(T, E)

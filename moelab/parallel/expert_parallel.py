@@ -1,7 +1,7 @@
 """Expert parallelism: each of `ep` ranks owns num_experts/ep experts, and tokens travel to them by all-to-all.
 
 Shapes: T tokens on this rank, K top-k, D hidden, E experts (global), R = ep ranks, X = E/R local experts,
-N rows this rank sends (kept assignments), M rows it receives.
+N rows this rank sends (kept assignments), W rows it receives (docs/shapes.md).
 
     moe.dispatcher = AllToAllDispatcher(ep_group)     # moelab.parallel.distributed installs it per MoE layer
     shard_experts(moe.experts, ep_rank, ep)           # keep only this rank's experts (on the meta device)
@@ -51,15 +51,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        y_MD = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
-        dist.all_to_all_single(y_MD, x_ND.contiguous(), out_splits, in_splits, group=group)
-        return y_MD
+        y_WD = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
+        dist.all_to_all_single(y_WD, x_ND.contiguous(), out_splits, in_splits, group=group)
+        return y_WD
 
     @staticmethod
-    def backward(ctx, grad_MD):
+    def backward(ctx, grad_WD):
         out_splits, in_splits = ctx.splits
-        grad_ND = grad_MD.new_empty((sum(in_splits),) + tuple(grad_MD.shape[1:]))
-        dist.all_to_all_single(grad_ND, grad_MD.contiguous(), in_splits, out_splits, group=ctx.group)
+        grad_ND = grad_WD.new_empty((sum(in_splits),) + tuple(grad_WD.shape[1:]))
+        dist.all_to_all_single(grad_ND, grad_WD.contiguous(), in_splits, out_splits, group=ctx.group)
         return grad_ND, None, None, None
 
 
@@ -97,21 +97,21 @@ class AllToAllDispatcher:
                           ranks_per_token(flat_TK.view(T, K), X, R)]).tolist()
         send_splits, recv_splits = host[:R], host[R:2 * R]
         self.counts.add(send_splits, host[2 * R + R * X:], self.me, x_TD.shape[-1] * x_TD.element_size())
-        N, M = sum(send_splits), sum(recv_splits)
+        N, W = sum(send_splits), sum(recv_splits)
         order_N = order_TK[:N]
         x_send_ND = x_TD[order_N // K]
-        x_recv_MD = all_to_all(x_send_ND, recv_splits, send_splits, self.group)
+        x_recv_WD = all_to_all(x_send_ND, recv_splits, send_splits, self.group)
         # rank-major -> local-expert-major: a stable sort of the received rows by their local expert
-        expert_of_row_M = torch.repeat_interleave(torch.arange(R * X, device=x_TD.device) % X,
-                                                  recv_RX.reshape(-1), output_size=M)
-        perm_M = torch.argsort(expert_of_row_M, stable=True)
-        ctx = (order_N, perm_M, send_splits, recv_splits, T, K)
-        return x_recv_MD[perm_M], recv_RX.sum(0), ctx
+        expert_of_row_W = torch.repeat_interleave(torch.arange(R * X, device=x_TD.device) % X,
+                                                  recv_RX.reshape(-1), output_size=W)
+        perm_W = torch.argsort(expert_of_row_W, stable=True)
+        ctx = (order_N, perm_W, send_splits, recv_splits, T, K)
+        return x_recv_WD[perm_W], recv_RX.sum(0), ctx
 
-    def combine(self, y_MD, ctx, weights_TK, keep_TK, counts_X):
-        order_N, perm_M, send_splits, recv_splits, T, K = ctx
-        y_recv_MD = torch.empty_like(y_MD).index_copy(0, perm_M, y_MD)  # back to rank-major
-        y_back_ND = all_to_all(y_recv_MD, send_splits, recv_splits, self.group)
+    def combine(self, y_WD, ctx, weights_TK, keep_TK, counts_X):
+        order_N, perm_W, send_splits, recv_splits, T, K = ctx
+        y_recv_WD = torch.empty_like(y_WD).index_copy(0, perm_W, y_WD)  # back to rank-major
+        y_back_ND = all_to_all(y_recv_WD, send_splits, recv_splits, self.group)
         # dropped assignments were never sent: their rows stay zero (and their weights are zero too)
         y_TKD = y_back_ND.new_zeros(T * K, y_back_ND.shape[-1]).index_copy(0, order_N, y_back_ND)
         return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)

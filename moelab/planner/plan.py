@@ -6,7 +6,7 @@ config on a number of GPUs, from arithmetic alone (no torch.distributed, no GPU:
     p.to_dict()["memory_per_gpu_bytes"]
 
 What it assumes (also listed in ``Plan.assumptions`` so that every printed plan says it):
-- Parameter counts and FLOPs come from moelab.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
+- Parameter counts and FLOPs come from moelab.planner.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
 - Training state per parameter: fp32 master weights (4 B; under FSDP2 mixed precision the sharded fp32
   parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B);
   with train.param_dtype=bfloat16 all three are bf16 (2 + 2 + 4 B) and there is no fp32 master copy.
@@ -14,7 +14,7 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
   expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages as the pipeline splits them
-  (balancing matmul cost, the LM head counted on the last stage; moelab.model_shapes.stage_layers), the
+  (balancing matmul cost, the LM head counted on the last stage; moelab.planner.stages.stage_layers), the
   embedding on the first stage, the final norm and LM head on the last.
 - Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
   norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
@@ -196,7 +196,7 @@ class _Pieces:
 
 
 def _pieces(m) -> _Pieces:
-    """Per-block parameter counts, by differencing moelab.flops.count_params on 0- and 1-layer models."""
+    """Per-block parameter counts, by differencing moelab.planner.flops.count_params on 0- and 1-layer models."""
     none = count_params(dataclasses.replace(m, num_layers=0, num_dense_layers=0))
     dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
     moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
@@ -207,7 +207,7 @@ def _pieces(m) -> _Pieces:
 
 def split_layers(m, pp: int, vp: int) -> list[list[int]]:
     """Layer indices held by each pipeline rank: the pipeline's own cost-balanced split into pp*vp virtual
-    stages (moelab.model_shapes.stage_layers), virtual stage v on rank v % pp."""
+    stages (moelab.planner.stages.stage_layers), virtual stage v on rank v % pp."""
     ranks: list[list[int]] = [[] for _ in range(pp)]
     for v, layers in enumerate(stage_layers(m, pp * vp)):
         ranks[v % pp].extend(layers)

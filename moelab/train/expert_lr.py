@@ -6,7 +6,8 @@ where share_e is expert e's share of the step's routed tokens (global counts, af
 expert actually learned from). An expert at or above its fair share 1/E keeps the base rate; a starved one gets
 up to expert_lr_max_scale times it.
 
-Shapes: L MoE layers, E experts (global), R rows of a stacked expert tensor held here (E, or a slice under EP).
+Shapes (docs/shapes.md): M MoE layers, E experts (global), X experts of a stacked expert tensor held here (E, or
+E/R under EP).
 Every parameter of a layer's GroupedExperts is stacked by expert (weights, and GPT-OSS's biases); its first row
 is global expert ``experts.expert_offset`` (non-zero under expert parallelism), plus FSDP2's shard offset when
 the parameter is a DTensor sharded along the experts.
@@ -19,7 +20,7 @@ exactly a step with learning rate lr * scale_e for expert e; the moments are not
 the learning rate. Cost: one copy of this rank's expert weights, alive only during the optimizer step.
 
     scaler = ExpertLR.attach(optimizer, model.moe_layers(), cfg)   # None when expert_lr_power == 0
-    optimizer.step(); scaler.apply(counts_LE)
+    optimizer.step(); scaler.apply(counts_ME)
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ import torch
 from moelab.config import Config
 
 
-def expert_lr_scales(counts_LE: torch.Tensor, power: float, max_scale: float) -> torch.Tensor:
-    """Learning-rate multipliers [L, E] from tokens per expert [L, E] (a layer with no tokens keeps 1)."""
-    counts_LE = counts_LE.float()
-    E = counts_LE.shape[-1]
-    total_L1 = counts_LE.sum(-1, keepdim=True)
-    share_LE = counts_LE / total_L1.clamp(min=1e-30)
-    scale_LE = ((1.0 / E) / share_LE).pow(power)  # share 0 -> inf -> clipped to max_scale
-    scale_LE = scale_LE.clamp(min=1.0, max=max_scale)
-    return torch.where(total_L1 > 0, scale_LE, torch.ones_like(scale_LE))
+def expert_lr_scales(counts_ME: torch.Tensor, power: float, max_scale: float) -> torch.Tensor:
+    """Learning-rate multipliers [M, E] from tokens per expert [M, E] (a layer with no tokens keeps 1)."""
+    counts_ME = counts_ME.float()
+    E = counts_ME.shape[-1]
+    total_M1 = counts_ME.sum(-1, keepdim=True)
+    share_ME = counts_ME / total_M1.clamp(min=1e-30)
+    scale_ME = ((1.0 / E) / share_ME).pow(power)  # share 0 -> inf -> clipped to max_scale
+    scale_ME = scale_ME.clamp(min=1.0, max=max_scale)
+    return torch.where(total_M1 > 0, scale_ME, torch.ones_like(scale_ME))
 
 
 def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -59,7 +60,7 @@ class ExpertLR:
     in the order of the counts given to ``apply``.
 
         expert_lr = ExpertLR.attach(optimizer, moe_layers, cfg)   # None unless train.expert_lr_scaling
-        expert_lr.apply(counts_LE)
+        expert_lr.apply(counts_ME)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, moe_layers: Sequence, power: float, max_scale: float):
@@ -83,21 +84,21 @@ class ExpertLR:
         self._before = [_local_rows(p)[0].clone() for _, _, p in self.params]
 
     @torch.no_grad()
-    def apply(self, counts_LE: torch.Tensor) -> torch.Tensor:
-        """After optimizer.step(): rescale this step's expert updates. counts_LE: the step's global tokens per
-        expert [L, E]. Returns the scales [L, E] (device tensor; nothing is synchronised)."""
+    def apply(self, counts_ME: torch.Tensor) -> torch.Tensor:
+        """After optimizer.step(): rescale this step's expert updates. counts_ME: the step's global tokens per
+        expert [M, E]. Returns the scales [M, E] (device tensor; nothing is synchronised)."""
         if self._before is None:
             raise RuntimeError("ExpertLR.apply needs an optimizer.step() since the last apply")
-        scale_LE = expert_lr_scales(counts_LE, self.power, self.max_scale)
-        for (layer, first, p), before_R in zip(self.params, self._before):
-            after_R, row0 = _local_rows(p)
+        scale_ME = expert_lr_scales(counts_ME, self.power, self.max_scale)
+        for (layer, first, p), before_X in zip(self.params, self._before):
+            after_X, row0 = _local_rows(p)
             start = first + row0
-            s_R = scale_LE[layer, start:start + after_R.shape[0]].to(after_R.dtype)
-            s_R = s_R.view(-1, *([1] * (after_R.dim() - 1)))
+            s_X = scale_ME[layer, start:start + after_X.shape[0]].to(after_X.dtype)
+            s_X = s_X.view(-1, *([1] * (after_X.dim() - 1)))
             # before + s * (after - before); lerp computes it from `after` for s >= 0.5, so s = 1 is exact
-            after_R.copy_(before_R.lerp_(after_R, s_R))
+            after_X.copy_(before_X.lerp_(after_X, s_X))
         self._before = None  # free the snapshot before the next forward
-        return scale_LE
+        return scale_ME
 
     def remove(self) -> None:
         """Unhook from the optimizer."""

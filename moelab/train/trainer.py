@@ -37,6 +37,7 @@ from moelab.train.loss import cross_entropy, loss_mask
 from moelab.train.metrics import MetricsWriter, append_event, read_events
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
+from moelab.train.stats import StatsPack
 from moelab.train.summary import summarize
 
 
@@ -190,39 +191,36 @@ class Trainer:
                       for key in ("tokens_per_expert", "routed_per_expert") for s in stats]
             self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
             return {"step": step, "lr": lr}
-        parts = [par.loss_contribution(loss_sum), grad_norm.reshape(1).float() * par.grad_norm_weight()]
+        pack = StatsPack()
+        pack.add("loss", par.loss_contribution(loss_sum))
+        pack.add("grad_norm", grad_norm.reshape(1).float() * par.grad_norm_weight())
         for key, size, weight in (("tokens_per_expert", E, 1.0), ("routed_per_expert", E, 1.0),
                                   ("dropped", 1, 1.0), ("aux_loss", 1, None),
                                   ("z_loss", 1, None), ("entropy", 1, None), ("logit_norm", 1, None),
                                   ("capacity_factor", 1, None)):
             w = par.stat_weight() if weight is None else weight
-            parts += [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
-                      for s in stats]
+            pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
+                           for s in stats])
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
         # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
-        parts.append(memory_slots.reshape(-1))
+        pack.add("memory", memory_slots)
         comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
-        parts.append(torch.tensor([x for v in comm.values() for x in v]).to(dev, non_blocking=True))
-        parts.append(torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
-        packed = par.all_reduce_sum(torch.cat([p.reshape(-1).float() for p in parts]))
-        values = packed.tolist()
-        loss = values[0] / (self.micro_per_rank * par.dp_size)
-        gnorm = values[1]
-        off = 2
-        tokens_per_expert = [values[off + i * E: off + (i + 1) * E] for i in range(n_layers)]
-        off += n_layers * E
-        routed_per_expert = [values[off + i * E: off + (i + 1) * E] for i in range(n_layers)]  # before dropping
-        off += n_layers * E
-        per_layer = {}
-        for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm", "capacity_factor"):
-            per_layer[key] = values[off: off + n_layers]
-            off += n_layers
-        self.last_memory = [values[off + 3 * r: off + 3 * r + 3] for r in range(self.env.world_size)]
-        off += 3 * self.env.world_size
+        for key, v in comm.items():
+            pack.add(f"comm.{key}", torch.tensor(v, dtype=torch.float32).to(dev, non_blocking=True))
+        pack.add("stop", torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
+        packed = par.all_reduce_sum(pack.pack())
+        got = pack.unpack(packed.tolist())
+        loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
+        gnorm = got["grad_norm"][0]
+        tokens_per_expert = [got["tokens_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]
+        routed_per_expert = [got["routed_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]  # before dropping
+        per_layer = {key: got[key] for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm",
+                                               "capacity_factor")}
+        self.last_memory = [got["memory"][3 * r: 3 * r + 3] for r in range(self.env.world_size)]
         for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
-            comm[key], off = (values[off] if len(v) == 1 else values[off: off + len(v)]), off + len(v)
-        self.stop_requested = values[-1] > 0
+            comm[key] = got[f"comm.{key}"][0] if len(v) == 1 else got[f"comm.{key}"]
+        self.stop_requested = got["stop"][0] > 0
         skipped = False
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
             if cfg.train.on_nan == "stop":
@@ -233,7 +231,9 @@ class Trainer:
         else:
             # the summed counts are still on the device: no host-to-device copy (it would wait for the
             # optimizer step just queued)
-            self.apply_step(packed[2: 2 + 2 * n_layers * E].view(2, n_layers, E) if n_layers else None)
+            counts_2LE = torch.stack([packed[pack.slice("tokens_per_expert")],
+                                      packed[pack.slice("routed_per_expert")]]).view(2, n_layers, E)
+            self.apply_step(counts_2LE if n_layers else None)
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,

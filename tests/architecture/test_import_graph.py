@@ -18,9 +18,9 @@ PACKAGE = ROOT / "moelab"
 # (layer name, path prefixes relative to moelab/), lowest first; the longest matching prefix wins
 LAYERS = [
     ("contract", ["run/folder.py", "presets/"]),
-    ("config", ["config.py", "yaml_loader.py"]),
+    ("config", ["config.py", "config_rules.py", "yaml_loader.py"]),
     ("layout", ["parallel/dims.py"]),
-    ("planner", ["planner/", "model_shapes.py"]),
+    ("planner", ["planner/"]),
     ("model", ["model/", "backends/"]),
     ("parallel", ["parallel/", "hf/"]),
     ("train", ["train/", "bench.py"]),

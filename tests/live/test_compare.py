@@ -1,4 +1,4 @@
-"""moelab.compare on real runs: a sweep's table holds its swept values and balance metrics computed from the
+"""moelab.live.compare on real runs: a sweep's table holds its swept values and balance metrics computed from the
 stream; the plots are Figures with one line / panel per run."""
 import numpy as np
 import pytest

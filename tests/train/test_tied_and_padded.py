@@ -12,6 +12,7 @@ from moelab.parallel.dims import ParallelDims
 import torch
 
 from moelab.config import ConfigError, load_config
+from moelab.parallel.dims import ParallelDims
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.metrics import read_events
 from moelab.train.trainer import Trainer
