@@ -5,7 +5,7 @@ A checkpoint is a folder of the run folder, written by every rank together:
     checkpoints/step_000010/
         .metadata, __<rank>_<n>.distcp   DCP: model and optimizer state, saved as GLOBAL tensors: FSDP2 DTensors
                                          by shard, and with expert parallelism each rank's experts as its rows
-                                         of one [num_experts, ...] tensor (`_global_experts`), so any layout
+                                         of one [num_experts, ...] tensor (`global_experts`), so any layout
                                          loads any other's checkpoint
         rng/rank_00000.json              each rank's RNG states (torch, cuda, python, numpy), as JSON
         rank_state/rank_00000.pt         each rank's own training state, where the layout has one (the 1-bit
@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from moelab.config import Config, ConfigError
 from moelab.train import diskspace
+from moelab.train.checkpoint_experts import copy_back, global_experts
 from moelab.train.metrics import rewind_metrics, write_durably
 
 FORMAT = 1
@@ -245,7 +246,7 @@ class Checkpointer:
         name = step_dir_name(step)
         final, tmp = self.root / name, self.root / f".{name}.tmp"
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = _global_experts({"model": model_sd, "optim": optim_sd}, meshes)
+        state = global_experts({"model": model_sd, "optim": optim_sd}, meshes)
         need = sum(self._gather(diskspace.state_bytes(state)))
         refusal = None
         if self._rank == 0:
@@ -356,10 +357,10 @@ class Checkpointer:
             out.step = meta["step"]
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            view = _global_experts(state, meshes)  # shares storage with `state`: loading fills both
+            view = global_experts(state, meshes)  # shares storage with `state`: loading fills both
             try:
                 dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
-                _copy_back(view, state)
+                copy_back(view, state)
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             except Exception as e:
                 raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
@@ -396,55 +397,6 @@ class Checkpointer:
             return head["problems"]
         names = sorted(head["files"])[self._rank::self._world]
         return [p for part in self._gather(verify_files(path, head["files"], names)) for p in part]
-
-
-# ---------------------------------------------------------------------- expert parallelism
-def _global_experts(state: dict, meshes) -> dict:
-    """With expert parallelism each EP rank holds num_experts/ep experts under the same names (FSDP2 DTensors
-    whose "global" shape is only this rank's experts); DCP would take them for one replicated tensor and keep
-    one rank's copy. Return a view of `state` in which every expert tensor is instead a DTensor of the true
-    global shape [num_experts, ...], sharded over EP ranks (outer) then expert-FSDP ranks (inner) exactly as
-    moelab.parallel lays them out, sharing storage with the original (so a load into the view fills it)."""
-    if meshes is None or meshes.layout.ep == 1:
-        return state
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    ep_ranks, efsdp_ranks = meshes.ep_mesh.mesh.tolist(), meshes.efsdp.mesh.tolist()
-    me = dist.get_rank()
-    # rank = base + efsdp_index * ep + ep_index: the block of ranks sharing this rank's experts' layer slices
-    block = torch.tensor([[e + f - me for f in efsdp_ranks] for e in ep_ranks])
-    mesh = DeviceMesh.from_group([meshes.ep_mesh.get_group(), meshes.efsdp.get_group()],
-                                 meshes.ep_mesh.device_type, mesh=block, mesh_dim_names=("ep", "efsdp"))
-    ep = meshes.layout.ep
-
-    def globalize(value):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        local = value.to_local() if isinstance(value, DTensor) else value
-        shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
-        stride = torch.empty(shape, device="meta").stride()
-        # plain tensors: experts replicated over the expert-FSDP ranks (parallel.expert_dp=replicate)
-        inner = Shard(0) if isinstance(value, DTensor) else Replicate()
-        return DTensor.from_local(local, mesh, [Shard(0), inner], run_check=False, shape=shape, stride=stride)
-
-    def walk(node, is_expert=False):
-        if isinstance(node, dict):
-            return {k: walk(v, is_expert or (isinstance(k, str) and ".experts." in f".{k}")) for k, v in node.items()}
-        if isinstance(node, list):
-            return node  # param_groups: no tensors
-        return globalize(node) if is_expert else node
-
-    return walk(state)
-
-
-def _copy_back(view, state) -> None:
-    """Values DCP put into the view's containers (not in place) go back into the original state dict."""
-    for k, v in view.items():
-        if isinstance(v, dict) and isinstance(state.get(k), dict):
-            _copy_back(v, state[k])
-        elif v is not state.get(k) and not isinstance(v, torch.Tensor):
-            state[k] = v
 
 
 # ---------------------------------------------------------------------- helpers

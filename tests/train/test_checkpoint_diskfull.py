@@ -78,7 +78,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_writing_and_resume_wor
     print(f"\nRELIABILITY disk full: checkpoint of {need:,} bytes refused with {free:,} free (6 MiB tmpfs)")
 
     resize("20m")  # space freed
-    assert resume(run)["status"] == "COMPLETED"
+    assert resume(run).wait().summary()["status"] == "COMPLETED"
     assert _steps(run) == _steps(baseline), "the resumed run trains steps 3-4 exactly as the uninterrupted one"
     assert [p.name for p in list_checkpoints(run)] == ["step_000004"]
 
@@ -154,5 +154,5 @@ def test_two_ranks_refuse_together_and_resume_once_space_is_freed(small_disk):
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     assert verify(run / "checkpoints/step_000002") == []
     resize("20m")
-    assert resume(run)["status"] == "COMPLETED"
+    assert resume(run).wait().summary()["status"] == "COMPLETED"
     assert sorted(_steps(run)) == [1, 2, 3, 4]
