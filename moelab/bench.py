@@ -182,6 +182,7 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
                 b.set_fake_gate(True)
             result["peak_memory_gb"] = b.peak_memory_gb()
         finally:
+            tr.stop.restore()  # the signal handlers setup() installed: a later signal must not reach this bench
             tr.env.shutdown()
             if tr.writer:
                 tr.writer.close()

@@ -71,3 +71,18 @@ def test_step_without_metrics_makes_the_same_updates(tmp_path):
     assert all(t.expert_lr is not None and t.expert_lr._before is None for t in trainers)
     for t in trainers:
         t.env.shutdown()
+
+
+def test_bench_puts_the_signal_handlers_back():
+    """bench() builds a Trainer whose setup installs stop-signal handlers; they must be gone after it, or a later
+    run in the same process chains its SIGTERM to the bench's stale handler, which re-raises it with the
+    default action (a test process was killed that way)."""
+    import signal
+
+    from moelab.bench import bench
+    from moelab.config import load_config
+
+    before = signal.getsignal(signal.SIGTERM)
+    bench(load_config("tiny", {"model.num_layers": 1, "train.seq_len": 16, "train.global_batch_size": 2,
+                               "train.micro_batch_size": 2}), steps=1, warmup=0, metrics_overhead=False)
+    assert signal.getsignal(signal.SIGTERM) == before
