@@ -32,7 +32,7 @@ import torch
 
 from moelab.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
-from moelab.flops import FLOPS_CONVENTION
+from moelab.planner.flops import FLOPS_CONVENTION
 
 PRESET = "qwen3-moe-30b-a3b-proxy"
 BENCH_SET = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compile=true",
@@ -141,7 +141,7 @@ def cmd_bench(args) -> None:
             from moelab.train.adamw_triton import use_triton_adamw
 
             use_triton_adamw(tr.optimizer)
-            bench_mode(tr, b, args, mode, out, tag="bf16-triton-adamw", profile=False)
+            bench_mode(tr, b, args, mode, out, tag="bf16-triton-adamw", profile=False, gbs_list=args.triton_gbs)
             tr.optimizer.__class__ = torch.optim.AdamW
             continue
         if mode != "off":
@@ -156,9 +156,10 @@ def cmd_bench(args) -> None:
         bench_mode(tr, b, args, mode, out)
 
 
-def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True) -> None:
+def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True,
+               gbs_list: str | None = None) -> None:
     tag = tag or ("bf16" if mode == "off" else f"fp8-{mode}")
-    for gbs in [int(g) for g in args.gbs.split(",")]:
+    for gbs in [int(g) for g in (gbs_list or args.gbs).split(",")]:
         steps, warmup = (args.steps, args.warmup) if gbs <= 4 else (max(2, args.steps // 2), 1)
         name = f"{tag}-compile-gbs{gbs}" if tr.cfg.train.compile else f"{tag}-gbs{gbs}"
         rec = {**base_record(tr, b, args, mode), "variant": name, "global_batch_size": gbs,
@@ -285,6 +286,7 @@ def main(argv=None):
             p.add_argument("--profile", action="store_true")
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
+            p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
         else:
             p.add_argument("--steps", type=int, default=300)
     p = sub.add_parser("table")
