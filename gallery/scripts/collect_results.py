@@ -45,6 +45,7 @@ def main():
                 fp8 = r.get("fp8", "off")
                 tags = [r.get("experts_implementation", ""),
                         "" if "compile" not in r else ("compile" if r["compile"] else "eager"),
+                        r.get("compile_mode", "") if r.get("compile") else "",  # trainer | blocks
                         f"fp8-{fp8}" if fp8 != "off" else "", f"gbs{r['global_batch_size']}"]
                 variant = "-".join(t for t in tags if t)
             name = f"{r['workload']}--{r['system']}--{slug(variant)}.json"

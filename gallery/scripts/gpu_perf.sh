@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Issue 17, ONE call on one H200 (about 9 minutes): peers and moelab in the same run, same shapes (Qwen3-30B-A3B
+# Issue 17, the FINAL call on one H200 (about 8 minutes): peers and moelab in the same run, same shapes (Qwen3-30B-A3B
 # proxy, seq 4096, micro batch 2, learned router, bf16 parameters, fused AdamW), same harness and FLOPs convention.
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
-# a part that no longer fits in the call's budget (BUDGET_S, default 540 s) is skipped and says so.
-#   PARTS="fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"   (default: all, in this order)
-#   FP8_MODES=off,rowwise,rowwise_lm_head  PARITY_MODES=...   the train.fp8 modes benchmarked / trained (default
-#                                                            off,rowwise; each FP8 mode recompiles: about 60 s)
+# a part that no longer fits in the call's budget (BUDGET_S, default 500 s) is skipped and says so.
+#   PARITY_MODES=off,rowwise  FP8_GBS=16,2
+#   PARTS="tt-compile tt-blocks moelab parity moelab-fp8"   (default: all, in this order; the essential first)
+#     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
+#     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
+#     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS
+#     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
+#     moelab-fp8  moelab train.fp8=rowwise compiled at FP8_GBS (default 16,2: 16 first, 2 if the budget allows)
+#   Optional parts (measured in the first call, not run by default): fp8-check tt-fp8 tt-eager hf
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
 # Device call: command "MOELAB_COMMIT=<sha> bash gallery/scripts/gpu_perf.sh", carry [".whl"] (the wheels from
@@ -16,8 +21,9 @@ set -u
 ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_perf_out}; mkdir -p "$OUT"
 R=/tmp/perf-results; L=/tmp/perf-logs; rm -rf $R $L; mkdir -p $R $L
-BUDGET_S=${BUDGET_S:-540}
-PARTS=${PARTS:-"fp8-check moelab tt-compile parity tt-fp8 tt-eager hf"}
+BUDGET_S=${BUDGET_S:-500}
+PARTS=${PARTS:-"tt-compile tt-blocks moelab parity moelab-fp8"}
+PARITY_MODES=${PARITY_MODES:-off,rowwise}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 trap '(cd /tmp && tar czf $OUT/results.tar.gz perf-results && tar czf $OUT/logs.tar.gz perf-logs)' EXIT
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${DRY_RUN:-}" ]; then
@@ -48,13 +54,22 @@ part() {
   grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
+if [ -z "${DRY_RUN:-}" ]; then
+  part tt-compile 90 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode trainer \
+    --global-batch 2,16 --json $R/torchtitan-compile-trainer-gbs{gbs}.json
+  part tt-blocks 90 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode blocks \
+    --global-batch 2,16 --json $R/torchtitan-compile-blocks-gbs{gbs}.json
+fi
+part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 --profile \
+  --triton-adamw --triton-gbs ${TRITON_GBS:-2} $DRY
+# parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
+# depend on it), each under its own timeout so that neither outlives the part
+PAR="timeout -k 5 85 python3 gallery/scripts/gpu_perf.py parity --out $R --steps ${PARITY_STEPS:-300} $DRY --fp8"
+part parity 95 bash -c "for m in ${PARITY_MODES//,/ }; do $PAR \$m > $L/parity-\$m.log 2>&1 & done; wait; \
+  cat $L/parity-*.log"
+# FP8 at global batch 16 first (its record is written before 2 starts, so a timeout keeps it)
+part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} $DRY
 part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
-part moelab 250 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 ${FP8_MODES:-off,rowwise} --gbs 2,16 \
-  --profile --triton-adamw $DRY
-[ -n "${DRY_RUN:-}" ] || part tt-compile 120 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile \
-  --global-batch 2,16 --json $R/torchtitan-compile-gbs{gbs}.json
-part parity 100 python3 gallery/scripts/gpu_perf.py parity --out $R --fp8 ${PARITY_MODES:-off,rowwise} \
-  --steps ${PARITY_STEPS:-300} $DRY
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
     --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json

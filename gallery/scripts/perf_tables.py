@@ -42,6 +42,16 @@ def row_or_missing(name: str, label: str, gbs: int) -> str:
     return row(name, label)
 
 
+def fastest_torchtitan(gbs: int) -> str:
+    """The faster of torchtitan's compile modes measured at this global batch (the peer at its best): the
+    trainer's apply_compile (`compile-trainer`, or `compile` in records before the mode was named) or each
+    whole block compiled (`compile-blocks`)."""
+    names = [f"torchtitan--compile-{m}gbs{gbs}" for m in ("blocks-", "trainer-", "")]
+    found = [(r["tokens_per_s_per_gpu"], n) for n in names
+             if (r := maybe(f"{W}--{n}")) is not None and "error" not in r]
+    return max(found)[1] if found else names[0]
+
+
 def issue17() -> list[str]:
     """Issue 17: peers compiled as their trainers do and moelab bf16 / FP8 from one call (gpu_perf.sh)."""
     out = ["### One call (gallery/scripts/gpu_perf.sh): peers as their users run them, moelab bf16 and FP8", "",
@@ -50,7 +60,9 @@ def issue17() -> list[str]:
     rows = [("hf-transformers--grouped_mm-eager-gbs2", "HF transformers, grouped_mm experts, eager", 2),
             ("torchtitan--eager-gbs2", "torchtitan 0.2.2 model code, eager", 2)]
     for gbs in (2, 16):
-        rows += [(f"torchtitan--compile-gbs{gbs}", "torchtitan 0.2.2, compiled as its trainer (blocks + loss)", gbs),
+        rows += [(f"torchtitan--compile-trainer-gbs{gbs}", "torchtitan 0.2.2, compiled by its trainer's apply_compile "
+                  "+ loss", gbs),
+                 (f"torchtitan--compile-blocks-gbs{gbs}", "torchtitan 0.2.2, each whole block compiled + loss", gbs),
                  (f"torchtitan--compile-fp8-rowwise-gbs{gbs}", "torchtitan 0.2.2 compiled + torchao float8 rowwise",
                   gbs),
                  (f"moelab--bf16-compile-gbs{gbs}", "moelab, train.compile", gbs),
@@ -72,10 +84,10 @@ def issue17() -> list[str]:
         out.append(f"| {what} >= {goal}x | `{a}` / `{b}` | {x:.2f} | {'yes' if x >= goal else 'no'} |")
 
     for gbs in (2, 16):
-        target(f"moelab--bf16-compile-gbs{gbs}", f"torchtitan--compile-gbs{gbs}", 1.15,
-               f"bf16, global batch {gbs}: moelab / compiled torchtitan")
+        target(f"moelab--bf16-compile-gbs{gbs}", fastest_torchtitan(gbs), 1.15,
+               f"bf16, global batch {gbs}: moelab / compiled torchtitan (its faster compile mode)")
     for gbs in (2, 16):
-        target(f"moelab--fp8-rowwise-compile-gbs{gbs}", f"torchtitan--compile-gbs{gbs}", 1.35,
+        target(f"moelab--fp8-rowwise-compile-gbs{gbs}", fastest_torchtitan(gbs), 1.35,
                f"FP8, global batch {gbs}: moelab FP8 / compiled torchtitan bf16")
         target(f"moelab--fp8-rowwise-compile-gbs{gbs}", f"torchtitan--compile-fp8-rowwise-gbs{gbs}", 1.0,
                f"FP8, global batch {gbs}: moelab FP8 / compiled torchtitan + torchao FP8")

@@ -14,7 +14,7 @@ from torch import nn
 from moelab.config import BackendConfig, MoEConfig
 from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
-from moelab.model.router import Router
+from moelab.model.router import Router, count_ids
 
 
 class AttachLoss(torch.autograd.Function):
@@ -50,7 +50,7 @@ class LocalDispatcher:
         if keep_TK is not None:  # dropped assignments sort last, behind a sentinel expert
             flat_N = torch.where(keep_TK.reshape(-1), flat_N, num_experts)
         order_N = torch.argsort(flat_N, stable=True)
-        counts_E = torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts]
+        counts_E = count_ids(flat_N, num_experts + 1)[:num_experts]  # on the device: no host sync
         x_ND = x_TD[order_N // K]
         if keep_TK is not None:
             # The grouped GEMM leaves the rows past the kept ones undefined in its output AND in its input

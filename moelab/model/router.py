@@ -16,6 +16,21 @@ from torch import nn
 from moelab.config import MoEConfig
 
 
+def count_ids(idx_N: torch.Tensor, n: int, weights_N: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.bincount(idx_N, weights_N, minlength=n) for ids in [0, n), counted on the device: bincount sizes its
+    output from idx.max(), a device-to-host read on CUDA (a synchronisation per call, and a break in the
+    compiled graph); a scatter-add into n slots needs neither. Unweighted counts are int64 (as bincount's);
+    weighted ones float32, exact for whole-number weights (the 0/1 padding masks here).
+
+        count_ids(torch.tensor([0, 2, 2]), 4)  # tensor([1, 0, 2, 0])
+    """
+    if weights_N is None:
+        zeros = torch.zeros(n, dtype=torch.int64, device=idx_N.device)
+        return zeros.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+    w_N = weights_N.float()
+    return torch.zeros(n, dtype=w_N.dtype, device=idx_N.device).scatter_add_(0, idx_N, w_N)
+
+
 class Router(nn.Module):
     """Scores experts, picks each token's top-k (optionally group-limited and biased), weighs them, and keeps
     the step's routing statistics; in training its loss (aux + z) carries gradient.
@@ -133,7 +148,7 @@ class Router(nn.Module):
         # Sort by expert, then by descending score: the rank within an expert decides who stays.
         order = torch.argsort(flat_w, descending=True, stable=True)
         order = order[torch.argsort(flat_e[order], stable=True)]
-        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        counts = count_ids(flat_e, self.num_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank_sorted = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[order]]
         keep = torch.empty_like(flat_e, dtype=torch.bool)
@@ -171,12 +186,12 @@ class Router(nn.Module):
         flat = experts_TK.reshape(-1)
         # padding (mask_T false) is counted nowhere: weights 0 for its K assignments
         w = mask_T.repeat_interleave(self.top_k).to(scores_TE.dtype) if mask_T is not None else None
-        self.stat_routed_per_expert += torch.bincount(flat, w, minlength=self.num_experts)
+        self.stat_routed_per_expert += count_ids(flat, self.num_experts, w)
         if keep_TK is not None:
             kept = keep_TK.reshape(-1)
             self.stat_dropped += (~kept).sum() if w is None else ((~kept) * w).sum()
             flat = torch.where(kept, flat, self.num_experts)
-        self.stat_tokens_per_expert += torch.bincount(flat, w, minlength=self.num_experts + 1)[: self.num_experts]
+        self.stat_tokens_per_expert += count_ids(flat, self.num_experts + 1, w)[: self.num_experts]
         p = scores_TE / scores_TE.sum(-1, keepdim=True)
         self.stat_entropy += _mean(-(p * (p + 1e-20).log()).sum(-1), mask_T)
         self.stat_logit_norm += _mean(logits_TE.norm(dim=-1), mask_T)
