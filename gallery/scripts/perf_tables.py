@@ -213,6 +213,33 @@ def tables() -> str:
     return "\n".join(out)
 
 
+README_BEGIN = "<!-- perf-highlights: begin (gallery/scripts/perf_tables.py) -->"
+README_END = "<!-- perf-highlights: end -->"
+
+
+def readme_highlights() -> str:
+    """README's headline table: each system at its best from the one-call records, with its ratio to the faster
+    compiled torchtitan at the same global batch (the peer to beat)."""
+    out = ["| system (one H200, Qwen3-30B-A3B proxy, seq 4096, micro batch 2, learned router) | global batch | "
+           "tokens/s/GPU | TFLOPs/GPU | vs compiled torchtitan | call |", "|---|---:|---:|---:|---:|---|"]
+    rows = [("hf-transformers--grouped_mm-eager-gbs2", "HF transformers, grouped_mm experts", 2),
+            ("torchtitan--eager-gbs2", "torchtitan 0.2.2, eager", 2)]
+    for gbs in (2, 16):
+        rows += [(fastest_torchtitan(gbs), "torchtitan 0.2.2, compiled (its faster mode)", gbs),
+                 (f"moelab--bf16-compile-gbs{gbs}", "moelab, `train.compile`", gbs)]
+    rows += [("moelab--bf16-triton-adamw-compile-gbs2", "moelab, `train.compile`, TritonAdamW (experiment)", 2),
+             ("moelab--fp8-rowwise-compile-gbs16", "moelab, `train.compile` + `train.fp8=rowwise`", 16)]
+    for name, label, gbs in rows:
+        r, peer = maybe(f"{W}--{name}"), maybe(f"{W}--{fastest_torchtitan(gbs)}")
+        if r is None or "error" in r:
+            out.append(f"| {label} | {gbs} | not measured | | | |")
+            continue
+        ratio = f"{r['tokens_per_s_per_gpu'] / peer['tokens_per_s_per_gpu']:.2f}x" if peer else "-"
+        out.append(f"| {label} | {gbs} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {ratio} | "
+                   f"{r['device_call'].split(' ')[0]} |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
@@ -221,10 +248,11 @@ def main():
     if not args.write:
         print(text)
         return
-    p = GALLERY / "perf-notes.md"
-    s = p.read_text()
-    a, b = s.index(BEGIN) + len(BEGIN), s.index(END)
-    p.write_text(s[:a] + "\n" + text + "\n" + s[b:])
+    for p, begin, end, body in ((GALLERY / "perf-notes.md", BEGIN, END, text),
+                                (GALLERY.parent / "README.md", README_BEGIN, README_END, readme_highlights())):
+        s = p.read_text()
+        a, b = s.index(begin) + len(begin), s.index(end)
+        p.write_text(s[:a] + "\n" + body + "\n" + s[b:])
 
 
 if __name__ == "__main__":

@@ -61,3 +61,12 @@ def test_readme_te_tables_are_the_rendering_of_the_te_result_files():
     readme = (te_tables.ROOT / "README.md").read_text()
     inside = readme.split(te_tables.BEGIN, 1)[1].split(te_tables.END, 1)[0]
     assert inside.strip() == te_tables.render().strip()
+
+
+def test_readme_perf_highlights_are_the_rendering_of_the_result_files():
+    """README's headline benchmark table (each system at its best, ratios to the faster compiled torchtitan) is
+    perf_tables.readme_highlights(): no figure typed by hand."""
+    pt = _module("perf_tables")
+    readme = (default_root().parent / "README.md").read_text()
+    inside = readme.split(pt.README_BEGIN, 1)[1].split(pt.README_END, 1)[0]
+    assert inside.strip() == pt.readme_highlights().strip(), "run: python gallery/scripts/perf_tables.py --write"

@@ -51,15 +51,15 @@ def test_on_nan_skip_skips_the_step_without_updating(tmp_path):
     assert all(e["loss"] is None for e in steps[1:]), "non-finite values are written as null"
 
 
-def test_a_token_file_with_out_of_range_ids_fails_with_the_traceback(tmp_path):
+def test_a_token_file_with_out_of_range_ids_is_refused_before_training(tmp_path):
+    """The whole file is scanned before any step (issue 21): the error names the field, the first bad id and its
+    position, and the fix; no step runs."""
     data = tmp_path / "tokens.bin"
     np.full(4096, 60000, dtype=np.uint16).tofile(data)  # every id >= vocab_size 256
     cfg = _cfg(**{"data.kind": "tokens", "data.path": str(data), "train.steps": 2})
-    with pytest.raises(ValueError, match="token id 60000 >= model.vocab_size=256"):
+    with pytest.raises(ConfigError, match=r"data.path=.*token id 60000 at position 0 .*model.vocab_size=256"):
         Trainer(cfg, tmp_path / "run").run()
-    run = Run.load(tmp_path / "run")
-    assert run.status == "FAILED"
-    assert "Traceback" in run.error and "token id 60000" in run.error
+    assert not [e for e in read_events(tmp_path / "run/metrics.jsonl") if e["event"] == "step"]
 
 
 def test_a_token_file_too_short_is_refused_before_training(tmp_path):
