@@ -16,6 +16,7 @@ import sys
 
 from moelab.cli import jobs, tools
 from moelab.config import ConfigError
+from moelab.run.folder import FolderLocked
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as e:
         print(f"moelab: config error: {e}", file=sys.stderr)
+        return 2
+    except FolderLocked as e:
+        print(f"moelab: refused: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
         print(f"moelab: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, owner_gone
 from moelab.train.metrics import read_events
 
 # PREEMPTED: stopped by a signal after saving a checkpoint, and not requeued (a SLURM job that requeues itself
@@ -133,7 +133,15 @@ class InlineJob(Job):
     executor = "inline"
 
     def state(self) -> str:
-        return self.info.get("status") or self.stream_state()
+        status = self.info.get("status") or self.stream_state()
+        if status not in TERMINAL and owner_gone(self.info):
+            # killed (kill -9, a dead kernel) before it could record its end: nobody will ever write it
+            status = self.stream_state()
+            status = status if status in TERMINAL else "FAILED"
+            self.info = self.folder.update_info(
+                status=status, error=f"owner process gone: pid {self.info.get('pid')} on "
+                                     f"{self.info.get('host', 'this host')} ended without recording the run's end")
+        return status
 
 
 class ExternalJob(Job):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from moelab.config import Config, save_config
 from moelab.parallel.dims import ParallelDims
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, lock_folder
 from moelab.train.metrics import MetricsError, read_events
 
 
@@ -131,8 +131,9 @@ def run_local_processes(cfg: Config, run_dir: "str | Path", nproc: int, entry: s
     environment variables to every rank."""
     run_dir = Path(run_dir)
     ParallelDims.build(cfg, nproc)  # an impossible layout fails here, before any process starts
-    run_dir.mkdir(parents=True, exist_ok=True)
     folder = RunFolder(run_dir)
-    save_config(cfg, folder.config)
-    launch([sys.executable, "-m", entry, str(run_dir)], nproc, folder.logs, env, grace_s, metrics_path=folder.metrics)
+    with lock_folder(run_dir, "local launcher"):  # its ranks write under it (FolderLock: the parent's lock)
+        save_config(cfg, folder.config)
+        launch([sys.executable, "-m", entry, str(run_dir)], nproc, folder.logs, env, grace_s,
+               metrics_path=folder.metrics)
     return json.loads(folder.summary.read_text())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.jobs import Job
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, lock_folder
 from moelab.train.metrics import MetricsError, read_events
 
 
@@ -59,10 +59,11 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
         nproc = nproc or previous_world_size(folder.path)
         kind = "inline" if nproc == 1 and not options else "local"
     kind, world = validate(kind, nproc, options, [cfg])
-    if steps is not None:
-        save_config(cfg, folder.config)  # what the ranks read
-    unlink_logs(folder)  # they point at the previous job's files
-    if kind == "inline":
-        return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
-    root = Path(info.get("submitit_folder") or folder.submitit)
-    return submit_folders(kind, [folder], nproc, options, root, world)[0]
+    with lock_folder(folder.path, "submit"):  # FolderLocked while the run's owner still runs
+        if steps is not None:
+            save_config(cfg, folder.config)  # what the ranks read
+        unlink_logs(folder)  # they point at the previous job's files
+        if kind == "inline":
+            return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
+        root = Path(info.get("submitit_folder") or folder.submitit)
+        return submit_folders(kind, [folder], nproc, options, root, world)[0]

@@ -10,6 +10,7 @@ moelab.run.folder. The layout of every config is checked by the one validator be
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)
 
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     info = {"name": folder.name, "executor": "inline", "created": time.time(), "status": "RUNNING",
-            "ntasks": 1, "pid": os.getpid()}
+            "ntasks": 1, "pid": os.getpid(), "host": socket.gethostname()}
     folder.write_info(info)
     try:
         status = train_rank(folder.path, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal

@@ -83,6 +83,7 @@ class Run:
             return final
         job = self.job
         status = job.state()
+        self._info = job.info  # what the job recorded (e.g. an owner gone)
         self._checked = (time.monotonic(), status)
         if status in TERMINAL and job.records_status:
             self._update_info(status=status)
@@ -224,6 +225,8 @@ class Run:
         kind, text = self.job.outcome()
         if kind == "error":
             return text
+        if self._info.get("error"):  # recorded by the launcher (e.g. "owner process gone")
+            return self._info["error"]
         if self.status in ("FAILED", "TIMEOUT"):
             tail = self.job.log(0, "stderr").splitlines()[-40:]
             return "\n".join(tail) or f"the job ended as {self.status} without an error message"
