@@ -206,7 +206,9 @@ class TrainJob:
         import submitit
 
         from moelab.launch.entry import train_rank
+        from moelab.launch.local import die_with_parent
 
+        die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
         # every task derives the same port from the job id (an inherited MASTER_PORT would be shared by all jobs)
         os.environ["MASTER_PORT"] = str(master_port(submitit.JobEnvironment().job_id))
         # one GPU per task: DistEnv picks cuda:<local_rank % visible devices>, which is right whether SLURM

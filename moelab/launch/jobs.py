@@ -250,6 +250,16 @@ class LocalJob(SubmititJob):
     def state(self) -> str:
         return "RUNNING" if self.alive() else self.ended_state()
 
+    def preempt(self, signum: int = signal.SIGTERM) -> None:
+        """Send `signum` to the controller, which forwards it to every task: they checkpoint at the step
+        boundary and end PREEMPTED (`moelab run` does this when it receives SIGTERM)."""
+        proc = getattr(self.handle, "_process", None)
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        elif controller_alive(self.job_id):
+            os.kill(int(self.job_id), signum)
+
     def cancel(self) -> None:
         proc = getattr(self.handle, "_process", None)
         if proc is not None:

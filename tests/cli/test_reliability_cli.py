@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moelab import Run, Session
-from moelab.run.folder import FolderLocked
+from moelab.run.folder import FolderLocked, pid_alive
 
 pytestmark = pytest.mark.slow
 SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.moe.num_experts=4",
@@ -65,3 +65,68 @@ def test_one_writer_per_folder_and_a_killed_owner_is_noticed_resumed_and_cancell
     resumed = moelab("resume", out, "--steps", "3")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert Run.load(out).status == "COMPLETED"
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if stat[0] != "Z":
+                parents.setdefault(int(stat[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _wait_for(cond, timeout=120):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end
+        time.sleep(0.3)
+
+
+def test_sigterm_to_moelab_run_nproc_2_preempts_its_ranks_and_none_is_left(tmp_path):
+    out = tmp_path / "p"
+    cli = subprocess.Popen([sys.executable, "-m", "moelab", "run", "tiny", *SMALL, "--set", "parallel.ep=2",
+                            "--steps", "100000", "--nproc", "2", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and len(Run.load(out).metrics) > 0, 240)
+        ranks = _children(cli.pid)
+        assert len(ranks) >= 3  # submitit's controller and its two tasks
+        cli.send_signal(signal.SIGTERM)
+        stdout, stderr = cli.communicate(timeout=180)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode != 0 and "PREEMPTED" in stdout and "SIGTERM" in stderr, stdout + stderr
+    run = Run.load(out)
+    assert run.status == "PREEMPTED"
+    assert any(e["event"] == "checkpoint" for e in run.events)
+    _wait_for(lambda: not any(pid_alive(p) for p in ranks), 60)  # no rank outlives its launcher
+
+
+def test_ranks_of_a_killed_controller_checkpoint_and_end(tmp_path):
+    """kill -9 of the local executor's controller: its tasks get SIGTERM from the kernel (PR_SET_PDEATHSIG),
+    checkpoint at the step boundary and exit, instead of training on as orphans."""
+    run = Session("tiny", model={"num_layers": 2, "hidden_size": 32, "moe": {"num_experts": 4,
+                                                                           "expert_ffn_size": 32}},
+                  train={"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu",
+                         "steps": 100000}).submit("local", folder=tmp_path / "k")
+    _wait_for(lambda: len(run.metrics) > 0, 240)
+    controller = int(run.job_id)
+    tasks = _children(controller)
+    assert tasks
+    os.kill(controller, signal.SIGKILL)
+    _wait_for(lambda: not any(pid_alive(t) for t in tasks), 120)
+    ends = [e for e in run.events if e["event"] == "end"]
+    assert ends and ends[-1]["status"] == "PREEMPTED"
+    assert any(e["event"] == "checkpoint" for e in run.events)
