@@ -46,10 +46,10 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
 def prepare_folder(folder: "str | Path", cfg) -> RunFolder:
     """Create a fresh run folder holding config.yaml; refuses a folder that already holds a run."""
     folder = RunFolder(folder)
-    if folder.holds_run():
-        raise ConfigError(f"folder={str(folder.path)!r} already holds a run; choose a new folder, continue it "
-                          f"with `moelab resume {folder.path}` (Run.load(folder).resume()), or load it with "
-                          f"moelab.Run.load")
+    if folder.holds_run():  # the re-run rule (moelab.launch.rerun): refused, the folder untouched
+        from moelab.launch.rerun import rerun_refusal
+
+        raise ConfigError(rerun_refusal(folder, cfg))
     folder.path.mkdir(parents=True, exist_ok=True)
     save_config(cfg, folder.config)
     load_config(folder.config)  # what the job will read must load

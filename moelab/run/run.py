@@ -120,11 +120,12 @@ class Run:
         self._checked = (0.0, None)
         self.job.cancel()
 
-    def resume(self, **cluster_options) -> "Run":
+    def resume(self, steps: int | None = None, **cluster_options) -> "Run":
         """Continue a stopped run from its last checkpoint, on the same executor with the same options (those
         given replace them); returns this Run, which now follows the new job. The metrics stream continues
         with no step missing or repeated. Not needed after a SLURM preemption or time limit: the job requeues
-        itself and this Run follows it.
+        itself and this Run follows it. `steps` trains to another train.steps (moelab.launch.rerun says what
+        that does to the learning-rate schedule).
 
             run = Run.load("runs/tiny-20261130-101500")   # PREEMPTED
             run.resume().wait().status                     # COMPLETED
@@ -133,7 +134,7 @@ class Run:
 
         if not self.done:
             raise RuntimeError(f"run {self.name} is {self.status}; resume it once it has stopped (or cancel it)")
-        self._job = resume(self.folder, **cluster_options)
+        self._job = resume(self.folder, steps=steps, **cluster_options)
         self._info, self._checked = self._job.info, (0.0, None)
         return self
 
