@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -65,9 +66,15 @@ class Session:
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
         path = Path(folder) if folder else _default_folder(self._config.name)
+        existed = path.exists()
         with lock_folder(path, "submit"):  # a second submit to this folder is refused until run.json exists
             folder = prepare_folder(path, self._config)
-            job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
+            try:
+                job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
+            except Exception:
+                if not existed and not folder.holds_run():  # a failed sbatch leaves no orphan run folder
+                    shutil.rmtree(path, ignore_errors=True)
+                raise
         return Run(folder.path, job.info, job)
 
     def sweep(self, grid: dict, executor: str = "local", nproc: int = 1, folder: "str | Path | None" = None,

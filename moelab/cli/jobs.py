@@ -108,6 +108,8 @@ def progress_line(run: Run) -> str:
         parts.append(f"loss {p['loss']:.4f}")
     if p["tokens_per_s"]:
         parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+    if p.get("pending_reason"):
+        parts.append(f"waiting: {p['pending_reason']}")
     return "  ".join(parts)
 
 

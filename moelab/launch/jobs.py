@@ -299,6 +299,12 @@ class SlurmJob(SubmititJob):
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.job_id)], check=False, capture_output=True)
 
+    def pending_reason(self) -> str | None:
+        """Why the scheduler still holds the job (squeue's reason, explained); None when it is not pending."""
+        from moelab.launch.slurm_checks import pending_reason
+
+        return pending_reason(self.job_id)
+
 
 JOBS = {"inline": InlineJob, "local": LocalJob, "slurm": SlurmJob, "external": ExternalJob}
 

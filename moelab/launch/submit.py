@@ -40,6 +40,10 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
         except ConfigError as e:
             raise ConfigError(f"{e} (config {cfg.name!r} on {world} rank(s) = executor={kind!r}, nproc/nodes/"
                               f"gpus_per_node as given)") from None
+    from moelab.train.data import check_data
+
+    for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
+        check_data(cfg, progress=False)
     return kind, world
 
 

@@ -261,19 +261,31 @@ class Run:
 
         return plot_routing(self, layer=layer)
 
+    @property
+    def pending_reason(self) -> str | None:
+        """Why a PENDING SLURM job waits (squeue's reason, e.g. "Resources (waiting for resources to be free)");
+        None otherwise."""
+        ask = getattr(self.job, "pending_reason", None)
+        return ask() if ask is not None and self.status == "PENDING" else None
+
     def progress(self) -> dict:
-        """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s."""
+        """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s (and
+        pending_reason while a SLURM job waits)."""
         events = self.events
         total = next((e.get("total_steps") for e in events if e["event"] == "start"), None)
         last = next((e for e in reversed(events) if e["event"] == "step"), None)
-        return {"status": self.status, "step": last["step"] if last else 0, "total_steps": total,
-                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None}
+        status = self.status
+        return {"status": status, "step": last["step"] if last else 0, "total_steps": total,
+                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None,
+                "pending_reason": self.pending_reason if status == "PENDING" else None}
 
     def __repr__(self) -> str:
         p = self.progress()
         loss = f", loss {p['loss']:.4f}" if p["loss"] is not None else ""
         job = f", job {self.job_id}" if self.job_id else ""
         steps = f"step {p['step']}/{p['total_steps']}" if p["total_steps"] else "not started"
+        if p["pending_reason"]:
+            steps += f" (waiting: {p['pending_reason']})"
         return f"Run({self.name!r}, {p['status']}, {steps}{loss}, {self.executor}{job}, folder={str(self.folder)!r})"
 
     def _repr_html_(self) -> str:
