@@ -26,7 +26,8 @@ def train_rank(run_dir: "str | Path", progress: bool = False) -> dict:
 
     folder = RunFolder(run_dir)
     lock = None
-    if int(os.environ.get("RANK", "0")) == 0:  # the one writer of the folder (moelab.run.folder.FolderLock)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # srun tasks: SLURM's rank
+    if int(rank) == 0:  # the one writer of the folder (moelab.run.folder.FolderLock)
         lock = lock_folder(folder.path, "rank 0", wait_s=120.0)
     try:
         return Trainer(load_config(folder.config), folder.path, progress=progress).run()

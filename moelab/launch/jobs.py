@@ -2,7 +2,7 @@
 
     job = job_for(RunFolder("runs/tiny-..."))   # from run.json: InlineJob, LocalJob, SlurmJob or ExternalJob
     job.state()          # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT or PREEMPTED
-    job.cancel()         # scancel / SIGINT to the local controller; refused for a foreground run
+    job.cancel()         # scancel / SIGTERM to the local controller; refused for a foreground run
     job.outcome()        # ('success', None), ('error', traceback) or (None, None): submitit's result files
     job.log(0, "err")    # what rank 0 wrote to stderr so far
     job.timed_out()      # the job ran into its time limit
@@ -220,7 +220,9 @@ class SubmititJob(Job):
         kind, _ = self.outcome()
         events = self.events()
         ends = [e for e in events if e["event"] == "end"]
-        preempted = bool(ends) and ends[-1].get("status") == "PREEMPTED"
+        preempted = bool(ends) and ends[-1].get("status") in ("PREEMPTED", "CANCELLED")
+        if ends and ends[-1].get("status") == "CANCELLED":
+            return "CANCELLED"  # checkpointed and ended at the step boundary after a cancel
         if kind == "success" and not preempted:
             return "COMPLETED"  # even if a cancel came too late to stop it
         if self.folder.read_info().get("cancel_requested") or self.info.get("cancel_requested"):
@@ -238,7 +240,7 @@ class LocalJob(SubmititJob):
     """A run on submitit's LocalExecutor: background processes under one controller (pid = job id).
 
         job = LocalJob(RunFolder("runs/a"))    # info from run.json
-        job.state(); job.cancel()              # SIGINT to the controller, which stops its tasks
+        job.state(); job.cancel()              # SIGTERM to the controller, forwarded to its tasks
     """
 
     executor = "local"
@@ -261,12 +263,9 @@ class LocalJob(SubmititJob):
             os.kill(int(self.job_id), signum)
 
     def cancel(self) -> None:
-        proc = getattr(self.handle, "_process", None)
-        if proc is not None:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # submitit's controller stops its tasks on SIGINT
-        elif controller_alive(self.job_id):
-            os.kill(int(self.job_id), signal.SIGINT)
+        """SIGTERM to the controller, which forwards it to the tasks: with cancel_requested in run.json (Run.cancel
+        writes it first) they checkpoint at the step boundary and end CANCELLED, as on SLURM (scancel)."""
+        self.preempt(signal.SIGTERM)
 
 
 class SlurmJob(SubmititJob):

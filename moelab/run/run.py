@@ -112,8 +112,8 @@ class Run:
         return self
 
     def cancel(self) -> None:
-        """Stop the run (scancel on SLURM, SIGINT to the local job's controller). Its status becomes
-        CANCELLED once the scheduler confirms."""
+        """Stop the run (scancel on SLURM, SIGTERM to the local job's controller): the ranks checkpoint at the
+        step boundary and write an `end` event CANCELLED. Its status becomes CANCELLED once the scheduler confirms."""
         if self.status in TERMINAL:
             return
         self._update_info(cancel_requested=True)

@@ -130,3 +130,26 @@ def test_ranks_of_a_killed_controller_checkpoint_and_end(tmp_path):
     ends = [e for e in run.events if e["event"] == "end"]
     assert ends and ends[-1]["status"] == "PREEMPTED"
     assert any(e["event"] == "checkpoint" for e in run.events)
+
+
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_cancel_checkpoints_and_ends_cancelled_on_every_executor(executor, tmp_path, request):
+    if executor == "slurm":
+        request.getfixturevalue("slurm_cluster")
+    run = Session("tiny", model={"num_layers": 2, "hidden_size": 32, "moe": {"num_experts": 4,
+                                                                           "expert_ffn_size": 32}},
+                  train={"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu",
+                         "steps": 100000}).submit(executor, folder=tmp_path / executor, time=10)
+    try:
+        _wait_for(lambda: run.status == "RUNNING" and len(run.metrics) > 0, 240)
+        Run.load(run.folder).cancel()  # from the folder alone, as another kernel would
+        assert run.wait(120).status == "CANCELLED"
+    finally:
+        run.cancel()
+    _wait_for(lambda: any(e["event"] == "end" for e in run.events), 60)
+    ends = [e for e in run.events if e["event"] == "end"]
+    assert ends[-1]["status"] == "CANCELLED"
+    assert any(e["event"] == "checkpoint" and e["step"] == ends[-1]["step"] for e in run.events)
+    assert not any("continue with `moelab resume" in e.get("message", "") for e in run.events
+                   if e["event"] == "warning")
+    assert Run.load(run.folder).status == "CANCELLED"
