@@ -153,3 +153,30 @@ def test_cancel_checkpoints_and_ends_cancelled_on_every_executor(executor, tmp_p
     assert not any("continue with `moelab resume" in e.get("message", "") for e in run.events
                    if e["event"] == "warning")
     assert Run.load(run.folder).status == "CANCELLED"
+
+
+KERNEL = """import sys
+from moelab import Session
+run = Session("tiny", model={"num_layers": 2, "hidden_size": 32, "moe": {"num_experts": 4, "expert_ffn_size": 32}},
+              train={"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu",
+                     "steps": int(sys.argv[2])}).submit("local", folder=sys.argv[1])
+print(run.job_id, flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_a_local_run_outlives_the_kernel_that_submitted_it_and_is_reattached(tmp_path):
+    """Jupyter restarts or shuts a kernel down by killing its process group: the run goes on training, and
+    Run.load(folder) from another process follows it to the end."""
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(tmp_path / "nb"), "40"], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        controller = int(kernel.stdout.readline())
+        run = Run.load(tmp_path / "nb")
+        _wait_for(lambda: len(run.metrics) > 0, 240)
+    finally:
+        os.killpg(kernel.pid, signal.SIGKILL)  # the kernel and everything in its process group
+        kernel.wait()
+    assert pid_alive(controller)
+    assert Run.load(tmp_path / "nb").wait(240).status == "COMPLETED"
+    assert list(Run.load(tmp_path / "nb").metrics["step"])[-1] == 40
