@@ -180,3 +180,17 @@ def test_a_local_run_outlives_the_kernel_that_submitted_it_and_is_reattached(tmp
     assert pid_alive(controller)
     assert Run.load(tmp_path / "nb").wait(240).status == "COMPLETED"
     assert list(Run.load(tmp_path / "nb").metrics["step"])[-1] == 40
+
+
+def test_cli_edges_nproc_refused_inline_sigterm_non_zero_and_one_line_errors(tmp_path):
+    for n in ("0", "-2"):
+        bad = moelab("run", "tiny", *SMALL, "--nproc", n, "--out", tmp_path / f"n{n}")
+        assert bad.returncode == 2 and f"nproc={n}: must be >= 1" in bad.stderr and not (tmp_path / f"n{n}").exists()
+    inline = start_long_inline(tmp_path / "t")
+    inline.send_signal(signal.SIGTERM)
+    _, err = inline.communicate(timeout=120)
+    assert inline.returncode != 0 and "stopped by a signal" in err  # PREEMPTED, like the executor path
+    assert Run.load(tmp_path / "t").status == "PREEMPTED"
+    # known errors are one line; --debug (or MOELAB_DEBUG=1) shows the traceback
+    full = moelab("--debug", "run", "tiny", "--nproc", "0", "--out", tmp_path / "dbg")
+    assert full.returncode != 0 and "Traceback" in full.stderr and "nproc=0" in full.stderr
