@@ -227,15 +227,17 @@ class FolderLock:
         if owner.get("pid") == os.getppid() and owner.get("host") == socket.gethostname() and pid_alive(owner["pid"]):
             return self  # our launcher holds it for us
         fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + self.wait_s
+        start = time.monotonic()
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 owner = read_owner(self.path)
-                # a submitter holds the lock only until run.json is written: the job it submitted waits for it
-                if owner.get("role") == "submit" and time.monotonic() < deadline:
+                waited = time.monotonic() - start
+                # a submitter holds the lock only until run.json is written: the job it submitted waits for it;
+                # no owner named yet is a lock being taken or released this instant
+                if (owner.get("role") == "submit" and waited < self.wait_s) or (not owner and waited < 5.0):
                     time.sleep(0.2)
                     continue
                 os.close(fd)
