@@ -11,7 +11,9 @@ A Session is immutable: every change returns a new one, so a notebook cell can b
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -60,9 +62,19 @@ class Session:
         from moelab.launch.submit import prepare_folder, submit_folders, validate
         from moelab.run.run import Run
 
+        from moelab.run.folder import lock_folder
+
         kind, world = validate(executor, nproc, cluster_options, [self._config])
-        folder = prepare_folder(Path(folder) if folder else _default_folder(self._config.name), self._config)
-        job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
+        path = Path(folder) if folder else _default_folder(self._config.name)
+        existed = path.exists()
+        with lock_folder(path, "submit"):  # a second submit to this folder is refused until run.json exists
+            folder = prepare_folder(path, self._config)
+            try:
+                job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
+            except Exception:
+                if not existed and not folder.holds_run():  # a failed sbatch leaves no orphan run folder
+                    shutil.rmtree(path, ignore_errors=True)
+                raise
         return Run(folder.path, job.info, job)
 
     def sweep(self, grid: dict, executor: str = "local", nproc: int = 1, folder: "str | Path | None" = None,
@@ -73,7 +85,7 @@ class Session:
             s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3], "model.moe.top_k": [1, 2]})   # 4 runs
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
-        from moelab.run.folder import RunFolder, write_json
+        from moelab.run.folder import RunFolder, lock_folder, write_json
         from moelab.run.run import Run
         from moelab.run.sweep import Sweep
 
@@ -93,10 +105,13 @@ class Session:
         root.mkdir(parents=True, exist_ok=True)
         names = [f"{i:02d}-" + ",".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in p.items())
                  for i, p in enumerate(points)]
-        folders = [prepare_folder(root / n, cfg) for n, cfg in zip(names, configs)]
-        write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
-                                                       "runs": names, "executor": kind, "created": time.time()})
-        jobs = submit_folders(kind, folders, nproc, cluster_options, RunFolder(root).submitit, world)
+        with contextlib.ExitStack() as locks:
+            for n in names:
+                locks.enter_context(lock_folder(root / n, "submit"))
+            folders = [prepare_folder(root / n, cfg) for n, cfg in zip(names, configs)]
+            write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
+                                                           "runs": names, "executor": kind, "created": time.time()})
+            jobs = submit_folders(kind, folders, nproc, cluster_options, RunFolder(root).submitit, world)
         return Sweep([Run(job.folder.path, job.info, job) for job in jobs], root)
 
     def __repr__(self) -> str:

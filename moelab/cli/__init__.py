@@ -12,14 +12,19 @@ The job verbs are in moelab.cli.jobs, the tools in moelab.cli.tools.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
 from moelab.cli import jobs, tools
 from moelab.config import ConfigError
+from moelab.run.folder import FolderLocked
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moelab", description="Mixture-of-Experts training lab")
+    ap.add_argument("--debug", action="store_true",
+                    help="show the full traceback of an error (also MOELAB_DEBUG=1); default: one line")
     sub = ap.add_subparsers(dest="command", required=True)
     jobs.add_parsers(sub)
     tools.add_parsers(sub)
@@ -28,14 +33,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("MOELAB_DEBUG", "") not in ("", "0")
+    if not debug:
+        _one_line_warning.default = warnings.showwarning
+        warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"moelab: config error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"moelab: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - the errors a user meets get one line; --debug shows the traceback
+        line = one_line_error(e)
+        if debug or line is None:
+            raise
+        print(f"moelab: {line}", file=sys.stderr)
+        return 2 if isinstance(e, (ConfigError, FolderLocked, FileNotFoundError)) else 1
+
+
+def one_line_error(e: BaseException) -> str | None:
+    """The one line a known error is shown as (None: an unexpected error, shown with its traceback)."""
+    from submitit.core.utils import FailedJobError
+
+    from moelab.launch.local import RankFailed
+    from moelab.train.checkpoint import CheckpointError
+
+    if isinstance(e, ConfigError):
+        return f"config error: {e}"
+    if isinstance(e, FolderLocked):
+        return f"refused: {e}"
+    if isinstance(e, FileNotFoundError):
+        return str(e)
+    if isinstance(e, RankFailed):
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        return f"{lines[0]}: {lines[-1].strip()}" if len(lines) > 1 else lines[0]
+    if isinstance(e, FailedJobError):
+        lines = [x for x in str(e).splitlines() if x.strip()]
+        return "job submission failed: " + " ".join(x.strip() for x in lines[-2:])[:400]
+    if isinstance(e, CheckpointError):
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A MetricsWarning (a damaged metrics line, ...) as one line; other warnings as Python shows them."""
+    from moelab.train.metrics import MetricsWarning
+
+    if not issubclass(category, MetricsWarning):
+        return _one_line_warning.default(message, category, filename, lineno, file, line)
+    print(f"moelab: warning: {str(message).splitlines()[0] if str(message) else category.__name__}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,13 +52,34 @@ def finish(run: Run, failed_code: int = 1) -> int:
     finished already. Exit code 0 only if it COMPLETED."""
     if run.executor != "inline":
         print(f"submitted {run.name}: executor {run.executor}, job {run.job_id or '-'}, folder {run.folder}")
+        previous = signal.signal(signal.SIGTERM, _terminated)
         try:
             follow(run)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the job", file=sys.stderr)
             run.cancel()
             run.wait(60)
+        except Terminated:
+            preempt = getattr(run.job, "preempt", None)
+            if preempt is None:  # a SLURM job is not this process' child: it goes on
+                print(f"\nSIGTERM: no longer following; the job goes on (moelab status {run.folder})",
+                      file=sys.stderr)
+                return 1
+            print("\nSIGTERM: passed on to the ranks (checkpoint at the step boundary, then PREEMPTED)",
+                  file=sys.stderr)
+            preempt()
+            run.wait(120)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return _report(run, failed_code)
+
+
+class Terminated(Exception):
+    """SIGTERM reached `moelab run` while it follows a job."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def follow(run: Run, poll_s: float = 1.0, stream=None) -> Run:
@@ -86,6 +108,8 @@ def progress_line(run: Run) -> str:
         parts.append(f"loss {p['loss']:.4f}")
     if p["tokens_per_s"]:
         parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+    if p.get("pending_reason"):
+        parts.append(f"waiting: {p['pending_reason']}")
     return "  ".join(parts)
 
 
@@ -98,6 +122,9 @@ def _report(run: Run, failed_code: int = 1) -> int:
     elif run.error:
         print(run.error.rstrip(), file=sys.stderr)
     print(f"{run.name}: {status}  (run folder: {run.folder})")
+    if status == "PREEMPTED":
+        print(f"moelab: stopped by a signal at step {run.progress()['step']}; continue with "
+              f"`moelab resume {run.folder}`", file=sys.stderr)
     return 0 if status == "COMPLETED" else failed_code
 
 

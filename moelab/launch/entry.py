@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import load_config
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, lock_folder
 
 BENCH_FILE = "bench.json"
 
@@ -25,7 +25,15 @@ def train_rank(run_dir: "str | Path", progress: bool = False) -> dict:
     from moelab.train.trainer import Trainer
 
     folder = RunFolder(run_dir)
-    return Trainer(load_config(folder.config), folder.path, progress=progress).run()
+    lock = None
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # srun tasks: SLURM's rank
+    if int(rank) == 0:  # the one writer of the folder (moelab.run.folder.FolderLock)
+        lock = lock_folder(folder.path, "rank 0", wait_s=120.0)
+    try:
+        return Trainer(load_config(folder.config), folder.path, progress=progress).run()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> dict:

@@ -152,7 +152,10 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     options.pop("tasks_per_node", None)
     requeues = int(options.pop("max_num_timeout", 3))
     if executor == "local":
-        ex = submitit.LocalExecutor(folder=folder, max_num_timeout=requeues)
+        from moelab.launch.detached import DetachedLocalExecutor
+
+        # its own session: a kernel's interrupt, restart or shutdown leaves the run training
+        ex = DetachedLocalExecutor(folder=folder, max_num_timeout=requeues)
         params: dict[str, Any] = {"tasks_per_node": tpn, "timeout_min": (time_s or LOCAL_DEFAULT_TIME_MIN * 60) / 60}
         if options.get("gpus_per_node"):
             params["gpus_per_node"] = int(options["gpus_per_node"])
@@ -206,7 +209,9 @@ class TrainJob:
         import submitit
 
         from moelab.launch.entry import train_rank
+        from moelab.launch.local import die_with_parent
 
+        die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
         # every task derives the same port from the job id (an inherited MASTER_PORT would be shared by all jobs)
         os.environ["MASTER_PORT"] = str(master_port(submitit.JobEnvironment().job_id))
         # one GPU per task: DistEnv picks cuda:<local_rank % visible devices>, which is right whether SLURM

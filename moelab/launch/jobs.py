@@ -2,7 +2,7 @@
 
     job = job_for(RunFolder("runs/tiny-..."))   # from run.json: InlineJob, LocalJob, SlurmJob or ExternalJob
     job.state()          # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT or PREEMPTED
-    job.cancel()         # scancel / SIGINT to the local controller; refused for a foreground run
+    job.cancel()         # scancel / SIGTERM to the local controller; refused for a foreground run
     job.outcome()        # ('success', None), ('error', traceback) or (None, None): submitit's result files
     job.log(0, "err")    # what rank 0 wrote to stderr so far
     job.timed_out()      # the job ran into its time limit
@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, owner_gone
 from moelab.train.metrics import read_events
 
 # PREEMPTED: stopped by a signal after saving a checkpoint, and not requeued (a SLURM job that requeues itself
@@ -133,7 +133,15 @@ class InlineJob(Job):
     executor = "inline"
 
     def state(self) -> str:
-        return self.info.get("status") or self.stream_state()
+        status = self.info.get("status") or self.stream_state()
+        if status not in TERMINAL and owner_gone(self.info):
+            # killed (kill -9, a dead kernel) before it could record its end: nobody will ever write it
+            status = self.stream_state()
+            status = status if status in TERMINAL else "FAILED"
+            self.info = self.folder.update_info(
+                status=status, error=f"owner process gone: pid {self.info.get('pid')} on "
+                                     f"{self.info.get('host', 'this host')} ended without recording the run's end")
+        return status
 
 
 class ExternalJob(Job):
@@ -212,7 +220,9 @@ class SubmititJob(Job):
         kind, _ = self.outcome()
         events = self.events()
         ends = [e for e in events if e["event"] == "end"]
-        preempted = bool(ends) and ends[-1].get("status") == "PREEMPTED"
+        preempted = bool(ends) and ends[-1].get("status") in ("PREEMPTED", "CANCELLED")
+        if ends and ends[-1].get("status") == "CANCELLED":
+            return "CANCELLED"  # checkpointed and ended at the step boundary after a cancel
         if kind == "success" and not preempted:
             return "COMPLETED"  # even if a cancel came too late to stop it
         if self.folder.read_info().get("cancel_requested") or self.info.get("cancel_requested"):
@@ -230,7 +240,7 @@ class LocalJob(SubmititJob):
     """A run on submitit's LocalExecutor: background processes under one controller (pid = job id).
 
         job = LocalJob(RunFolder("runs/a"))    # info from run.json
-        job.state(); job.cancel()              # SIGINT to the controller, which stops its tasks
+        job.state(); job.cancel()              # SIGTERM to the controller, forwarded to its tasks
     """
 
     executor = "local"
@@ -242,13 +252,20 @@ class LocalJob(SubmititJob):
     def state(self) -> str:
         return "RUNNING" if self.alive() else self.ended_state()
 
-    def cancel(self) -> None:
+    def preempt(self, signum: int = signal.SIGTERM) -> None:
+        """Send `signum` to the controller, which forwards it to every task: they checkpoint at the step
+        boundary and end PREEMPTED (`moelab run` does this when it receives SIGTERM)."""
         proc = getattr(self.handle, "_process", None)
         if proc is not None:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # submitit's controller stops its tasks on SIGINT
+                proc.send_signal(signum)
         elif controller_alive(self.job_id):
-            os.kill(int(self.job_id), signal.SIGINT)
+            os.kill(int(self.job_id), signum)
+
+    def cancel(self) -> None:
+        """SIGTERM to the controller, which forwards it to the tasks: with cancel_requested in run.json (Run.cancel
+        writes it first) they checkpoint at the step boundary and end CANCELLED, as on SLURM (scancel)."""
+        self.preempt(signal.SIGTERM)
 
 
 class SlurmJob(SubmititJob):
@@ -280,6 +297,12 @@ class SlurmJob(SubmititJob):
 
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.job_id)], check=False, capture_output=True)
+
+    def pending_reason(self) -> str | None:
+        """Why the scheduler still holds the job (squeue's reason, explained); None when it is not pending."""
+        from moelab.launch.slurm_checks import pending_reason
+
+        return pending_reason(self.job_id)
 
 
 JOBS = {"inline": InlineJob, "local": LocalJob, "slurm": SlurmJob, "external": ExternalJob}

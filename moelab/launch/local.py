@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from moelab.config import Config, save_config
 from moelab.parallel.dims import ParallelDims
-from moelab.run.folder import RunFolder
+from moelab.run.folder import RunFolder, lock_folder
 from moelab.train.metrics import MetricsError, read_events
 
 
@@ -38,6 +39,22 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, rank: int, returncode: int):
         super().__init__(message)
         self.rank, self.returncode = rank, returncode
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send `signum` to this process when its parent dies (Linux PR_SET_PDEATHSIG), so a rank
+    never outlives its launcher: SIGTERM makes it checkpoint at the step boundary and end PREEMPTED. A no-op
+    where prctl is missing. Call it first thing in the child (or as Popen's preexec_fn)."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signum), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)
 
 
 def free_port() -> int:
@@ -62,11 +79,13 @@ def launch(argv: list[str], nproc: int, log_dir: "str | Path", env: dict | None 
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, files = [], []
+    forward = _forward_signals(procs)  # SIGTERM / SIGINT to the launcher reach every rank
     try:
         for r in range(nproc):
             out, err = open(log_dir / f"rank{r}.out", "w"), open(log_dir / f"rank{r}.err", "w")
             files += [out, err]
-            procs.append(subprocess.Popen(argv, env=rank_env(r, nproc, port, env), stdout=out, stderr=err))
+            procs.append(subprocess.Popen(argv, env=rank_env(r, nproc, port, env), stdout=out, stderr=err,
+                                          preexec_fn=die_with_parent))
         failed, failed_at = None, None
         while True:
             codes = [p.poll() for p in procs]
@@ -79,11 +98,35 @@ def launch(argv: list[str], nproc: int, log_dir: "str | Path", env: dict | None 
                 break
             time.sleep(0.05)
     finally:
+        forward.restore()
         _stop(procs)
         for f in files:
             f.close()
     if failed is not None:
         raise RankFailed(_failure_message(failed, procs, log_dir, metrics_path), failed, procs[failed].returncode)
+
+
+class _forward_signals:
+    """While installed (main thread only), SIGTERM and SIGINT received by the launcher are sent on to its ranks
+    (which checkpoint at the step boundary and end PREEMPTED) instead of killing the launcher alone."""
+
+    def __init__(self, procs: list):
+        import threading
+
+        self.procs, self.previous, self.received = procs, {}, []
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self.previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def restore(self) -> None:
+        for s, previous in self.previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
 
 
 def _stop(procs: list[subprocess.Popen], wait_s: float = 5.0) -> None:
@@ -131,8 +174,9 @@ def run_local_processes(cfg: Config, run_dir: "str | Path", nproc: int, entry: s
     environment variables to every rank."""
     run_dir = Path(run_dir)
     ParallelDims.build(cfg, nproc)  # an impossible layout fails here, before any process starts
-    run_dir.mkdir(parents=True, exist_ok=True)
     folder = RunFolder(run_dir)
-    save_config(cfg, folder.config)
-    launch([sys.executable, "-m", entry, str(run_dir)], nproc, folder.logs, env, grace_s, metrics_path=folder.metrics)
+    with lock_folder(run_dir, "local launcher"):  # its ranks write under it (FolderLock: the parent's lock)
+        save_config(cfg, folder.config)
+        launch([sys.executable, "-m", entry, str(run_dir)], nproc, folder.logs, env, grace_s,
+               metrics_path=folder.metrics)
     return json.loads(folder.summary.read_text())

@@ -12,11 +12,12 @@ on as many ranks as before unless told otherwise (any layout can load any other'
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
-from moelab.launch.jobs import Job
-from moelab.run.folder import RunFolder
+from moelab.launch.jobs import Job, job_for
+from moelab.run.folder import RunFolder, lock_folder
 from moelab.train.metrics import MetricsError, read_events
 
 
@@ -46,8 +47,15 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
     from moelab.train.checkpoint import CheckpointError
     from moelab.launch.submit import run_inline, submit_folders, unlink_logs, validate
 
+    from moelab.launch.rerun import extension_note, reached_step
+
     folder = RunFolder(run_dir)
     cfg = resume_config(folder.path, steps)
+    reached = reached_step(folder)
+    note = extension_note(resume_config(folder.path), cfg, reached)  # refuses steps below the step reached
+    if reached >= cfg.train.steps and job_for(folder).state() == "COMPLETED":
+        raise ConfigError(f"{folder.path}: the run is already COMPLETED at step {reached}/{cfg.train.steps}; "
+                          f"nothing to resume (give --steps M / resume(steps=M) to train further)")
     info = folder.read_info()
     kind = info.get("executor")
     if kind in ("local", "slurm"):
@@ -59,10 +67,13 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
         nproc = nproc or previous_world_size(folder.path)
         kind = "inline" if nproc == 1 and not options else "local"
     kind, world = validate(kind, nproc, options, [cfg])
-    if steps is not None:
-        save_config(cfg, folder.config)  # what the ranks read
-    unlink_logs(folder)  # they point at the previous job's files
-    if kind == "inline":
-        return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
-    root = Path(info.get("submitit_folder") or folder.submitit)
-    return submit_folders(kind, [folder], nproc, options, root, world)[0]
+    with lock_folder(folder.path, "submit"):  # FolderLocked while the run's owner still runs
+        if note:
+            print(f"moelab: {note}", file=sys.stderr)
+        if steps is not None:
+            save_config(cfg, folder.config)  # what the ranks read
+        unlink_logs(folder)  # they point at the previous job's files
+        if kind == "inline":
+            return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
+        root = Path(info.get("submitit_folder") or folder.submitit)
+        return submit_folders(kind, [folder], nproc, options, root, world)[0]

@@ -10,6 +10,7 @@ moelab.run.folder. The layout of every config is checked by the one validator be
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -39,16 +40,20 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
         except ConfigError as e:
             raise ConfigError(f"{e} (config {cfg.name!r} on {world} rank(s) = executor={kind!r}, nproc/nodes/"
                               f"gpus_per_node as given)") from None
+    from moelab.train.data import check_data
+
+    for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
+        check_data(cfg, progress=False)
     return kind, world
 
 
 def prepare_folder(folder: "str | Path", cfg) -> RunFolder:
     """Create a fresh run folder holding config.yaml; refuses a folder that already holds a run."""
     folder = RunFolder(folder)
-    if folder.holds_run():
-        raise ConfigError(f"folder={str(folder.path)!r} already holds a run; choose a new folder, continue it "
-                          f"with `moelab resume {folder.path}` (Run.load(folder).resume()), or load it with "
-                          f"moelab.Run.load")
+    if folder.holds_run():  # the re-run rule (moelab.launch.rerun): refused, the folder untouched
+        from moelab.launch.rerun import rerun_refusal
+
+        raise ConfigError(rerun_refusal(folder, cfg))
     folder.path.mkdir(parents=True, exist_ok=True)
     save_config(cfg, folder.config)
     load_config(folder.config)  # what the job will read must load
@@ -92,7 +97,7 @@ def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)
 
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     info = {"name": folder.name, "executor": "inline", "created": time.time(), "status": "RUNNING",
-            "ntasks": 1, "pid": os.getpid()}
+            "ntasks": 1, "pid": os.getpid(), "host": socket.gethostname()}
     folder.write_info(info)
     try:
         status = train_rank(folder.path, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal

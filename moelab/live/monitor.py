@@ -73,6 +73,8 @@ class Target:
         try:
             status = _value(self.run, "status")
             error = _value(self.run, "error") if is_terminal(status) else None
+            if status == "PENDING":  # why the scheduler holds it (a SLURM job), shown in the status line
+                error = _value(self.run, "pending_reason")
         except Exception as e:  # a status query that fails (scheduler down) is shown, not fatal
             status, error = self.state.run_status, f"status unavailable: {e}"
         self.state.set_run(status, error)

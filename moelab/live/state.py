@@ -380,6 +380,8 @@ class DashState:
             parts.append(f"ETA {fmt_duration(self.eta_s())}")
         if self.failed and self.error_text():
             parts.append(f"error: {self.error_text().splitlines()[0][:120]}")
+        elif self.status == "PENDING" and self.run_error:
+            parts.append(f"waiting: {self.run_error.splitlines()[0][:120]}")  # the scheduler's pending reason
         return "  ".join(parts)
 
 

@@ -12,12 +12,15 @@ here, and every write of a JSON file goes through `write_json` (atomic: a reader
     folder.rank_log(0, "err")                            # logs/rank0.err
 
 Standard library only, so every layer (train, launch, run, live) can stand on it. The read-modify-write of
-run.json has one place, `update_info`, which is where a lock on the folder goes.
+run.json has one place, `update_info`. One process writes a folder at a time: its owner holds the folder's
+lock (`lock_folder`, flock on .lock, naming the owner) for its whole life; a second writer is refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +145,136 @@ class RunFolder:
             return self.config.stat().st_mtime
         except OSError:
             return 0.0
+
+
+# ---------------------------------------------------------------------- the writer's lock (one writer per folder)
+LOCK = ".lock"  # flock'ed by the process that owns the folder; holds the owner as JSON (empty once released)
+_HELD: dict[str, list] = {}  # resolved folder -> [fd, count]: the locks this process holds (re-entrant)
+
+
+class FolderLocked(RuntimeError):
+    """Another live process or job writes this run folder; `owner` says who (pid, host, job_id, role).
+
+        try: lock_folder("runs/a", "inline")
+        except FolderLocked as e: e.owner["pid"]
+    """
+
+    def __init__(self, folder: Path, owner: dict):
+        job = f", job {owner['job_id']}" if owner.get("job_id") else ""
+        super().__init__(f"run folder {str(folder)!r} is being written by pid {owner.get('pid')} on "
+                         f"{owner.get('host')}{job} ({owner.get('role', '?')}, since "
+                         f"{time.strftime('%H:%M:%S', time.localtime(owner.get('since', 0)))}); wait for it to end "
+                         f"or cancel it (`moelab cancel {folder}`), or choose another folder")
+        self.folder, self.owner = folder, owner
+
+
+def read_owner(path: "str | Path") -> dict:
+    """What the folder's lock file says about its last owner ({} when none; the owner may be gone)."""
+    return read_json(Path(path) / LOCK) or {}
+
+
+def pid_alive(pid) -> bool:
+    """Is process `pid` of this host running (a zombie counts as gone)?"""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, TypeError, IndexError):
+        try:
+            os.kill(int(pid), 0)
+            return True
+        except (OSError, ValueError, TypeError):
+            return False
+
+
+def owner_gone(owner: dict) -> bool:
+    """True when `owner` (a lock file's or run.json's pid and host) was a process of this host that has ended;
+    False while it runs, or when it ran elsewhere (only that host can tell)."""
+    pid = owner.get("pid")
+    return pid is not None and owner.get("host", socket.gethostname()) == socket.gethostname() and \
+        not pid_alive(pid)
+
+
+class FolderLock:
+    """The advisory lock (flock on FOLDER/.lock) of the one process that writes a run folder, held for the
+    owner's whole life; the kernel drops it when the owner dies, so a stale lock is simply taken over. The file
+    names the owner (pid, host, SLURM job id, role), which a refusal quotes. Re-entrant within a process; a
+    rank started by the lock's owner (its parent: moelab's local launcher) writes under its parent's lock.
+
+        with lock_folder("runs/a", "inline"):   # FolderLocked if another live process holds it
+            train()
+    """
+
+    def __init__(self, folder: "str | Path", role: str, wait_s: float = 0.0):
+        self.path, self.role, self.wait_s = Path(folder), role, wait_s
+        self.key: str | None = None
+        self.acquired = False
+
+    def acquire(self) -> "FolderLock":
+        import fcntl
+
+        self.acquired = True
+        self.path.mkdir(parents=True, exist_ok=True)
+        key = str(self.path.resolve())
+        if key in _HELD:
+            _HELD[key][1] += 1
+            self.key = key
+            if self.role != "submit":  # the submitter trains it itself (inline): say so
+                self._write_owner(_HELD[key][0], {**read_owner(self.path), "role": self.role})
+            return self
+        owner = read_owner(self.path)
+        if owner.get("pid") == os.getppid() and owner.get("host") == socket.gethostname() and pid_alive(owner["pid"]):
+            return self  # our launcher holds it for us
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                owner = read_owner(self.path)
+                waited = time.monotonic() - start
+                # a submitter holds the lock only until run.json is written: the job it submitted waits for it;
+                # no owner named yet is a lock being taken or released this instant
+                if (owner.get("role") == "submit" and waited < self.wait_s) or (not owner and waited < 5.0):
+                    time.sleep(0.2)
+                    continue
+                os.close(fd)
+                raise FolderLocked(self.path, owner) from None
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "role": self.role, "since": time.time(),
+              "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")}
+        _HELD[key] = [fd, 1]
+        self._write_owner(fd, me)
+        self.key = key
+        return self
+
+    @staticmethod
+    def _write_owner(fd: int, owner: dict) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+
+    def release(self) -> None:
+        import fcntl
+
+        if self.key is None or self.key not in _HELD:
+            return
+        held = _HELD[self.key]
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[self.key]
+            os.ftruncate(held[0], 0)  # released cleanly: no owner to report
+            fcntl.flock(held[0], fcntl.LOCK_UN)
+            os.close(held[0])
+        self.key = None
+
+    def __enter__(self) -> "FolderLock":
+        return self if self.acquired else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(folder: "str | Path", role: str, wait_s: float = 0.0) -> FolderLock:
+    """Take the writer's lock of `folder` (see FolderLock); raises FolderLocked naming a live owner."""
+    return FolderLock(folder, role, wait_s).acquire()

@@ -83,6 +83,7 @@ class Run:
             return final
         job = self.job
         status = job.state()
+        self._info = job.info  # what the job recorded (e.g. an owner gone)
         self._checked = (time.monotonic(), status)
         if status in TERMINAL and job.records_status:
             self._update_info(status=status)
@@ -111,19 +112,20 @@ class Run:
         return self
 
     def cancel(self) -> None:
-        """Stop the run (scancel on SLURM, SIGINT to the local job's controller). Its status becomes
-        CANCELLED once the scheduler confirms."""
+        """Stop the run (scancel on SLURM, SIGTERM to the local job's controller): the ranks checkpoint at the
+        step boundary and write an `end` event CANCELLED. Its status becomes CANCELLED once the scheduler confirms."""
         if self.status in TERMINAL:
             return
         self._update_info(cancel_requested=True)
         self._checked = (0.0, None)
         self.job.cancel()
 
-    def resume(self, **cluster_options) -> "Run":
+    def resume(self, steps: int | None = None, **cluster_options) -> "Run":
         """Continue a stopped run from its last checkpoint, on the same executor with the same options (those
         given replace them); returns this Run, which now follows the new job. The metrics stream continues
         with no step missing or repeated. Not needed after a SLURM preemption or time limit: the job requeues
-        itself and this Run follows it.
+        itself and this Run follows it. `steps` trains to another train.steps (moelab.launch.rerun says what
+        that does to the learning-rate schedule).
 
             run = Run.load("runs/tiny-20261130-101500")   # PREEMPTED
             run.resume().wait().status                     # COMPLETED
@@ -132,7 +134,7 @@ class Run:
 
         if not self.done:
             raise RuntimeError(f"run {self.name} is {self.status}; resume it once it has stopped (or cancel it)")
-        self._job = resume(self.folder, **cluster_options)
+        self._job = resume(self.folder, steps=steps, **cluster_options)
         self._info, self._checked = self._job.info, (0.0, None)
         return self
 
@@ -224,6 +226,8 @@ class Run:
         kind, text = self.job.outcome()
         if kind == "error":
             return text
+        if self._info.get("error"):  # recorded by the launcher (e.g. "owner process gone")
+            return self._info["error"]
         if self.status in ("FAILED", "TIMEOUT"):
             tail = self.job.log(0, "stderr").splitlines()[-40:]
             return "\n".join(tail) or f"the job ended as {self.status} without an error message"
@@ -257,19 +261,31 @@ class Run:
 
         return plot_routing(self, layer=layer)
 
+    @property
+    def pending_reason(self) -> str | None:
+        """Why a PENDING SLURM job waits (squeue's reason, e.g. "Resources (waiting for resources to be free)");
+        None otherwise."""
+        ask = getattr(self.job, "pending_reason", None)
+        return ask() if ask is not None and self.status == "PENDING" else None
+
     def progress(self) -> dict:
-        """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s."""
+        """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s (and
+        pending_reason while a SLURM job waits)."""
         events = self.events
         total = next((e.get("total_steps") for e in events if e["event"] == "start"), None)
         last = next((e for e in reversed(events) if e["event"] == "step"), None)
-        return {"status": self.status, "step": last["step"] if last else 0, "total_steps": total,
-                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None}
+        status = self.status
+        return {"status": status, "step": last["step"] if last else 0, "total_steps": total,
+                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None,
+                "pending_reason": self.pending_reason if status == "PENDING" else None}
 
     def __repr__(self) -> str:
         p = self.progress()
         loss = f", loss {p['loss']:.4f}" if p["loss"] is not None else ""
         job = f", job {self.job_id}" if self.job_id else ""
         steps = f"step {p['step']}/{p['total_steps']}" if p["total_steps"] else "not started"
+        if p["pending_reason"]:
+            steps += f" (waiting: {p['pending_reason']})"
         return f"Run({self.name!r}, {p['status']}, {steps}{loss}, {self.executor}{job}, folder={str(self.folder)!r})"
 
     def _repr_html_(self) -> str:

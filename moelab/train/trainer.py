@@ -320,7 +320,8 @@ class Trainer:
             self.after_step(step, last=step == t.steps or self.stop_requested)
             t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
-                status = "PREEMPTED"
+                # a cancel (Run.cancel / moelab cancel writes cancel_requested, then signals) ends CANCELLED
+                status = "CANCELLED" if self.folder.read_info().get("cancel_requested") else "PREEMPTED"
                 break
             if t.checkpoint_every and step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)
@@ -357,7 +358,8 @@ class Trainer:
         if self.writer and self.stop_requested:
             self.writer.write("warning", step=step, kind="preempted", message=(
                 f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: "
-                + (f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
+                + ("checkpoint saved, run CANCELLED" if saved and self.folder.read_info().get("cancel_requested") else
+                   f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
                    "run PREEMPTED without a checkpoint (train.save_checkpoints=false)")))
 
     def memory_now(self) -> list[float]:

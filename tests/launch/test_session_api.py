@@ -89,7 +89,7 @@ def test_inline_run_is_a_finished_run(tmp_path, small_session):
     assert run.summary["status"] == "COMPLETED" and run.error is None and run.logs() == ""
     again = Run.load(tmp_path / "a")
     assert again.status == "COMPLETED" and again.config == run.config
-    with pytest.raises(ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="holds this run with train.steps=3 .COMPLETED at step 3.; to extend it to 50 steps"):
         small_session().submit("inline", folder=tmp_path / "a")
     bad = small_session(train={"steps": 4, "lr": 1e30}).submit("inline", folder=tmp_path / "b")
     assert bad.status == "FAILED" and "NonFiniteLoss" in bad.error
