@@ -75,7 +75,10 @@ def finish(run: Run, failed_code: int = 1) -> int:
 
 
 class Terminated(Exception):
-    """SIGTERM reached `moelab run` while it follows a job."""
+    """SIGTERM reached `moelab run` while it follows a job (raised by the handler _terminated).
+
+        signal.signal(signal.SIGTERM, _terminated)   # then: except Terminated: forward the stop, report
+    """
 
 
 def _terminated(signum, frame):
