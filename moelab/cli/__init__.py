@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MOELAB_DEBUG", "") not in ("", "0")
-    if not debug:
-        _one_line_warning.default = warnings.showwarning
+    previous = warnings.showwarning
+    if not debug and previous is not _one_line_warning:  # a second main() in one process must not wrap itself
+        _one_line_warning.default = previous
         warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moelab: {line}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, FolderLocked, FileNotFoundError)) else 1
+    finally:
+        warnings.showwarning = previous
 
 
 def one_line_error(e: BaseException) -> str | None:

@@ -42,6 +42,10 @@ def test_one_process_to_ep2_and_back(tmp_path):
     run = tmp_path / "ep2"
     shutil.copytree(base, run)
     shutil.rmtree(run / "checkpoints/step_000004")
+    # as a run killed after step 4 (no end event, no summary): a completed run is not resumed (the re-run rule)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(x for x in lines if '"event": "end"' not in x))
+    (run / "summary.json").unlink(missing_ok=True)
     save_config(cfg.replace(**{"parallel.ep": 2}), run / "config.yaml")
     summary = resume(run, nproc=2).wait().summary()
     assert summary["status"] == "COMPLETED"
