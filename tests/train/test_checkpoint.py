@@ -62,12 +62,13 @@ def baseline(tmp_path_factory) -> Path:
 
 
 def _copy_run(src: Path, dst: Path) -> Path:
-    """A copy of the finished baseline as a run killed after its last step (no end event, no summary): a
-    completed run is not resumed (the re-run rule), a crashed one is."""
+    """A copy; of a run folder, as a run killed after its last step (no end event, no summary): a completed run
+    is not resumed (the re-run rule), a crashed one is."""
     shutil.copytree(src, dst)
-    lines = (dst / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (dst / "metrics.jsonl").write_text("".join(x for x in lines if '"event": "end"' not in x))
-    (dst / "summary.json").unlink(missing_ok=True)
+    if (dst / "metrics.jsonl").is_file():  # a run folder (a checkpoint folder is copied as it is)
+        lines = (dst / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (dst / "metrics.jsonl").write_text("".join(x for x in lines if '"event": "end"' not in x))
+        (dst / "summary.json").unlink(missing_ok=True)
     return dst
 
 
