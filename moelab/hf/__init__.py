@@ -31,6 +31,7 @@ from moelab.hf.deepseek_v3 import DeepseekV3Adapter
 from moelab.hf.gpt_oss import GptOssAdapter
 from moelab.hf.qwen3_moe import Qwen3MoeAdapter
 from moelab.hf.safetensors_folder import SafetensorsFolder, ignorable, mxfp4_dequantize, quantization
+from moelab.hf.shards import parse_size, write_safetensors
 from moelab.model.transformer import MoETransformer
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.model_type: a for a in (Qwen3MoeAdapter(), DeepseekV3Adapter(),
@@ -116,16 +117,18 @@ def load_hf(path: "str | Path", dtype: torch.dtype | None = None, device: "str |
     return model.eval()  # like transformers' from_pretrained; call .train() to fine-tune
 
 
-def save_hf(model: MoETransformer, path: "str | Path", dtype: torch.dtype | None = None) -> Path:
+def save_hf(model: MoETransformer, path: "str | Path", dtype: torch.dtype | None = None,
+            max_shard_size: "int | str" = "5GB") -> Path:
     """Write `model` as an HF checkpoint folder (config.json + model.safetensors) that transformers loads.
-    Tied embeddings are written once (tie_word_embeddings=true), as transformers writes them.
+    Tied embeddings are written once (tie_word_embeddings=true), as transformers writes them. Past
+    `max_shard_size` ("5GB" as transformers' default, "500MB", "2GiB" or bytes) the weights go to shards with a
+    model.safetensors.index.json (moelab.hf.shards).
 
         save_hf(load_hf("in/"), "out/")
         AutoModelForCausalLM.from_pretrained("out/")
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
+    parse_size(max_shard_size)  # bad input refused before anything is written
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     base = getattr(model, "hf_config", None) or {}
@@ -144,7 +147,6 @@ def save_hf(model: MoETransformer, path: "str | Path", dtype: torch.dtype | None
         out = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("e_score_correction_bias") else v)
                for k, v in out.items()}
     hf["dtype"] = str(next(iter(model.parameters())).dtype if dtype is None else dtype).removeprefix("torch.")
-    save_file({k: v.contiguous().cpu() for k, v in out.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    write_safetensors(out, path, max_shard_size)
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     return path

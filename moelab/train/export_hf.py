@@ -1,0 +1,226 @@
+"""A trained run in transformers' layout: ``moelab export RUN --to hf OUT`` and ``run.export_hf(out)``.
+
+The newest intact checkpoint of the run (moelab.train.checkpoint: a torch.distributed.checkpoint folder whose
+tensors are global, experts included: moelab.train.checkpoint_experts) is read in this one process, on the CPU,
+without a process group, whatever layout wrote it (FSDP2, EP, PP, CP); the model tensors only, never the
+optimizer state. They are written with moelab.hf.save_hf (the per-family adapters): config.json plus
+model.safetensors, or shards with model.safetensors.index.json past `max_shard_size`; the tokenizer files are
+copied where the run has them.
+
+    export_hf("runs/tiny", "out/tiny-hf")                                  # float32, as trained
+    export_hf("runs/big", "out/big-hf", dtype="bfloat16", max_shard_size="2GB")
+    AutoModelForCausalLM.from_pretrained("out/tiny-hf")                    # moelab's logits
+
+A run started from an HF checkpoint keeps that checkpoint's config.json fields (its base folder: `base=`, or
+the config field that records it, BASE_FIELDS); other runs get the family moelab.hf.family_of picks.
+
+LoRA (`lora`): "merged" folds the adapters into the base weights before writing them
+(moelab.model.lora.merge_lora_state); "adapters" writes the adapters alone in PEFT's layout,
+adapter_config.json + adapter_model.safetensors (moelab.hf.peft.write_peft_adapters). None: merged when the run
+has adapters. A checkpoint that holds only what trained (LoRA's adapters) takes the rest from its base folder.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from moelab.config import Config, ConfigError, load_config
+from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
+from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
+from moelab.hf.shards import INDEX, parse_size
+from moelab.model.transformer import MoETransformer
+from moelab.train.checkpoint import latest_checkpoint, list_checkpoints, verify
+
+LORA_MODES = ("merged", "adapters")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Where a run started from an HF checkpoint records its folder (a path, or "hf:PATH"), first found wins.
+BASE_FIELDS = ("model.hf_path", "model.init_from", "train.init_from", "model.base")
+# What transformers' tokenizers (and generate) read from a model folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+# ---------------------------------------------------------------------- checks (before any weight is read)
+def _dtype(dtype) -> "torch.dtype | None":
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ConfigError(f"dtype={dtype!r}: export writes {' or '.join(DTYPES)} (None keeps the checkpoint's dtype)")
+
+
+def _out_folder(out: "str | Path", force: bool) -> Path:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={str(out)!r}: is a file; give a folder to write the checkpoint into")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"out={str(out)!r}: the folder is not empty; give an empty or new folder, or "
+                              f"force=True (--force) to write over it")
+        for stale in [*out.glob("*.safetensors"), out / INDEX]:  # shards of an earlier export would linger
+            stale.unlink(missing_ok=True)
+    return out
+
+
+def checkpoint_of(run_dir: Path) -> Path:
+    """The run's newest intact checkpoint; a ConfigError saying how to get one when there is none."""
+    path = latest_checkpoint(run_dir)
+    if path is not None:
+        return path
+    found = list_checkpoints(run_dir)
+    if found:
+        problems = "; ".join(verify(found[-1]))
+        raise ConfigError(f"{run_dir}: no intact checkpoint to export ({len(found)} found, none complete: "
+                          f"{problems}); resume the run (moelab resume {run_dir}) to write one")
+    raise ConfigError(f"{run_dir}: the run has no checkpoint to export; train with train.save_checkpoints=true "
+                      f"(a checkpoint at the end) and train.checkpoint_every=N for checkpoints on the way")
+
+
+def base_of(cfg: Config, base: "str | Path | None" = None) -> Path | None:
+    """The HF checkpoint folder the run started from: `base`, else the first BASE_FIELDS value set."""
+    if base is None:
+        for dotted in BASE_FIELDS:
+            node = cfg
+            for part in dotted.split("."):
+                node = getattr(node, part, None)
+            if isinstance(node, str) and node:
+                base = node
+                break
+    if base is None:
+        return None
+    path = Path(str(base).removeprefix("hf:"))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"base={str(base)!r}: no config.json there; give the HF checkpoint folder the run "
+                          f"started from (or none)")
+    return path
+
+
+def has_lora(cfg: Config, names) -> bool:
+    """The run trained LoRA adapters: train.lora is on, or the checkpoint holds adapter tensors."""
+    lora = getattr(cfg.train, "lora", None)
+    on = bool(getattr(lora, "rank", lora)) if lora is not None else False
+    return on or any("lora" in n.lower() for n in names)
+
+
+# ---------------------------------------------------------------------- reading the checkpoint
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint folder (full, global shapes; moelab names), read in this process
+    without a process group: one tensor per name as the metadata describes it, filled by dcp.load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        raise ConfigError(f"{path}: the checkpoint holds no model tensors")
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def model_from_state(cfg: Config, state: dict[str, torch.Tensor], where: Path) -> MoETransformer:
+    """A CPU model holding `state` (its tensors, not copies); a ConfigError naming what does not fit."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.backend)
+    model.to_empty(device="cpu")
+    for moe in model.moe_layers():
+        moe.router.reset_buffers()  # the statistics buffers (not in checkpoints) start at zero
+    want = model.state_dict()
+    if cfg.model.tie_embeddings:
+        state.setdefault("output.weight", state.get("tok_embeddings.weight"))
+    missing = sorted(set(want) - set(state))
+    unknown = sorted(set(state) - set(want))
+    wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+    if missing or unknown or wrong:
+        raise ConfigError(f"{where}: the checkpoint does not fit the run's config ({len(missing)} tensors missing, "
+                          f"e.g. {missing[:3]}; {len(unknown)} unknown, e.g. {unknown[:3]}; {len(wrong)} of another "
+                          f"shape, e.g. {wrong[:3]}); is config.yaml the one these checkpoints were written with?")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return model.eval()
+
+
+def fill_from_base(state: dict[str, torch.Tensor], cfg: Config, base: Path) -> None:
+    """Tensors the checkpoint does not hold (a LoRA run saves only what trains) from the HF base folder."""
+    hf = json.loads((base / "config.json").read_text())
+    tensors = SafetensorsFolder(base, quantization(hf))
+    for name, t in adapter_for(hf).state_dict_from_hf(hf, cfg.model, tensors).items():
+        state.setdefault(name, t)
+
+
+# ---------------------------------------------------------------------- tokenizer files
+def copy_tokenizer(run_dir: Path, cfg: Config, base: Path | None, out: Path) -> list[str]:
+    """The transformers tokenizer files of the run, copied into `out`: those of the base folder, else of the
+    data.tokenizer folder, else the run's tokenizer.json (moelab's bpe or a tokenizer.json path) with a
+    tokenizer_config.json naming PreTrainedTokenizerFast. The bytes tokenizer has no files: nothing is copied."""
+    tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer not in ("bytes", "bpe") else None
+    for folder in (base, tok if tok is not None and tok.is_dir() else None):
+        if folder is not None and any((folder / f).is_file() for f in TOKENIZER_FILES[:2]):
+            names = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
+            for f in names:
+                shutil.copyfile(folder / f, out / f)
+            return names
+    if (run_dir / "tokenizer.json").is_file():
+        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        return ["tokenizer.json", "tokenizer_config.json"]
+    return []
+
+
+# ---------------------------------------------------------------------- the export
+def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_size: "int | str" = "5GB",
+              lora: str | None = None, force: bool = False, base: "str | Path | None" = None) -> Path:
+    """Write the run's newest intact checkpoint to `out` in transformers' layout; returns `out`.
+
+    dtype: "float32" or "bfloat16" (None: as the checkpoint holds them); max_shard_size: shards past it, with
+    an index ("5GB" as transformers' default); lora: "merged" or "adapters" (module docstring); force: write
+    into a folder that is not empty; base: the HF folder the run started from (default: what its config records).
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml)")
+    if lora is not None and lora not in LORA_MODES:
+        raise ConfigError(f"lora={lora!r}: choose 'merged' (adapters folded into the weights) or 'adapters' "
+                          f"(PEFT's layout), or leave it unset")
+    torch_dtype = _dtype(dtype)
+    parse_size(max_shard_size)
+    cfg = load_config(run_dir / "config.yaml")
+    path = checkpoint_of(run_dir)
+    base = base_of(cfg, base)
+    hf_base = json.loads((base / "config.json").read_text()) if base is not None else None
+    family = adapter_for(hf_base).model_type if hf_base else family_of(cfg.model)
+    config_to_hf(cfg.model, family, hf_base)  # a config the family cannot express is refused here
+    out = _out_folder(out, force)
+
+    state = read_model_state(path)
+    lora_on = has_lora(cfg, state)
+    if lora is not None and not lora_on:
+        raise ConfigError(f"lora={lora!r}: the run has no LoRA adapters (train.lora is off and {path} holds no "
+                          f"adapter tensors); export without lora")
+    if lora_on and base is not None:
+        fill_from_base(state, cfg, base)
+    out.mkdir(parents=True, exist_ok=True)
+    if lora_on and lora == "adapters":
+        from moelab.hf.peft import write_peft_adapters
+
+        write_peft_adapters(state, cfg, out)
+    else:
+        if lora_on:
+            from moelab.model.lora import merge_lora_state
+
+            state = merge_lora_state(state, cfg)
+        model = model_from_state(cfg, state, path)
+        model.hf_config = hf_base
+        try:
+            save_hf(model, out, dtype=torch_dtype, max_shard_size=max_shard_size)
+        except ConfigError as e:
+            raise ConfigError(f"{run_dir} cannot be exported to transformers' layout: {e}") from None
+    copy_tokenizer(run_dir, cfg, base, out)
+    return out
