@@ -3,6 +3,7 @@
     moelab presets
     moelab plan qwen3-moe-30b-a3b --gpus 8
     moelab export runs/tiny --to tensorboard     # the metrics stream as TensorBoard event files
+    moelab export runs/tiny --to hf out/tiny-hf  # the newest checkpoint in transformers' layout
     moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
     moelab report runs/tiny-20261130-101500          # throughput, memory and routing PNGs
     moelab compare runs/my-sweep --out routing.png   # a sweep folder, or run folders
@@ -66,9 +67,22 @@ def cmd_compare(args) -> int:
 
     return main(args.argv)
 def cmd_export(args) -> int:
+    from moelab.config import ConfigError
+
+    if args.dest and args.out and args.dest != args.out:
+        raise ConfigError(f"export: OUT={args.dest!r} and --out={args.out!r}: give the output folder once")
+    out = args.dest or args.out
+    if args.to == "hf":
+        from moelab.train.export_hf import export_hf
+
+        if not out:
+            raise ConfigError("export --to hf: OUT is required (moelab export RUN --to hf OUT)")
+        print(export_hf(args.folder, out, dtype=args.dtype, max_shard_size=args.max_shard_size, lora=args.lora,
+                        force=args.force, base=args.base))
+        return 0
     from moelab.train.export import export_run
 
-    print(export_run(args.folder, to=args.to, out=args.out, wandb_mode=args.wandb_mode))
+    print(export_run(args.folder, to=args.to, out=out, wandb_mode=args.wandb_mode))
     return 0
 
 
@@ -113,11 +127,19 @@ def add_parsers(sub) -> None:
                        add_help=False)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="a sweep folder or run folders; --out FIG.png; --last N")
     p.set_defaults(func=cmd_compare)
-    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B)")
+    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B), or "
+                                      "its newest checkpoint in transformers' layout (--to hf OUT)")
     p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
-    p.add_argument("--to", choices=["tensorboard", "wandb"], default="tensorboard")
+    p.add_argument("dest", nargs="?", help="output folder (the same as --out; required for --to hf)")
+    p.add_argument("--to", choices=["tensorboard", "wandb", "hf"], default="tensorboard")
     p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
     p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf: weight dtype (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: shard past this size, with an index (default 5GB)")
+    p.add_argument("--lora", choices=["merged", "adapters"],
+                   help="hf: LoRA adapters folded into the weights, or alone in PEFT's layout (default: merged)")
+    p.add_argument("--base", help="hf: the HF checkpoint folder the run started from (default: from its config)")
+    p.add_argument("--force", action="store_true", help="hf: write into an output folder that is not empty")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")

@@ -239,6 +239,16 @@ class Run:
         out, err = self.job.log(rank, "stdout"), self.job.log(rank, "stderr")
         return out + (("\n" if out and not out.endswith("\n") else "") + err if err else "")
 
+    def export_hf(self, out: "str | Path", **options) -> Path:
+        """Write the newest intact checkpoint in transformers' layout (moelab.train.export_hf: dtype,
+        max_shard_size, lora, force, base); returns the folder.
+
+            run.export_hf("out/tiny-hf"); AutoModelForCausalLM.from_pretrained("out/tiny-hf")
+        """
+        from moelab.train.export_hf import export_hf
+
+        return export_hf(self.folder, out, **options)
+
     # ------------------------------------------------------------------ views (other modules draw them)
     def dashboard(self):
         """A live widget (moelab.live) that follows this run."""

@@ -33,7 +33,7 @@ from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
 from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
 from moelab.model.transformer import MoETransformer
-from moelab.train.checkpoint import latest_checkpoint, list_checkpoints, verify
+from moelab.train.checkpoint import config_hash, latest_checkpoint, list_checkpoints, read_metadata, verify
 
 LORA_MODES = ("merged", "adapters")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -192,11 +192,14 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
     torch_dtype = _dtype(dtype)
     parse_size(max_shard_size)
     cfg = load_config(run_dir / "config.yaml")
-    path = checkpoint_of(run_dir)
     base = base_of(cfg, base)
     hf_base = json.loads((base / "config.json").read_text()) if base is not None else None
     family = adapter_for(hf_base).model_type if hf_base else family_of(cfg.model)
     config_to_hf(cfg.model, family, hf_base)  # a config the family cannot express is refused here
+    path = checkpoint_of(run_dir)
+    if read_metadata(path).get("config_hash") != config_hash(cfg):
+        raise ConfigError(f"{run_dir}/config.yaml is not the config {path} was written with (model, data or "
+                          f"optimizer fields differ); restore the run's own config.yaml")
     out = _out_folder(out, force)
 
     state = read_model_state(path)
