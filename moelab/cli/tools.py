@@ -66,13 +66,21 @@ def cmd_compare(args) -> int:
     from moelab.live.compare import main
 
     return main(args.argv)
+EXPORT_KINDS = ("tensorboard", "wandb", "hf")
+
+
 def cmd_export(args) -> int:
     from moelab.config import ConfigError
 
-    if args.dest and args.out and args.dest != args.out:
-        raise ConfigError(f"export: OUT={args.dest!r} and --out={args.out!r}: give the output folder once")
-    out = args.dest or args.out
-    if args.to == "hf":
+    to, *dest = args.to  # `--to hf OUT`: the output folder may follow the kind (argparse takes no positional there)
+    if to not in EXPORT_KINDS or len(dest) > 1:
+        raise ConfigError(f"export --to {' '.join(args.to)}: give --to KIND [OUT], KIND one of "
+                          f"{', '.join(EXPORT_KINDS)}")
+    given = [x for x in (*dest, args.dest, args.out) if x]
+    if len(set(given)) > 1:
+        raise ConfigError(f"export: output folders {given}: give the output folder once")
+    out = given[0] if given else None
+    if to == "hf":
         from moelab.train.export_hf import export_hf
 
         if not out:
@@ -82,7 +90,7 @@ def cmd_export(args) -> int:
         return 0
     from moelab.train.export import export_run
 
-    print(export_run(args.folder, to=args.to, out=out, wandb_mode=args.wandb_mode))
+    print(export_run(args.folder, to=to, out=out, wandb_mode=args.wandb_mode))
     return 0
 
 
@@ -131,7 +139,8 @@ def add_parsers(sub) -> None:
                                       "its newest checkpoint in transformers' layout (--to hf OUT)")
     p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
     p.add_argument("dest", nargs="?", help="output folder (the same as --out; required for --to hf)")
-    p.add_argument("--to", choices=["tensorboard", "wandb", "hf"], default="tensorboard")
+    p.add_argument("--to", nargs="+", default=["tensorboard"], metavar=("KIND", "OUT"),
+                   help=f"{' | '.join(EXPORT_KINDS)} (default tensorboard), optionally followed by OUT")
     p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
     p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf: weight dtype (default: the checkpoint's)")
