@@ -104,6 +104,11 @@ def test_export_of_a_two_process_run(layout, tmp_path):
     cfg = config("qwen3_moe", **layout)
     run = tmp_path / "run"
     assert run_local_processes(cfg, run, 2)["status"] == "COMPLETED"
+    from moelab.train.checkpoint import latest_checkpoint, read_metadata
+
+    meta = read_metadata(latest_checkpoint(run))
+    key = next(iter(layout)).split(".")[1]
+    assert meta["world_size"] == 2 and meta["layout"][key] == 2
     out = export_hf(run, tmp_path / "hf")
     assert_same_logits(out, restored(cfg, run, tmp_path), cfg.model.vocab_size)
 
@@ -214,3 +219,47 @@ def test_runs_it_cannot_export(tmp_path):
         export_hf(biased, tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         export_hf(tmp_path / "nowhere", tmp_path / "d")
+
+
+def test_lora_call_sites(qwen_run, tmp_path, monkeypatch):
+    """The extension point for LoRA runs: a checkpoint holding adapter tensors goes to
+    moelab.model.lora.merge_lora_state (lora="merged", the default) or moelab.hf.peft.write_peft_adapters
+    (lora="adapters"). Those two belong to the LoRA work; here stand-ins with their signatures take the calls."""
+    import sys
+    import types
+
+    cfg, run = qwen_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    t = Trainer(cfg, copy, env=DistEnv())
+    t.setup()
+    q = t.model.layers["1"].attention.q_proj
+    g = torch.Generator().manual_seed(0)
+    q.register_parameter("lora_A", torch.nn.Parameter(torch.randn(2, q.in_features, generator=g)))
+    q.register_parameter("lora_B", torch.nn.Parameter(torch.randn(q.out_features, 2, generator=g)))
+    t.checkpointer.save(cfg.train.steps + 1, t.model, torch.optim.AdamW(t.model.parameters()))
+    want = (q.weight + q.lora_B @ q.lora_A).detach()
+    calls = []
+
+    def merge_lora_state(state, run_cfg):
+        calls.append(("merge", sorted(k for k in state if "lora" in k), run_cfg.name))
+        prefix = "layers.1.attention.q_proj."
+        state[prefix + "weight"] = state[prefix + "weight"] + state.pop(prefix + "lora_B") @ state.pop(prefix + "lora_A")
+        return state
+
+    def write_peft_adapters(state, run_cfg, out):
+        calls.append(("peft", sorted(k for k in state if "lora" in k), run_cfg.name))
+        (out / "adapter_config.json").write_text("{}")
+
+    monkeypatch.setitem(sys.modules, "moelab.model.lora", types.SimpleNamespace(merge_lora_state=merge_lora_state))
+    monkeypatch.setitem(sys.modules, "moelab.hf.peft", types.SimpleNamespace(write_peft_adapters=write_peft_adapters))
+    names = ["layers.1.attention.q_proj.lora_A", "layers.1.attention.q_proj.lora_B"]
+    merged = export_hf(copy, tmp_path / "merged")
+    from safetensors import safe_open
+
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        torch.testing.assert_close(f.get_tensor("model.layers.1.self_attn.q_proj.weight"), want)
+        assert not any("lora" in k for k in f.keys())
+    adapters = export_hf(copy, tmp_path / "adapters", lora="adapters")
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json"]
+    assert calls == [("merge", names, cfg.name), ("peft", names, cfg.name)]
