@@ -129,7 +129,6 @@ def save_hf(model: MoETransformer, path: "str | Path", dtype: torch.dtype | None
     """
     path = Path(path)
     parse_size(max_shard_size)  # bad input refused before anything is written
-    path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     base = getattr(model, "hf_config", None) or {}
     adapter = adapter_for(base) if base else ADAPTERS[family_of(cfg)]
@@ -147,6 +146,7 @@ def save_hf(model: MoETransformer, path: "str | Path", dtype: torch.dtype | None
         out = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("e_score_correction_bias") else v)
                for k, v in out.items()}
     hf["dtype"] = str(next(iter(model.parameters())).dtype if dtype is None else dtype).removeprefix("torch.")
+    path.mkdir(parents=True, exist_ok=True)
     write_safetensors(out, path, max_shard_size)
     (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     return path

@@ -62,9 +62,13 @@ def _out_folder(out: "str | Path", force: bool) -> Path:
         if not force:
             raise ConfigError(f"out={str(out)!r}: the folder is not empty; give an empty or new folder, or "
                               f"force=True (--force) to write over it")
-        for stale in [*out.glob("*.safetensors"), out / INDEX]:  # shards of an earlier export would linger
-            stale.unlink(missing_ok=True)
     return out
+
+
+def _clear(out: Path) -> None:
+    """Before writing over an earlier export: its shards and index would linger beside the new files."""
+    for stale in [*out.glob("*.safetensors"), out / INDEX]:
+        stale.unlink(missing_ok=True)
 
 
 def checkpoint_of(run_dir: Path) -> Path:
@@ -209,10 +213,11 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
                           f"adapter tensors); export without lora")
     if lora_on and base is not None:
         fill_from_base(state, cfg, base)
-    out.mkdir(parents=True, exist_ok=True)
     if lora_on and lora == "adapters":
         from moelab.hf.peft import write_peft_adapters
 
+        out.mkdir(parents=True, exist_ok=True)
+        _clear(out)
         write_peft_adapters(state, cfg, out)
     else:
         if lora_on:
@@ -221,6 +226,8 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
             state = merge_lora_state(state, cfg)
         model = model_from_state(cfg, state, path)
         model.hf_config = hf_base
+        if out.is_dir():
+            _clear(out)
         try:
             save_hf(model, out, dtype=torch_dtype, max_shard_size=max_shard_size)
         except ConfigError as e:

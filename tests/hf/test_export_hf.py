@@ -205,6 +205,7 @@ def test_runs_it_cannot_export(tmp_path):
     biased = train(config("qwen3_moe", **{"model.moe.bias_update_rate": 0.01}), tmp_path / "biased")
     with pytest.raises(ConfigError, match="cannot be exported.*expert_bias"):
         export_hf(biased, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
     # no HF family expresses a GQA model without qk_norm and without sinks: refused before any weight is read
     plain = train(load_config("tiny", SMALL), tmp_path / "plain")
     with pytest.raises(ConfigError, match="qk_norm"):
