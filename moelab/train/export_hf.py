@@ -37,8 +37,8 @@ from moelab.train.checkpoint import config_hash, latest_checkpoint, list_checkpo
 
 LORA_MODES = ("merged", "adapters")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Where a run started from an HF checkpoint records its folder (a path, or "hf:PATH"), first found wins.
-BASE_FIELDS = ("model.hf_path", "model.init_from", "train.init_from", "model.base")
+# Where a run started from an HF checkpoint records its folder ("hf:PATH"; the start from a checkpoint sets it).
+BASE_FIELDS = ("train.init_from",)
 # What transformers' tokenizers (and generate) read from a model folder.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",

@@ -160,6 +160,16 @@ def test_base_config_fields_and_tokenizer_files_are_kept(qwen_run, tmp_path):
     assert loaded("w5 w7")["input_ids"] == [5, 7] and loaded.eos_token == "w4"
 
 
+@pytest.mark.skipif(not hasattr(load_config("tiny").train, "init_from"), reason="no start from HF checkpoints here")
+def test_the_base_a_run_started_from_is_found_in_its_config(qwen_run, tmp_path):
+    from moelab.train.export_hf import base_of
+
+    cfg, run = qwen_run
+    base = export_hf(run, tmp_path / "base")
+    assert base_of(cfg) is None
+    assert base_of(cfg.replace(**{"train.init_from": f"hf:{base}"})) == base
+
+
 def test_a_runs_own_tokenizer_json_is_copied(qwen_run, tmp_path):
     """A run that trained with a tokenizer.json (bpe, or a path) has it in its folder: it goes along, loadable."""
     from tokenizers import Tokenizer, models, pre_tokenizers
