@@ -33,7 +33,7 @@ from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
 from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
 from moelab.model.transformer import MoETransformer
-from moelab.train.checkpoint import config_hash, latest_checkpoint, list_checkpoints, read_metadata, verify
+from moelab.train.checkpoint import latest_checkpoint, list_checkpoints, read_metadata, verify
 
 LORA_MODES = ("merged", "adapters")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -83,6 +83,18 @@ def checkpoint_of(run_dir: Path) -> Path:
                           f"{problems}); resume the run (moelab resume {run_dir}) to write one")
     raise ConfigError(f"{run_dir}: the run has no checkpoint to export; train with train.save_checkpoints=true "
                       f"(a checkpoint at the end) and train.checkpoint_every=N for checkpoints on the way")
+
+
+def _changed(saved: dict, now: dict, prefix: str) -> list[str]:
+    """The model fields whose value differs from the checkpoint's record ("field: saved -> now"); a field the
+    record lacks (added to moelab since, at its default) is no difference."""
+    out = []
+    for k, v in saved.items():
+        if isinstance(v, dict) and isinstance(now.get(k), dict):
+            out += _changed(v, now[k], f"{prefix}{k}.")
+        elif k in now and now[k] != v:
+            out.append(f"{prefix}{k}: {v!r} -> {now[k]!r}")
+    return out
 
 
 def base_of(cfg: Config, base: "str | Path | None" = None) -> Path | None:
@@ -201,9 +213,10 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
     family = adapter_for(hf_base).model_type if hf_base else family_of(cfg.model)
     config_to_hf(cfg.model, family, hf_base)  # a config the family cannot express is refused here
     path = checkpoint_of(run_dir)
-    if read_metadata(path).get("config_hash") != config_hash(cfg):
-        raise ConfigError(f"{run_dir}/config.yaml is not the config {path} was written with (model, data or "
-                          f"optimizer fields differ); restore the run's own config.yaml")
+    changed = _changed(read_metadata(path).get("config", {}).get("model", {}), cfg.to_dict()["model"], "model.")
+    if changed:
+        raise ConfigError(f"{run_dir}/config.yaml is not the config {path} was written with ({'; '.join(changed[:4])})"
+                          f"; restore the run's own config.yaml")
     out = _out_folder(out, force)
 
     state = read_model_state(path)

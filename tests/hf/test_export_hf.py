@@ -224,9 +224,9 @@ def test_runs_it_cannot_export(tmp_path):
     # a config.yaml edited after the checkpoint was written
     from moelab.config import save_config
 
-    save_config(config("qwen3_moe", **{"model.moe.bias_update_rate": 0.01, "train.lr": 0.02}),
+    save_config(config("qwen3_moe", **{"model.moe.bias_update_rate": 0.01, "model.norm_eps": 1e-5}),
                 biased / "config.yaml")
-    with pytest.raises(ConfigError, match="not the config"):
+    with pytest.raises(ConfigError, match=r"not the config .*model.norm_eps: 1e-06 -> 1e-05"):
         export_hf(biased, tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="not a run folder"):
         export_hf(tmp_path / "nowhere", tmp_path / "d")
