@@ -161,13 +161,29 @@ def test_base_config_fields_and_tokenizer_files_are_kept(qwen_run, tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(load_config("tiny").train, "init_from"), reason="no start from HF checkpoints here")
-def test_the_base_a_run_started_from_is_found_in_its_config(qwen_run, tmp_path):
+def test_a_run_from_an_hf_checkpoint_with_lr_0_exports_that_checkpoint(qwen_run, tmp_path):
+    """`moelab run hf:BASE` records BASE (train.init_from): the export keeps BASE's config.json fields without
+    being told, and with learning rate 0 gives BASE's logits."""
+    from moelab.cli import main
     from moelab.train.export_hf import base_of
 
     cfg, run = qwen_run
     base = export_hf(run, tmp_path / "base")
-    assert base_of(cfg) is None
-    assert base_of(cfg.replace(**{"train.init_from": f"hf:{base}"})) == base
+    hf = json.loads((base / "config.json").read_text())
+    hf["custom_note"] = "from the base"
+    (base / "config.json").write_text(json.dumps(hf))
+    tuned = tmp_path / "tuned"
+    sets = ["train.device=cpu", "train.seq_len=16", "train.global_batch_size=2", "train.micro_batch_size=2",
+            "train.lr=0"]
+    assert main(["run", f"hf:{base}", "--steps", "1", "--out", str(tuned), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert base_of(load_config(tuned / "config.yaml")) == base
+    out = export_hf(tuned, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["custom_note"] == "from the base"
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(ids).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_a_runs_own_tokenizer_json_is_copied(qwen_run, tmp_path):
