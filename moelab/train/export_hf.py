@@ -163,11 +163,26 @@ def model_from_state(cfg: Config, state: dict[str, torch.Tensor], where: Path) -
     return model.eval()
 
 
-def fill_from_base(state: dict[str, torch.Tensor], cfg: Config, base: Path) -> None:
-    """Tensors the checkpoint does not hold (a LoRA run saves only what trains) from the HF base folder."""
-    hf = json.loads((base / "config.json").read_text())
-    tensors = SafetensorsFolder(base, quantization(hf))
-    for name, t in adapter_for(hf).state_dict_from_hf(hf, cfg.model, tensors).items():
+def fill_base(state: dict[str, torch.Tensor], cfg: Config, base: Path | None, pointer: dict) -> None:
+    """The frozen base weights a LoRA checkpoint does not hold (it saves only what trains, and the routers'
+    buffers, with a pointer to its base in metadata.json): read from the HF folder it started from, or made again
+    from the seed as the run's setup made them (the adapters added first, as the trainer does)."""
+    if base is not None:
+        hf = json.loads((base / "config.json").read_text())
+        tensors = SafetensorsFolder(base, quantization(hf))
+        full = adapter_for(hf).state_dict_from_hf(hf, cfg.model, tensors)
+    elif "seed" in pointer:
+        from moelab.model.lora import apply_lora
+        from moelab.parallel.place import materialize
+
+        with torch.device("meta"):
+            model = MoETransformer(cfg.model, cfg.backend)
+        apply_lora(model, cfg)
+        materialize(model, cfg.replace(**{"train.seed": pointer["seed"]}), "cpu")
+        full = model.state_dict()
+    else:
+        return
+    for name, t in full.items():
         state.setdefault(name, t)
 
 
@@ -224,14 +239,14 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
     if lora is not None and not lora_on:
         raise ConfigError(f"lora={lora!r}: the run has no LoRA adapters (train.lora is off and {path} holds no "
                           f"adapter tensors); export without lora")
-    if lora_on and base is not None:
-        fill_from_base(state, cfg, base)
+    if lora_on:
+        fill_base(state, cfg, base, read_metadata(path).get("base") or {})
     if lora_on and lora == "adapters":
         from moelab.hf.peft import write_peft_adapters
 
         out.mkdir(parents=True, exist_ok=True)
         _clear(out)
-        write_peft_adapters(state, cfg, out)
+        write_peft_adapters(state, cfg, out, base_model_name_or_path=str(base) if base else None, hf=hf_base)
     else:
         if lora_on:
             from moelab.model.lora import merge_lora_state

@@ -274,7 +274,7 @@ def test_lora_call_sites(qwen_run, tmp_path, monkeypatch):
         state[prefix + "weight"] = state[prefix + "weight"] + state.pop(prefix + "lora_B") @ state.pop(prefix + "lora_A")
         return state
 
-    def write_peft_adapters(state, run_cfg, out):
+    def write_peft_adapters(state, run_cfg, out, base_model_name_or_path=None, hf=None):
         calls.append(("peft", sorted(k for k in state if "lora" in k), run_cfg.name))
         (out / "adapter_config.json").write_text("{}")
 
