@@ -290,3 +290,17 @@ def test_lora_call_sites(qwen_run, tmp_path, monkeypatch):
     adapters = export_hf(copy, tmp_path / "adapters", lora="adapters")
     assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json"]
     assert calls == [("merge", names, cfg.name), ("peft", names, cfg.name)]
+
+
+@pytest.mark.skipif(not hasattr(load_config("tiny").train, "lora"), reason="no LoRA training here")
+def test_a_lora_run_exports_merged_or_as_adapters(tmp_path):
+    """A LoRA checkpoint holds only the adapters (and the routers' buffers) and points at its base (the seed
+    here): merged, transformers gives the logits of moelab's LoRA model restored from it; adapters alone go to
+    PEFT's two files."""
+    cfg = config("qwen3_moe", **{"train.lora.rank": 4, "train.lora.targets": "attention"})
+    run = train(cfg, tmp_path / "run")
+    out = export_hf(run, tmp_path / "merged")
+    assert_same_logits(out, restored(cfg, run, tmp_path), cfg.model.vocab_size)
+    adapters = export_hf(run, tmp_path / "adapters", lora="adapters")
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((adapters / "adapter_config.json").read_text())["r"] == 4
