@@ -254,6 +254,13 @@ def test_sft_run_lowers_the_response_loss_and_resumes_exactly(tok_dir, tmp_path,
     Trainer(cfg, tmp_path / "full", env=DistEnv()).run()
     losses = step_losses(tmp_path / "full")
     assert losses[-1] < losses[0] - 1.0, losses
+    # padding is no input to the routing statistics: each MoE layer routes top_k of every real token
+    d = SFTData(cfg)
+    real = [sum(int(d.micro_batch(s, f, 2).valid_BL.sum()) for f in range(0, 8, 2)) for s in (1, 2)]
+    steps = [e for e in read_events(tmp_path / "full" / "metrics.jsonl") if e["event"] == "step"][:2]
+    for n, e in zip(real, steps):
+        assert n < 8 * 64, "the batch has padding"
+        assert [sum(layer) for layer in e["routing"]["routed_per_expert"]] == [n * cfg.model.moe.top_k]
 
     class StopsAfterStep4(Trainer):
         def after_step(self, step, last):
