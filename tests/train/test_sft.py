@@ -332,3 +332,12 @@ def test_unsupported_settings_are_refused_when_the_config_is_built(tok_dir, tmp_
         sft_config(tmp_path / "d.jsonl", tok_dir, override)
     with pytest.raises(ConfigError, match="data.chat_template"):
         load_config("tiny", ["data.chat_template=x.jinja"])
+
+
+def test_submit_refuses_a_bad_record_before_any_rank_starts(tok_dir, tmp_path):
+    from moelab import Session
+
+    data = write_jsonl(tmp_path / "d.jsonl", arithmetic(3) + ['{"messages": [{"role": "user", "content": "x"}]}'])
+    with pytest.raises(ConfigError, match="line 4: no assistant message"):
+        Session(sft_config(data, tok_dir)).submit("local", nproc=2, folder=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
