@@ -18,7 +18,11 @@ get target -100 (moelab.train.loss.IGNORE_INDEX), which cross_entropy leaves out
 How a token is found to be a response token: the template renders the conversation up to each assistant turn
 with ``add_generation_prompt=True`` and through the end of that turn; the characters between the two are the
 response, and a token of the whole rendering (a fast tokenizer's offsets) is a response token when it starts in
-them. A template that does not render a conversation as the prefix of its continuation is refused.
+them. Some templates render a turn differently once later turns follow (Qwen3's writes an empty think block
+into the last assistant turn only): there the response runs from where the whole rendering leaves the
+generation prompt's rendering to the end of the turn's content in it plus the end-of-turn text the template
+writes after the content (as much of it as the whole rendering has there). A turn whose content the whole
+rendering does not hold is refused.
 
 Bad input is a ConfigError naming the field, before any step runs (check_data): a missing file, a line that is
 not JSON or not a record (its line number), a record without an assistant message or response, an example
@@ -32,6 +36,7 @@ no chat template, a tokenizer larger than ``model.vocab_size``. Batching: moelab
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,8 +147,8 @@ def load_chat_tokenizer(cfg: Config):
 
 def render(tok, messages: list[dict]) -> Example:
     """Token ids of the chat as the template renders it, and which of them are response tokens (every
-    assistant turn). ValueError where the template does not render the conversation as a prefix of its
-    continuation (the response spans cannot be found then)."""
+    assistant turn; the module docstring says how they are found). ValueError where the whole rendering does
+    not hold an assistant turn's content."""
     text = tok.apply_chat_template(messages, tokenize=False)
     spans = []
     for i, m in enumerate(messages):
@@ -151,10 +156,10 @@ def render(tok, messages: list[dict]) -> Example:
             continue
         before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         through = tok.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(f"the chat template does not render the conversation up to assistant message {i} "
-                             f"as a prefix of the whole chat")
-        spans.append((len(before), len(through)))
+        if through.startswith(before) and text.startswith(through):
+            spans.append((len(before), len(through)))
+        else:  # the turn renders differently with later turns after it
+            spans.append(_turn_in_context(text, before, through, m["content"], i))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids_N = np.asarray(enc["input_ids"], dtype=np.int64)
     starts_N = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
@@ -162,6 +167,21 @@ def render(tok, messages: list[dict]) -> Example:
     for a, b in spans:
         response_N |= (starts_N >= a) & (starts_N < b)
     return Example(ids_N, response_N)
+
+
+def _turn_in_context(text: str, before: str, through: str, content: str, i: int) -> tuple[int, int]:
+    """The characters of assistant turn i in the whole rendering `text`: from where `text` leaves `before` (the
+    generation prompt's rendering) through the turn's content and the end-of-turn text `through` writes after
+    it (as much of it as `text` has there)."""
+    start = len(os.path.commonprefix([text, before]))
+    at = text.find(content, start)
+    tail_at = through.rfind(content)
+    if at < 0 or tail_at < 0:
+        raise ValueError(f"the whole chat's rendering does not hold assistant message {i}'s content as written "
+                         f"(the template rewrites it), so its tokens cannot be found")
+    end = at + len(content)
+    suffix = through[tail_at + len(content):]
+    return start, end + len(os.path.commonprefix([text[end:end + len(suffix)], suffix]))
 
 
 def load_examples(cfg: Config, tok=None) -> list[Example]:

@@ -111,6 +111,30 @@ def test_rendering_equals_apply_chat_template_and_masks_every_assistant_turn(tok
         f"{m['content']}<|im_end|>\n" for m in chat if m["role"] == "assistant")
 
 
+# Qwen3's way: the last assistant turn gets an empty think block, earlier ones do not (so a turn renders
+# differently once later turns follow it)
+LAST_TURN_THINKS = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.last %}<|im_start|>assistant\n"
+                    "<think>\n\n</think>\n\n{{ m['content'] }}<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+                    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_the_last_turn_differently_still_masks_each_turn(tok_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    tok.chat_template = LAST_TURN_THINKS
+    chat = CHATS[1]
+    ex = render(tok, chat)
+    expected = tok.apply_chat_template(chat, tokenize=True)
+    assert ex.ids_N.tolist() == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert tok.decode(ex.ids_N[ex.response_N].tolist()) == (
+        "sat.<|im_end|>\n" "<think>\n\n</think>\n\nthe mat.<|im_end|>\n")
+    # the response tokens are two runs: each turn's, nothing of the prompts between
+    runs = (ex.response_N[1:] & ~ex.response_N[:-1]).sum() + ex.response_N[0]
+    assert runs == 2
+
+
 def test_prompt_response_pair_is_a_user_and_an_assistant_message(tok_dir, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "what is two plus two?", "response": "four."}])
     d = SFTData(sft_config(data, tok_dir, "data.sft_packing=false", "train.micro_batch_size=1",
