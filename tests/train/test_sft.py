@@ -297,14 +297,16 @@ def test_sft_run_lowers_the_response_loss_and_resumes_exactly(tok_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_fsdp2_reproduces_one_process(tok_dir, tmp_path, one_thread):
+@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp2", "fsdp2-ep2"])
+def test_two_ranks_reproduce_one_process(tok_dir, tmp_path, one_thread, ep):
     """Each rank trains its micro batches of the same global batch: the losses and routing counts of one."""
     data = write_jsonl(tmp_path / "d.jsonl", arithmetic(24))
     cfg = sft_config(data, tok_dir, "train.steps=3", "train.warmup_steps=1", "train.save_checkpoints=false")
     Trainer(cfg, tmp_path / "one", env=DistEnv()).run()
-    run_local_processes(cfg, tmp_path / "two", 2, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    run_local_processes(cfg.replace(**{"parallel.ep": ep}), tmp_path / "two", 2,
+                        env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     events = read_events(tmp_path / "two" / "metrics.jsonl")
-    assert events[0]["env"]["layout"]["fsdp"] == 2
+    assert (events[0]["env"]["layout"]["fsdp"], events[0]["env"]["layout"]["ep"]) == (2, ep)
     assert step_losses(tmp_path / "two") == pytest.approx(step_losses(tmp_path / "one"), rel=1e-5)
     routed = [[e["routing"]["routed_per_expert"] for e in read_events(Path(d) / "metrics.jsonl")
                if e["event"] == "step"] for d in (tmp_path / "one", tmp_path / "two")]
