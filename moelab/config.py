@@ -240,13 +240,15 @@ class DataConfig:
         load_config("tiny", ["data.kind=random"]).data
     """
     # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file;
-    # text: text files (moelab.train.corpus); hf: a Hugging Face dataset (saved to disk, or a hub name)
-    kind: Literal["synthetic", "random", "tokens", "text", "hf"] = "synthetic"
+    # text: text files (moelab.train.corpus); hf: a Hugging Face dataset (saved to disk, or a hub name);
+    # sft: JSON lines of chats or prompt/response pairs, loss on the responses (moelab.train.sft)
+    kind: Literal["synthetic", "random", "tokens", "text", "hf", "sft"] = "synthetic"
     # tokens: a flat file of token ids; text: a file, folder, glob or "stdlib" (the demo corpus, no download);
-    # hf: a dataset folder (save_to_disk) or a hub name
+    # hf: a dataset folder (save_to_disk) or a hub name; sft: a JSON lines file
     path: str = ""
     token_dtype: Literal["uint16", "uint32", "int32"] = "uint16"
-    # text / hf: "bytes" (256 ids), "bpe" (trained on the corpus and cached), or a tokenizer.json / folder
+    # text / hf: "bytes" (256 ids), "bpe" (trained on the corpus and cached), or a tokenizer.json / folder;
+    # sft: a local transformers tokenizer folder (the checkpoint's), which has the chat template
     tokenizer: str = "bytes"
     bpe_vocab_size: int = 0  # 0 = model.vocab_size
     text_field: str = "text"  # JSON lines, Parquet and hf datasets: the field holding the text
@@ -257,6 +259,11 @@ class DataConfig:
     val_path: str = ""
     # synthetic: a fixed random Markov chain; each token follows its successor with prob 1 - noise.
     noise: float = 0.1
+    # sft: a jinja chat template file, used instead of (or where it lacks one) the tokenizer's own
+    chat_template: str = ""
+    # sft: pack several examples into each row (attention kept within each, positions restart); false: one
+    # example per row, padded
+    sft_packing: bool = True
 
 
 @dataclass

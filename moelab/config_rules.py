@@ -210,6 +210,33 @@ def _validate_data(cfg: "Config") -> None:
         if getattr(t, name) and cfg.parallel.pp > 1:
             _fail(f"train.{name}", getattr(t, name), "is not supported with pipeline parallelism yet; set "
                   "parallel.pp=1 or 0 here")
+    if d.kind == "sft":
+        _validate_sft(cfg)
+    elif d.chat_template:
+        _fail("data.chat_template", d.chat_template, f"renders data.kind='sft' only (data.kind={d.kind!r}); clear it")
+
+
+def _validate_sft(cfg: "Config") -> None:
+    """Instruction data (moelab.train.sft; the file and the tokenizer are checked by check_data)."""
+    d, t, p = cfg.data, cfg.train, cfg.parallel
+    if not d.path:
+        _fail("data.path", d.path, "data.kind='sft' needs data.path: a JSON lines file of {\"messages\": [...]} "
+              "or {\"prompt\": ..., \"response\": ...} records")
+    if d.tokenizer in ("bytes", "bpe"):
+        _fail("data.tokenizer", d.tokenizer, "data.kind='sft' renders chats with a transformers tokenizer: give a "
+              "local tokenizer folder (the checkpoint's: tokenizer.json, tokenizer_config.json)")
+    for name, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
+        if value > 1:
+            _fail(name, value, "data.kind='sft' is not supported with pipeline or context parallelism yet "
+                  "(its batches carry loss masks and document boundaries); set it to 1 (fsdp and ep work)")
+    for name in ("eval_every", "expert_tokens_every"):
+        if getattr(t, name):
+            _fail(f"train.{name}", getattr(t, name), "is not supported with data.kind='sft' yet; set it to 0")
+    if d.val_path:
+        _fail("data.val_path", d.val_path, "data.kind='sft' has no evaluation split yet; clear it")
+    if d.sft_packing and cfg.backend.attention == "te":
+        _fail("data.sft_packing", d.sft_packing, "packed examples need a document mask, which "
+              "backend.attention='te' does not take here; set data.sft_packing=false or another backend")
 
 
 def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> None:

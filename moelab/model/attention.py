@@ -19,16 +19,22 @@ from moelab.model.layers import RMSNorm, apply_rope
 
 
 def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sinks_H=None, scale=None,
-                     block_mask=None):
+                     block_mask=None, documents_BL=None):
     """Causal attention with optional sliding window and learned sink logits (GPT-OSS).
 
     backend "sdpa" (plain causal only; anything else falls to eager), "flex" (FlexAttention; `block_mask` from
     `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults to 1/sqrt(Dh).
-    v may have a different head dim than q and k (MLA)."""
+    v may have a different head dim than q and k (MLA). `documents_BL` (packed sequences, moelab.train.sft):
+    each token's document number; a token attends only within its document (sdpa and eager: a block-diagonal
+    causal mask; flex: a document mask_mod)."""
     H, G = q_BHLD.shape[1], k_BGLD.shape[1]
     if backend == "flex":
-        return flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window, sinks_H, scale, block_mask)
+        return flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window, sinks_H, scale, block_mask, documents_BL)
     if backend == "sdpa" and not window and sinks_H is None:
+        if documents_BL is not None:
+            same_B1LS = (documents_BL[:, :, None] == documents_BL[:, None, :])[:, None]
+            return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, attn_mask=same_B1LS.tril(), scale=scale,
+                                                  enable_gqa=H != G)
         return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, is_causal=True, scale=scale,
                                               enable_gqa=H != G)
     k_BHLD = k_BGLD.repeat_interleave(H // G, dim=1)
@@ -41,6 +47,8 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     allowed = j <= i
     if window:
         allowed = allowed & (i - j < window)
+    if documents_BL is not None:  # [L, S] -> [B, 1, L, S]: within each token's document only
+        allowed = allowed & (documents_BL[:, :, None] == documents_BL[:, None, :])[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks_H is not None:  # a per-head logit that takes probability mass but contributes no value
         sink = sinks_H.float()[None, :, None, None].expand(scores.shape[0], -1, L, 1)
@@ -50,25 +58,38 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     return (probs.to(v_BHLD.dtype) @ v_BHLD)
 
 
-def flex_block_mask(L: int, S: int, window: int, device):
-    """FlexAttention block mask: causal (queries are the last L of S keys), within `window` keys if > 0."""
+def flex_block_mask(L: int, S: int, window: int, device, documents_BL=None):
+    """FlexAttention block mask: causal (queries are the last L of S keys), within `window` keys if > 0, and
+    within each token's document where `documents_BL` is given (then one mask per batch row)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     offset = S - L
 
     def mask_mod(b, h, q_idx, kv_idx):
         causal = kv_idx <= q_idx + offset
-        return causal & (q_idx + offset - kv_idx < window) if window else causal
+        causal = causal & (q_idx + offset - kv_idx < window) if window else causal
+        return causal & (documents_BL[b, q_idx] == documents_BL[b, kv_idx]) if documents_BL is not None else causal
 
-    return create_block_mask(mask_mod, None, None, L, S, device=device)
+    B = documents_BL.shape[0] if documents_BL is not None else None
+    return create_block_mask(mask_mod, B, None, L, S, device=device)
 
 
 def cached_block_mask(owner: nn.Module, q_BHLD, k_BGLD, window: int):
-    """The flex block mask for these shapes, kept on `owner._flex_mask` while the sequence length stays."""
+    """The flex block mask for these shapes (and `owner.documents_BL`, the very tensor), kept on
+    `owner._flex_mask` while they stay."""
     key = (q_BHLD.shape[2], k_BGLD.shape[2], str(q_BHLD.device))
-    if owner._flex_mask is None or owner._flex_mask[0] != key:
-        owner._flex_mask = (key, flex_block_mask(key[0], key[1], window, q_BHLD.device))
+    docs = getattr(owner, "documents_BL", None)
+    if owner._flex_mask is None or owner._flex_mask[0] != key or owner._flex_mask[2] is not docs:
+        owner._flex_mask = (key, flex_block_mask(key[0], key[1], window, q_BHLD.device, docs), docs)
     return owner._flex_mask[1]
+
+
+def set_documents(model: nn.Module, documents_BL: "torch.Tensor | None") -> None:
+    """Give every attention module of `model` the document number of each token of the next forward (and its
+    backward): packed sequences attend within their documents only. None: plain causal attention."""
+    for module in model.modules():
+        if hasattr(module, "documents_BL"):
+            module.documents_BL = documents_BL
 
 
 @functools.cache
@@ -79,7 +100,8 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=None, block_mask=None):
+def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=None, block_mask=None,
+                          documents_BL=None):
     """FlexAttention with the sliding window in the block mask and sinks folded in through the LSE:
     softmax over [scores, sink] = softmax(scores) * sigmoid(lse - sink), so the kernel needs no extra column.
     On CPU it runs uncompiled and forward only (torch has no CPU FlexAttention backward)."""
@@ -90,7 +112,7 @@ def flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window=0, sinks_H=None, scale=
         raise ConfigError("backend.attention='flex': torch has no FlexAttention backward on CPU; train on a GPU or "
                           "set backend.attention=eager (same results, sinks and windows included)")
     if block_mask is None:
-        block_mask = flex_block_mask(L, S, window, q_BHLD.device)
+        block_mask = flex_block_mask(L, S, window, q_BHLD.device, documents_BL)
     fn = _compiled_flex_attention() if q_BHLD.is_cuda else flex_attention
     kw = dict(block_mask=block_mask, scale=scale, enable_gqa=q_BHLD.shape[1] != k_BGLD.shape[1])
     try:  # torch >= 2.9 returns the LSE through an AuxRequest and deprecates return_lse
@@ -123,7 +145,8 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(Dh, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(Dh, cfg.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None
-        self._flex_mask = None  # (shape key, BlockMask) cache for backend 'flex'
+        self._flex_mask = None  # (shape key, BlockMask, documents) cache for backend 'flex'
+        self.documents_BL = None  # Long [B, L]: packed documents (set_documents); None: plain causal
 
     def forward(self, x_BLD, cos_LD, sin_LD):
         B, L, _ = x_BLD.shape
@@ -140,4 +163,4 @@ class GQAttention(nn.Module):
     def attend(self, q_BHLD, k_BGLD, v_BGLD):
         block_mask = cached_block_mask(self, q_BHLD, k_BGLD, self.window) if self.backend == "flex" else None
         return causal_attention(q_BHLD, k_BGLD, v_BGLD, self.backend, self.window, self.sinks,
-                                block_mask=block_mask)
+                                block_mask=block_mask, documents_BL=self.documents_BL)

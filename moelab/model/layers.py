@@ -34,7 +34,7 @@ def rope_cos_sin(positions_L: torch.Tensor, dim: int, theta: float, dtype: torch
     attention_factor = 1.0
     if scaling is not None and scaling.kind == "yarn":
         inv_freq, attention_factor = _yarn(inv_freq, dim, theta, scaling)
-    freqs_LF = positions_L.float()[:, None] * inv_freq[None, :]
+    freqs_LF = positions_L.float()[..., None] * inv_freq  # positions [B, L] (packed sequences): [B, L, dim]
     emb = torch.cat([freqs_LF, freqs_LF], dim=-1)
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 

@@ -63,6 +63,7 @@ class MLAttention(nn.Module):
         self.softmax_scale = mla_softmax_scale(cfg)
         self.window, self.sinks = 0, None  # MLA has neither; kept so attend() reads like GQAttention's
         self._flex_mask = None
+        self.documents_BL = None  # packed documents (moelab.model.attention.set_documents)
 
     def forward(self, x_BLD, cos_LD, sin_LD):
         B, L, _ = x_BLD.shape
@@ -82,4 +83,4 @@ class MLAttention(nn.Module):
     def attend(self, q_BHLD, k_BHLD, v_BHLDv):
         block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0) if self.backend == "flex" else None
         return causal_attention(q_BHLD, k_BHLD, v_BHLDv, self.backend, scale=self.softmax_scale,
-                                block_mask=block_mask)
+                                block_mask=block_mask, documents_BL=self.documents_BL)

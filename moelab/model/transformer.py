@@ -72,12 +72,15 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head).
-        `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard."""
+        `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard; packed
+        sequences (moelab.train.sft) pass [B, L], restarting at each document."""
         h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
         cos_LD, sin_LD = rope_cos_sin(positions_L, self.rope_dim, self.cfg.rope_theta, h_BLD.dtype,
                                       self.cfg.rope_scaling)
+        if positions_L.dim() == 2:  # [B, L, Dh] -> [B, 1, L, Dh]: broadcast over the heads
+            cos_LD, sin_LD = cos_LD[:, None], sin_LD[:, None]
         for layer in self.layers.values():
             h_BLD = layer(h_BLD, cos_LD, sin_LD)
         if self.norm is not None:

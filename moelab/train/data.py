@@ -179,6 +179,10 @@ def make_dataset(cfg: Config, progress: bool = True):
     """The training data `cfg.data` describes; every bad input is a ConfigError here, before a step runs."""
     if cfg.data.kind in ("text", "hf"):
         return TextData(cfg, progress=progress)
+    if cfg.data.kind == "sft":  # chats, loss on the responses: micro batches of their own
+        from moelab.train.sft_batches import SFTData
+
+        return SFTData(cfg)
     kinds = {"synthetic": SyntheticData, "random": RandomData, "tokens": TokenFileData}
     return kinds[cfg.data.kind](cfg)
 

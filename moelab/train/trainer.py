@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, save_config
+from moelab.model.attention import set_documents
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.env import DistEnv
@@ -154,18 +155,27 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
             first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
-            # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
-            batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device, non_blocking=True)
-            inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
-            mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing stats
+            if self.cfg.data.kind == "sft":  # chats: loss masks, packed documents (moelab.train.sft_batches)
+                sft = self.dataset.micro_batch(step, first, t.micro_batch_size).to(self.env.device)
+                inputs, targets, positions, mask = sft.inputs_BL, sft.targets_BL, sft.positions_BL, sft.valid_BL
+                set_documents(self.model, sft.documents_BL)  # attention within each packed example
+            else:
+                # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
+                batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device,
+                                                                                      non_blocking=True)
+                inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
+                mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing
+                positions = par.positions(t.seq_len, self.env.device)
             for moe in par.moe_layers:
                 moe.router.token_mask = mask
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
-                logits = self.model(inputs, par.positions(t.seq_len, self.env.device))
+                logits = self.model(inputs, positions)
             loss = cross_entropy(logits, targets, compiled=t.compile, pad_token_id=self.cfg.model.pad_token_id)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
+        if self.cfg.data.kind == "sft":
+            set_documents(self.model, None)
         return loss_sum
 
     def train_step(self, step: int, metrics: bool = True) -> dict:
