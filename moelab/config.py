@@ -213,6 +213,9 @@ class TrainConfig:
     # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
+    # Initial weights: "" = random (train.seed); "hf:/abs/path" = a Hugging Face checkpoint folder, each rank
+    # reading only its slices (moelab.hf.sharded_load). Set by a `hf:PATH` source; part of the run's identity.
+    init_from: str = ""
 
 
 @dataclass
@@ -411,8 +414,11 @@ def _yaml_load(text: str, where: str, file: bool = True):
         raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
 
 
-def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None) -> Config:
+def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None,
+                readers: "dict | None" = None) -> Config:
     """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
+    `readers`: {"hf": fn} reads `hf:PATH` sources (and YAML `base: hf:PATH`) into a config dict; the
+    config layer has none of its own (moelab.session.SOURCE_READERS is what Session and the CLI pass).
 
         load_config("tiny", ["train.steps=20"])
         load_config("my.yaml", {"parallel.ep": 2})
@@ -422,16 +428,22 @@ def load_config(source: "str | Path | Config | dict", overrides: "list[str] | di
     elif isinstance(source, dict):
         d = Config.from_dict(source).to_dict()
     else:
-        d = _read_source(str(source))
+        d = _read_source(str(source), readers=readers or {})
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
     for key, value in items:
         _set_dotted(d, key, value)
     return Config.from_dict(d)
 
 
-def _read_source(source: str, _seen: tuple = ()) -> dict:
+def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) -> dict:
     from moelab.presets import preset_names, preset_path
 
+    kind = source.split(":", 1)[0] if ":" in source else ""
+    if kind == "hf":
+        if kind not in (readers or {}):
+            raise ConfigError(f"{source!r}: hf: checkpoints are read by moelab.Session, `moelab run` and "
+                              f"moelab.hf.source.load_config; pass readers=moelab.session.SOURCE_READERS")
+        return readers[kind](source)
     path = Path(source)
     if source in preset_names():
         path = preset_path(source)
@@ -459,7 +471,7 @@ def _read_source(source: str, _seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: base={base!r}: expected a preset name or a YAML path")
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: its `base:` chain loops back to this file; break the loop")
-    d = _read_source(base, _seen + (path.resolve(),)) if base else Config().to_dict()
+    d = _read_source(base, _seen + (path.resolve(),), readers) if base else Config().to_dict()
     d["name"] = data.get("name", d.get("name"))
     _merge(d, data, "")
     return d
