@@ -115,19 +115,6 @@ def test_deepseek_v3_mla_from_hf(tmp_path, hfm):
     torch.testing.assert_close(state["layers.1.ffn.router.expert_bias"], bias.float())
 
 
-def test_yaml_base_hf(qwen, tmp_path):
-    path, _, _ = qwen
-    y = tmp_path / "ft.yaml"
-    y.write_text(f"base: hf:{path}\ntrain:\n  steps: 3\n")
-    cfg = Session(y).config
-    assert cfg.train.init_from == f"hf:{path.resolve()}" and cfg.train.steps == 3
-    assert cfg.model.moe.num_experts == 8 and cfg.model.hidden_size == 32
-    from moelab.config import load_config
-
-    with pytest.raises(ConfigError, match="hf: checkpoints are read by moelab.Session"):
-        load_config(y)  # the config layer has no reader of its own
-
-
 # ---------------------------------------------------------------------- bad input, before any rank starts
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     dst.mkdir()
