@@ -115,6 +115,83 @@ def test_deepseek_v3_mla_from_hf(tmp_path, hfm):
     torch.testing.assert_close(state["layers.1.ffn.router.expert_bias"], bias.float())
 
 
+# ---------------------------------------------------------------------- reading slices
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_every_source_reads_any_row_range_as_its_full_tensor_does(tmp_path, hfm, family):
+    """Rows a..b of every moelab tensor (stacked experts, DeepSeek's permuted rotary rows, GPT-OSS's interleaved
+    gate|up) equal rows a..b of the whole tensor, and cost only their share of the bytes."""
+    from moelab.hf import ADAPTERS
+    from moelab.hf.safetensors_folder import SafetensorsFolder
+    from moelab.hf.source import config_dict
+    from moelab.config import Config
+
+    hfm.build(family).save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    m = Config.from_dict(config_dict(f"hf:{tmp_path}")).model
+    sources = ADAPTERS[family].sources(hf, m, SafetensorsFolder(tmp_path))
+    for name, rows in sources.items():
+        whole = rows.read()
+        n = rows.shape[0] if rows.shape else 0
+        for a, b in {(0, n), (1, max(1, n // 2)), (n // 3, n - 1), (n - 1, n)}:
+            if 0 <= a <= b <= n:
+                torch.testing.assert_close(rows.read(a, b), whole[a:b], rtol=0, atol=0, msg=f"{name} {a}:{b}")
+    folder = SafetensorsFolder(tmp_path)
+    lm = folder.rows("lm_head.weight" if "lm_head.weight" in folder else "model.embed_tokens.weight")
+    lm.read(0, lm.shape[0] // 4)
+    assert folder.bytes_read == lm.shape[0] // 4 * lm.shape[1] * 4  # fp32 file: a quarter of the rows
+
+
+def test_fp8_and_mxfp4_rows_are_dequantized_like_the_whole_tensor(tmp_path):
+    """Block-FP8 rows that start and end inside a scale block, and MXFP4 expert ranges."""
+    from safetensors.torch import save_file
+
+    from moelab.hf.safetensors_folder import SafetensorsFolder
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(10, 7, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=g) + 0.5  # blocks of 4 x 4
+    blocks = torch.randint(0, 256, (4, 6, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (4, 6, 2), generator=g, dtype=torch.uint8)
+    save_file({"w": w, "w_scale_inv": scale, "x_blocks": blocks, "x_scales": scales}, str(tmp_path / "a.safetensors"))
+    fp8 = SafetensorsFolder(tmp_path, {"method": "fp8", "block": (4, 4)})
+    whole = fp8.get("w")
+    torch.testing.assert_close(whole[5, 6], w[5, 6].float() * scale[1, 1])
+    for a, b in [(0, 10), (3, 9), (5, 6), (8, 10)]:
+        torch.testing.assert_close(fp8.rows("w").read(a, b), whole[a:b], rtol=0, atol=0)
+    mx = SafetensorsFolder(tmp_path, {"method": "mxfp4"})
+    assert mx.shape("x") == (4, 64, 6)
+    whole = mx.get("x")
+    before = mx.bytes_read
+    torch.testing.assert_close(mx.rows("x").read(1, 3), whole[1:3], rtol=0, atol=0)
+    assert mx.bytes_read - before == (blocks[1:3].numel() + scales[1:3].numel())
+
+
+def test_load_into_shows_a_progress_bar_and_fills_a_placed_model(qwen, capsys):
+    from moelab.hf.sharded_load import load_into
+    from moelab.hf.source import load_config
+    from moelab.model.transformer import MoETransformer
+
+    path, ids, logits = qwen
+    cfg = load_config(f"hf:{path}")
+    model = MoETransformer(cfg.model, cfg.backend)  # random init
+    stats = load_into(model, cfg, progress=True)
+    assert "loading " + path.name in capsys.readouterr().err
+    assert stats["bytes_read_per_rank"] == [stats["checkpoint_bytes"]]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_checkpoint_is_part_of_the_run_identity(qwen, tmp_path):
+    """A resume of the run must start from the same base: train.init_from is not a resumable field."""
+    from moelab.train.checkpoint import config_identity
+
+    path, _, _ = qwen
+    a = Session(f"hf:{path}").config
+    other = copy_checkpoint(path, tmp_path / "other")
+    b = Session(f"hf:{other}").config
+    assert a.train.init_from != b.train.init_from and config_identity(a) != config_identity(b)
+
+
 # ---------------------------------------------------------------------- bad input, before any rank starts
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     dst.mkdir()
