@@ -71,6 +71,18 @@ def test_one_process_from_hf(qwen, tmp_path, hfm):
     assert run.status == "COMPLETED", run.error
     loaded = check_run(tmp_path / "one", path, ids, logits, hfm)
     assert loaded["bytes_read_per_rank"] == [loaded["checkpoint_bytes"]]  # one process reads it all, once
+    # a resume restores its own checkpoint and does not read the base again
+    from moelab.parallel.env import DistEnv
+    from moelab.train.trainer import Trainer
+
+    trainer = Trainer(s.set("train.steps", 3).config, tmp_path / "one", env=DistEnv())
+    try:
+        trainer.setup()
+        assert trainer.loaded is None and trainer.restored.step == 2
+    finally:
+        if trainer.writer:
+            trainer.writer.close()
+        trainer.stop.restore()
 
 
 @pytest.mark.slow
@@ -237,7 +249,15 @@ def test_weights_that_do_not_match_are_refused_before_submit(qwen, tmp_path):
     # a model override that the weights do not fit: the missing tensor is named
     with pytest.raises(ConfigError, match="train.init_from=.*model.layers.3.input_layernorm.weight' is missing"):
         Session(f"hf:{path}", train=RUN, model={"num_layers": 4}).submit("inline", folder=tmp_path / "r2")
-    del tensors[name]
+    tensors[name] = torch.zeros(32, 32)
+    tensors["model.layers.1.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, file, metadata={"format": "pt"})
+    index["weight_map"]["model.layers.1.self_attn.extra.weight"] = index["weight_map"][name]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"1 checkpoint tensors have no place in the model.*self_attn.extra"):
+        Session(f"hf:{bad}", train=RUN).submit("inline", folder=tmp_path / "r4")
+    del tensors[name], tensors["model.layers.1.self_attn.extra.weight"]
+    index["weight_map"].pop("model.layers.1.self_attn.extra.weight")
     save_file(tensors, file, metadata={"format": "pt"})
     index["weight_map"].pop(name)
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
