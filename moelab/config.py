@@ -213,9 +213,7 @@ class TrainConfig:
     # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
-    # Initial weights: "" = random (train.seed); "hf:/abs/path" = a Hugging Face checkpoint folder, each rank
-    # reading only its slices (moelab.hf.sharded_load). Set by a `hf:PATH` source; part of the run's identity.
-    init_from: str = ""
+    init_from: str = ""  # "" = random (train.seed); "hf:/abs/path": an HF checkpoint (moelab.hf.sharded_load)
 
 
 @dataclass
@@ -416,9 +414,8 @@ def _yaml_load(text: str, where: str, file: bool = True):
 
 def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None,
                 readers: "dict | None" = None) -> Config:
-    """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
-    `readers`: {"hf": fn} reads `hf:PATH` sources (and YAML `base: hf:PATH`) into a config dict; the
-    config layer has none of its own (moelab.session.SOURCE_READERS is what Session and the CLI pass).
+    """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied. `readers`
+    ({"hf": fn}; Session and the CLI pass moelab.session.SOURCE_READERS) reads `hf:PATH` and `base: hf:PATH`.
 
         load_config("tiny", ["train.steps=20"])
         load_config("my.yaml", {"parallel.ep": 2})
@@ -438,12 +435,11 @@ def load_config(source: "str | Path | Config | dict", overrides: "list[str] | di
 def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) -> dict:
     from moelab.presets import preset_names, preset_path
 
-    kind = source.split(":", 1)[0] if ":" in source else ""
-    if kind == "hf":
-        if kind not in (readers or {}):
+    if source.startswith("hf:"):
+        if "hf" not in (readers or {}):
             raise ConfigError(f"{source!r}: hf: checkpoints are read by moelab.Session, `moelab run` and "
                               f"moelab.hf.source.load_config; pass readers=moelab.session.SOURCE_READERS")
-        return readers[kind](source)
+        return readers["hf"](source)
     path = Path(source)
     if source in preset_names():
         path = preset_path(source)
