@@ -213,6 +213,7 @@ class TrainConfig:
     # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
+    init_from: str = ""  # "" = random (train.seed); "hf:/abs/path": an HF checkpoint (moelab.hf.sharded_load)
 
 
 @dataclass
@@ -418,8 +419,10 @@ def _yaml_load(text: str, where: str, file: bool = True):
         raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
 
 
-def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None) -> Config:
-    """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied.
+def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None,
+                readers: "dict | None" = None) -> Config:
+    """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied. `readers`
+    ({"hf": fn}; Session and the CLI pass moelab.session.SOURCE_READERS) reads `hf:PATH` and `base: hf:PATH`.
 
         load_config("tiny", ["train.steps=20"])
         load_config("my.yaml", {"parallel.ep": 2})
@@ -429,16 +432,21 @@ def load_config(source: "str | Path | Config | dict", overrides: "list[str] | di
     elif isinstance(source, dict):
         d = Config.from_dict(source).to_dict()
     else:
-        d = _read_source(str(source))
+        d = _read_source(str(source), readers=readers or {})
     items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides or [])
     for key, value in items:
         _set_dotted(d, key, value)
     return Config.from_dict(d)
 
 
-def _read_source(source: str, _seen: tuple = ()) -> dict:
+def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) -> dict:
     from moelab.presets import preset_names, preset_path
 
+    if source.startswith("hf:"):
+        if "hf" not in (readers or {}):
+            raise ConfigError(f"{source!r}: hf: checkpoints are read by moelab.Session, `moelab run` and "
+                              f"moelab.hf.source.load_config; pass readers=moelab.session.SOURCE_READERS")
+        return readers["hf"](source)
     path = Path(source)
     if source in preset_names():
         path = preset_path(source)
@@ -466,7 +474,7 @@ def _read_source(source: str, _seen: tuple = ()) -> dict:
         raise ConfigError(f"{path}: base={base!r}: expected a preset name or a YAML path")
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: its `base:` chain loops back to this file; break the loop")
-    d = _read_source(base, _seen + (path.resolve(),)) if base else Config().to_dict()
+    d = _read_source(base, _seen + (path.resolve(),), readers) if base else Config().to_dict()
     d["name"] = data.get("name", d.get("name"))
     _merge(d, data, "")
     return d

@@ -134,8 +134,12 @@ def check(cfg) -> None:
     if t.global_batch_size % t.micro_batch_size:
         _fail("train.global_batch_size", t.global_batch_size,
               f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
-    if t.lr <= 0:
-        _fail("train.lr", t.lr, "must be > 0")
+    if t.lr < 0:
+        _fail("train.lr", t.lr, "must be >= 0 (0 keeps the weights where they start, e.g. to check a loaded "
+              "checkpoint)")
+    if t.init_from and not t.init_from.startswith("hf:"):
+        _fail("train.init_from", t.init_from, "give '' (random weights from train.seed) or hf:PATH (a Hugging "
+              "Face checkpoint folder)")
     for name, v, ok, fix in (("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be > 0"),
                              ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
                              ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),

@@ -22,15 +22,27 @@ from typing import Any
 from moelab.config import Config, ConfigError, flatten, load_config
 
 
+def _hf_source(spec: str) -> dict:
+    from moelab.hf.source import config_dict
+
+    return config_dict(spec)
+
+
+# Sources the config layer cannot read itself: `hf:PATH` (a Hugging Face checkpoint; moelab.hf.source), also as
+# a YAML file's `base: hf:PATH`. Session and the CLI pass these to moelab.config.load_config.
+SOURCE_READERS = {"hf": _hf_source}
+
+
 class Session:
-    """A validated Config plus submit/sweep. `source` is a preset name, a YAML path, a dict or a Config;
-    keyword sections are nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`).
+    """A validated Config plus submit/sweep. `source` is a preset name, a YAML path, `hf:PATH` (a Hugging Face
+    checkpoint folder: its config, and its weights to start from), a dict or a Config; keyword sections are
+    nested dicts of overrides (`train={"steps": 20}`) or top-level values (`name=`).
 
         run = Session("tiny", train={"steps": 20}).set("parallel.ep", 2).submit("local", nproc=2)
     """
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
-        self._config = load_config(source, flatten(sections))
+        self._config = load_config(source, flatten(sections), readers=SOURCE_READERS)
 
     @property
     def config(self) -> Config:

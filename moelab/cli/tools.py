@@ -25,11 +25,12 @@ def config_args(p: argparse.ArgumentParser) -> None:
 def load_args(args):
     """The Config that `config` and `--set` (and `--steps`, where the command has it) name."""
     from moelab.config import load_config
+    from moelab.session import SOURCE_READERS
 
     overrides = list(args.overrides)
     if getattr(args, "steps", None) is not None:
         overrides.append(f"train.steps={args.steps}")
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, readers=SOURCE_READERS)
 
 
 def cmd_presets(args) -> int:

@@ -13,11 +13,12 @@ initialisation, token ids), or is refused with a ConfigError when set to a value
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from moelab.config import ConfigError
+from moelab.hf.safetensors_folder import Rows
 from moelab.model.layers import HIDDEN_ACTS
 
 # Fields of transformers' PretrainedConfig and generation/bookkeeping fields: none changes the model's math.
@@ -178,16 +179,22 @@ class FamilyAdapter:
         return {}
 
     def state_dict_from_hf(self, hf: dict, m, tensors) -> dict[str, torch.Tensor]:
-        """moelab's state dict (parameters, and routing buffers the checkpoint holds) from `tensors`, which has
-        `get(name)` and `name in tensors` (a SafetensorsFolder)."""
-        state = {ours: tensors.get(theirs) for ours, theirs in self.renames(m).items()}
+        """moelab's state dict (parameters, and routing buffers the checkpoint holds) from `tensors` (a
+        SafetensorsFolder), read whole."""
+        return {name: rows.read() for name, rows in self.sources(hf, m, tensors).items()}
+
+    def sources(self, hf: dict, m, tensors) -> dict:
+        """moelab name -> Rows (moelab.hf.safetensors_folder): each tensor of moelab's state dict, not yet read,
+        readable by row ranges of its dim 0 (an expert range for stacked experts), so that a rank reads only
+        what it owns. A tensor the checkpoint lacks is a ConfigError naming it."""
+        src = {ours: tensors.rows(theirs) for ours, theirs in self.renames(m).items()}
         if m.tie_embeddings:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        state = self.permute_from_hf(hf, m, state)
+            src["output.weight"] = src["tok_embeddings.weight"]
+        src = self.permute_from_hf(hf, m, src)
         for i in range(m.num_dense_layers, m.num_layers):
-            state.update(self.experts_from_hf(m, f"model.layers.{i}.mlp.experts.", f"layers.{i}.ffn.experts.",
-                                              tensors.get, tensors.__contains__))
-        return state
+            src.update(self.experts_from_hf(m, f"model.layers.{i}.mlp.experts.", f"layers.{i}.ffn.experts.",
+                                            tensors))
+        return src
 
     def state_dict_to_hf(self, hf: dict, m, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The HF tensors (by HF name) of moelab's `state`."""
@@ -203,19 +210,35 @@ class FamilyAdapter:
     def permute_to_hf(self, hf: dict, m, out: dict) -> dict:
         return out
 
-    def experts_from_hf(self, m, theirs: str, ours: str, get: Callable, has: Callable) -> dict:
-        """Stacked w_gate_up_EDF2 = [gate | up] and w_down_EFD from transformers' fused in-memory layout
-        ([E, 2F, D] gate|up and [E, D, F]) or one nn.Linear per expert and projection (published checkpoints,
-        save_pretrained of Qwen3-MoE and DeepSeek-V3)."""
+    def experts_from_hf(self, m, theirs: str, ours: str, tensors) -> dict:
+        """Stacked w_gate_up_EDF2 = [gate | up] and w_down_EFD (as Rows over the experts) from transformers'
+        fused in-memory layout ([E, 2F, D] gate|up and [E, D, F]) or one nn.Linear per expert and projection
+        (published checkpoints, save_pretrained of Qwen3-MoE and DeepSeek-V3)."""
+        if theirs + "gate_up_proj" in tensors:
+            gu, down = tensors.rows(theirs + "gate_up_proj"), tensors.rows(theirs + "down_proj")
+            return {ours + "w_gate_up_EDF2": gu.map(lambda t: t.transpose(1, 2), _swap12(gu.shape)),
+                    ours + "w_down_EFD": down.map(lambda t: t.transpose(1, 2), _swap12(down.shape))}
         E = m.moe.num_experts
-        if has(theirs + "gate_up_proj"):
-            return {ours + "w_gate_up_EDF2": get(theirs + "gate_up_proj").transpose(1, 2),
-                    ours + "w_down_EFD": get(theirs + "down_proj").transpose(1, 2)}
-        gate = [get(f"{theirs}{e}.gate_proj.weight") for e in range(E)]
-        up = [get(f"{theirs}{e}.up_proj.weight") for e in range(E)]
-        down = [get(f"{theirs}{e}.down_proj.weight") for e in range(E)]
-        return {ours + "w_gate_up_EDF2": torch.cat([torch.stack(gate), torch.stack(up)], dim=1).transpose(1, 2),
-                ours + "w_down_EFD": torch.stack(down).transpose(1, 2)}
+        proj = {p: [tensors.rows(f"{theirs}{e}.{p}_proj.weight") for e in range(E)] for p in ("gate", "up", "down")}
+        for p, per_expert in proj.items():
+            shapes = {r.shape for r in per_expert}
+            if len(shapes) > 1:
+                raise ConfigError(f"{tensors.path}: {theirs}*.{p}_proj.weight: the experts' tensors differ in "
+                                  f"shape {sorted(shapes)}; every expert must have the same shape")
+        (F, D), (D2, F2) = proj["gate"][0].shape, proj["down"][0].shape
+
+        def gate_up(a: int, b: int) -> torch.Tensor:
+            g = [proj["gate"][e].read() for e in range(a, b)]
+            u = [proj["up"][e].read() for e in range(a, b)]
+            if not g:
+                return torch.zeros(0, D, 2 * F)
+            return torch.cat([torch.stack(g), torch.stack(u)], dim=1).transpose(1, 2)
+
+        def down(a: int, b: int) -> torch.Tensor:
+            d = [proj["down"][e].read() for e in range(a, b)]
+            return torch.stack(d).transpose(1, 2) if d else torch.zeros(0, F2, D2)
+
+        return {ours + "w_gate_up_EDF2": Rows((E, D, 2 * F), gate_up), ours + "w_down_EFD": Rows((E, F2, D2), down)}
 
     def experts_to_hf(self, m, state: dict, ours: str, theirs: str) -> dict:
         """One nn.Linear per expert and projection, as save_pretrained writes these families."""
@@ -234,3 +257,7 @@ class FamilyAdapter:
             raise ConfigError(f"config.json {what}: dense layers {dense} are not the first k layers, which is the "
                               f"only mix of dense and MoE layers moelab builds")
         return len(dense)
+
+
+def _swap12(shape: tuple) -> tuple:
+    return (shape[0], shape[2], shape[1])

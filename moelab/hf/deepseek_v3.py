@@ -88,13 +88,16 @@ class DeepseekV3Adapter(FamilyAdapter):
         return {f + "router.expert_bias": h + "gate.e_score_correction_bias"}
 
     def permute_from_hf(self, hf, m, state):
-        return self._permute(hf, m, state, {k: k for k in state}, inverse=False)
+        """`state` holds Rows (moelab.hf.safetensors_folder): the permuted rows are read where they lie."""
+        return self._permute(hf, m, state, {k: k for k in state}, inverse=False,
+                             take=lambda rows, order: rows.permuted(order))
 
     def permute_to_hf(self, hf, m, out):
-        return self._permute(hf, m, out, {theirs: ours for ours, theirs in self.renames(m).items()}, inverse=True)
+        return self._permute(hf, m, out, {theirs: ours for ours, theirs in self.renames(m).items()}, inverse=True,
+                             take=lambda t, order: t[order])
 
     @staticmethod
-    def _permute(hf, m, tensors: dict, moelab_name: dict, inverse: bool) -> dict:
+    def _permute(hf, m, tensors: dict, moelab_name: dict, inverse: bool, take) -> dict:
         """Interleaved rotary pairs (x0, x1), (x2, x3), ... <-> rotate-half order (x0, x2, ..., x1, x3, ...)."""
         if not hf.get("rope_interleave", True):
             return tensors
@@ -107,7 +110,7 @@ class DeepseekV3Adapter(FamilyAdapter):
             ours = moelab_name.get(name, "")
             rows = _rope_rows(m, ours, perm_R) if ours.startswith("layers.") else None
             if rows is not None:
-                out[name] = t[rows]
+                out[name] = take(t, rows)
         return out
 
 

@@ -65,11 +65,12 @@ class GptOssAdapter(FamilyAdapter):
         return None
 
     # ------------------------------------------------------------------ weights
-    def experts_from_hf(self, m, theirs, ours, get, has):
-        w, b = get(theirs + "gate_up_proj"), get(theirs + "gate_up_proj_bias")
-        return {ours + "w_gate_up_EDF2": torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1),
-                ours + "b_gate_up_EF2": torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1),
-                ours + "w_down_EFD": get(theirs + "down_proj"), ours + "b_down_ED": get(theirs + "down_proj_bias")}
+    def experts_from_hf(self, m, theirs, ours, tensors):
+        w, b = tensors.rows(theirs + "gate_up_proj"), tensors.rows(theirs + "gate_up_proj_bias")
+        return {ours + "w_gate_up_EDF2": w.map(lambda t: torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)),
+                ours + "b_gate_up_EF2": b.map(lambda t: torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)),
+                ours + "w_down_EFD": tensors.rows(theirs + "down_proj"),
+                ours + "b_down_ED": tensors.rows(theirs + "down_proj_bias")}
 
     def experts_to_hf(self, m, state, ours, theirs):
         gate, up = state[ours + "w_gate_up_EDF2"].chunk(2, dim=-1)

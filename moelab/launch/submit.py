@@ -44,6 +44,11 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
 
     for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
         check_data(cfg, progress=False)
+    for cfg in configs:  # a train.init_from checkpoint that does not fit the model (moelab.hf.sharded_load)
+        if cfg.train.init_from:
+            from moelab.hf.sharded_load import check_init
+
+            check_init(cfg)
     return kind, world
 
 

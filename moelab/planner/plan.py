@@ -26,6 +26,8 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   to the activations from the second one on); with one micro batch per step it is the other terms plus the
   larger of gradients and activations + logits (gradients grow in backward as activations are freed).
 - The verdict keeps 5% of the GPU's memory for the CUDA context, NCCL buffers and allocator fragmentation.
+- A start from a checkpoint (train.init_from) has a second peak while loading, the weights plus the largest
+  tensor slice (host: 12 B per element of it; moelab.planner.loading): ``loading``; the larger peak counts.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from moelab.config import Config, ConfigError
 from moelab.parallel.dims import ParallelDims
 from moelab.planner.comm import _fsdp_units, _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
+from moelab.planner.loading import loading_bytes
 from moelab.planner.shapes import layer_window
 from moelab.planner.stages import stage_layers
 from moelab.planner.units import GiB, _bytes, _flop, _num
@@ -99,6 +102,7 @@ class Plan:
     biggest_term: str
     verdict: str
     assumptions: list = field(default_factory=list)
+    loading: dict | None = None  # train.init_from: the peak while loading (moelab.planner.loading)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -120,6 +124,9 @@ class Plan:
                                f"({self.gpu_memory_source})"),
         ]
         rows += [(f"  {MEMORY_LABELS[term]}", _bytes(self.memory[term])) for term in MEMORY_TERMS]
+        if self.loading:
+            rows.append(("  while loading", f"{_bytes(self.loading['device_bytes'])} (weights + the largest slice), "
+                                            f"host {_bytes(self.loading['host_bytes'])} per rank"))
         a = self.activations_per_micro_batch
         rows.append(("activations / micro batch", f"none {_bytes(a['none'])}, selective {_bytes(a['selective'])}, "
                                                   f"full {_bytes(a['full'])} (using: {self.activation_checkpointing})"))
@@ -330,7 +337,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m))
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"])
 
 
 def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
@@ -392,8 +399,11 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "logits": T * logit_bytes if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
+        load = loading_bytes(cfg, pieces, r, p.pp, n_moe, n_dense, dense_div, expert_div, local, z.pb) \
+            if t.init_from else None  # a start from a checkpoint: a second peak, before training
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, total=_peak(mem, z.m)))
+                             act=act, flight=flight, mem=mem, loading=load,
+                             total=max(_peak(mem, z.m), load["device_bytes"] if load else 0)))
     return per_rank, logit_bytes
 
 
@@ -474,6 +484,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
         "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
     ]
+    if t.init_from:
+        out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "
+                   "of that slice on the host; the larger of this and the training peak counts")
     if p.ep > 1:
         out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank); "
                    "once-per-rank dispatch (DeepEP) sends a token to each of the "

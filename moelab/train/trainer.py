@@ -27,7 +27,7 @@ from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.env import DistEnv
 from moelab.run.folder import RunFolder
-from moelab.train.checkpoint import Checkpointer
+from moelab.train.checkpoint import Checkpointer, list_checkpoints
 from moelab.train.data import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
@@ -93,6 +93,11 @@ class Trainer:
             enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
         self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
+        self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
+        if cfg.train.init_from and not list_checkpoints(self.run_dir):  # a resume restores its own weights
+            from moelab.hf.sharded_load import load_into
+
+            self.loaded = load_into(self.model, cfg, progress=self.progress)  # this rank's slices only
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
@@ -124,7 +129,7 @@ class Trainer:
             self.writer.write(
                 "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
                 resumed_from=str(self.restored.path) if self.restored.path else None,
-                flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION,
+                flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
                 total_params=params.total, activated_params=params.activated,
                 env={"torch": torch.__version__, "python": platform.python_version(), "host": socket.gethostname(),
                      "device": env.device, "gpu_name": self.gpu_name, "world_size": env.world_size,

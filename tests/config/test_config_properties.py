@@ -45,7 +45,7 @@ MUST_BE_POSITIVE = ["model.vocab_size", "model.hidden_size", "model.num_layers",
                     "train.global_batch_size", "train.micro_batch_size", "train.seq_len", "train.keep_checkpoints",
                     "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.vp", "parallel.fsdp"]
 # float fields with a documented range: (a value outside it, a value inside it)
-FLOAT_RANGES = {"train.lr": (0.0, 1e-4), "train.beta1": (1.0, 0.5), "train.beta2": (-0.1, 0.99),
+FLOAT_RANGES = {"train.lr": (-1e-4, 0.0), "train.beta1": (1.0, 0.5), "train.beta2": (-0.1, 0.99),
                 "train.min_lr_ratio": (1.5, 0.5), "train.grad_clip": (-1.0, 0.0), "train.weight_decay": (-0.1, 0.1),
                 "train.collective_timeout_s": (0.0, 30.0), "model.rope_theta": (-1.0, 5e5),
                 "model.norm_eps": (0.0, 1e-5), "model.moe.route_scale": (0.0, 2.5),

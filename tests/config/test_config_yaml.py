@@ -45,3 +45,34 @@ def test_train_steps_below_one_gets_one_message(steps):
     with pytest.raises(ConfigError) as e:
         load_config("tiny", {"train.steps": steps})
     assert str(e.value) == f"train.steps={steps}: must be >= 1"
+
+
+def test_base_hf_reads_the_checkpoint_config_and_records_the_folder(tmp_path, monkeypatch):
+    """`base: hf:PATH` builds the model from the checkpoint's config.json (moelab.hf's mapping) and sets
+    train.init_from to the folder's absolute path; the YAML's own keys still win. The config layer alone has
+    no reader for hf: (moelab.session.SOURCE_READERS is the one Session and the CLI pass)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from moelab.hf import config_to_hf
+    from moelab.session import SOURCE_READERS
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    model = load_config("tiny", ["model.hidden_size=48", "model.moe.num_experts=6", "model.qk_norm=true"]).model
+    (ck / "config.json").write_text(json.dumps(config_to_hf(model, "qwen3_moe")))
+    save_file({"model.norm.weight": torch.ones(48)}, str(ck / "model.safetensors"))
+    y = tmp_path / "ft.yaml"
+    y.write_text("base: hf:ck\ntrain:\n  steps: 3\nmodel:\n  moe:\n    capacity_factor: 1.5\n")
+    monkeypatch.chdir(tmp_path)  # a relative base is read from the working directory, as YAML bases are
+    cfg = load_config(y, ["train.seq_len=32"], readers=SOURCE_READERS)
+    assert cfg.train.init_from == f"hf:{ck.resolve()}"
+    assert (cfg.model.hidden_size, cfg.model.moe.num_experts, cfg.model.qk_norm) == (48, 6, True)
+    assert (cfg.train.steps, cfg.train.seq_len, cfg.model.moe.capacity_factor) == (3, 32, 1.5)
+    with pytest.raises(ConfigError, match="hf: checkpoints are read by moelab.Session"):
+        load_config(y)
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="has no weights"):
+        load_config(y, readers=SOURCE_READERS)

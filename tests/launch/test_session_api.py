@@ -98,3 +98,30 @@ def test_inline_run_is_a_finished_run(tmp_path, small_session):
         Run.load(tmp_path)
     with pytest.raises(ConfigError, match="sweep grid"):
         small_session().sweep({"train.lr": 1e-3}, executor="inline")
+
+
+def test_session_from_an_hf_folder_and_its_refusals(tmp_path):
+    """Session("hf:PATH") takes the model from config.json and records the folder in train.init_from; a folder
+    without config.json or weights is refused when the Session is made, a checkpoint whose tensors do not fit
+    the model when it is submitted (before any rank starts, the folder left without a run)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from moelab.hf import config_to_hf
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        Session(f"hf:{ck}")
+    model = moelab.load_config("tiny", ["model.qk_norm=true", "model.moe.num_experts=4"]).model
+    (ck / "config.json").write_text(json.dumps(config_to_hf(model, "qwen3_moe")))
+    with pytest.raises(ConfigError, match="has no weights"):
+        Session(f"hf:{ck}")
+    save_file({"model.norm.weight": torch.ones(model.hidden_size)}, str(ck / "model.safetensors"))
+    s = Session(f"hf:{ck}", train={"steps": 2})
+    assert s.config.train.init_from == f"hf:{ck.resolve()}" and s.config.model.moe.num_experts == 4
+    with pytest.raises(ConfigError, match="train.init_from=.*model.embed_tokens.weight' is missing"):
+        s.submit("inline", folder=tmp_path / "run")
+    assert not (tmp_path / "run" / "run.json").exists()

@@ -207,3 +207,23 @@ def test_peak_matches_tracked_memory_of_real_steps(extra):
             opt.zero_grad(set_to_none=True)
     measured = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     assert measured == pytest.approx(plan(cfg).memory_per_gpu_bytes, rel=0.08)
+
+
+@pytest.mark.parametrize("gpus,layout", [(1, []), (2, ["parallel.ep=2"]), (2, ["parallel.fsdp=2"])])
+def test_a_start_from_a_checkpoint_counts_the_loading_peak(gpus, layout):
+    """train.init_from adds the loading peak: the weights plus the largest tensor slice a rank loads, which is
+    the largest parameter of the real model divided over the ranks sharing it (experts over ep x efsdp)."""
+    overrides = ["model.vocab_size=512"] + layout
+    base = plan(load_config("tiny", overrides), gpus=gpus)
+    assert base.loading is None
+    cfg = load_config("tiny", overrides + ["train.init_from=hf:/ckpt"])
+    p = plan(cfg, gpus=gpus)
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    shares = [t.numel() / gpus for t in model.parameters()]  # dense over fsdp; experts over ep*efsdp
+    biggest = max(shares)
+    assert p.loading["largest_slice"] == pytest.approx(biggest, rel=0.01)
+    assert p.loading["host_bytes"] == 12 * p.loading["largest_slice"]
+    assert p.loading["device_bytes"] == 4 * (p.params_per_gpu + p.loading["largest_slice"])
+    assert p.memory_per_gpu_bytes == max(base.memory_per_gpu_bytes, p.loading["device_bytes"])
+    assert "while loading" in str(p)
