@@ -77,7 +77,14 @@ class GroupedExperts(nn.Module):
         if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
             b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
+        lora = None
+        if getattr(self, "lora_rank", 0):  # grouped LoRA (moelab.model.lora), on the torch paths only
+            from moelab.model.lora import expert_adapters
+
+            lora = expert_adapters(self, x_ND.dtype)
         if self.fp8:
+            if lora is not None:  # refused by moelab.config_rules before a run starts
+                raise ValueError("train.fp8 experts have no LoRA path; set train.fp8=off")
             from moelab.model.fp8 import fp8_experts
 
             return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
@@ -87,37 +94,53 @@ class GroupedExperts(nn.Module):
         if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
             from moelab.backends import experts_kernel
 
+            if lora is not None:  # refused by moelab.config_rules before a run starts
+                raise ValueError(f"backend.experts={impl!r} has no LoRA path; use auto, grouped_mm or loop")
             return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
-        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation))
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation), lora)
 
 
-def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
+def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
+                      lora=None):
+    """`lora`: the experts' grouped adapters (moelab.model.lora.ExpertAdapters), added to both projections."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NF2 = torch._grouped_mm(x_ND, w_gate_up_EDF2, offs=offs_E)
+    if lora is not None:
+        h_NF2 = h_NF2 + lora.delta(0, x_ND, counts_E, offs_E)
     if b_gate_up_EF2 is not None:
         # expert of each row, found on the device (no host sync); rows past the counts get the last expert
         expert_N = torch.searchsorted(offs_E, torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32),
                                       right=True).clamp(max=counts_E.shape[0] - 1)
         h_NF2 = h_NF2 + b_gate_up_EF2[expert_N]
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    y_ND = torch._grouped_mm(act(gate_NF, up_NF), w_down_EFD, offs=offs_E)
+    a_NF = act(gate_NF, up_NF)
+    y_ND = torch._grouped_mm(a_NF, w_down_EFD, offs=offs_E)
+    if lora is not None:
+        y_ND = y_ND + lora.delta(1, a_NF, counts_E, offs_E)
     if b_down_ED is not None:
         y_ND = y_ND + b_down_ED[expert_N]
     return y_ND
 
 
-def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
+def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
+                lora=None):
     """Reference: one matmul pair per expert. Reads the counts on the host (one synchronisation)."""
     out = torch.zeros_like(x_ND)
     start = 0
     for e, n in enumerate(counts_E.tolist()):
         if n:
-            h = x_ND[start:start + n] @ w_gate_up_EDF2[e]
+            x = x_ND[start:start + n]
+            h = x @ w_gate_up_EDF2[e]
+            if lora is not None:
+                h = h + lora.delta_expert(0, x, e)
             if b_gate_up_EF2 is not None:
                 h = h + b_gate_up_EF2[e]
             gate, up = h.chunk(2, dim=-1)
-            y = act(gate, up) @ w_down_EFD[e]
+            a = act(gate, up)
+            y = a @ w_down_EFD[e]
+            if lora is not None:
+                y = y + lora.delta_expert(1, a, e)
             out[start:start + n] = y + b_down_ED[e] if b_down_ED is not None else y
         start += n
     return out

@@ -90,6 +90,10 @@ class Trainer:
 
             check_fp8(cfg, env.device)
             enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
+        if cfg.train.lora.rank:  # before parallelize: FSDP2 and EP shard the adapters like their base weights
+            from moelab.model.lora import apply_lora
+
+            apply_lora(model, cfg)
         self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
