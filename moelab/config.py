@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from moelab.config_rules import ConfigError, _fail, check  # noqa: F401 (ConfigError: moelab.config's name)
+from moelab.config_lora import LoRAConfig, check_lora
 from moelab.yaml_loader import DuplicateKey, UniqueKeyLoader
 
 
@@ -164,24 +165,6 @@ class ParallelConfig:
 
 
 @dataclass
-class LoRAConfig:
-    """LoRA fine-tuning (moelab.model.lora), off while rank = 0: low-rank adapters on the named modules train,
-    every base weight is frozen; routed experts get grouped LoRA over their stacked weights.
-
-        load_config("tiny", {"train.lora.rank": 8, "train.lora.targets": "attention,experts"}).train.lora
-    """
-    rank: int = 0  # 0 = off
-    alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (training only)
-    # Comma-separated (moelab.config_rules.LORA_TARGETS): attention (every attention projection the model has),
-    # q_proj k_proj v_proj o_proj (GQA; MLA has q_proj without q_lora_rank, and o_proj), MLA's q_a_proj q_b_proj
-    # kv_a_proj kv_b_proj, dense_mlp (dense layers' FFN), shared_experts, experts (routed: grouped LoRA).
-    targets: str = "attention"
-    # False (default): the router stays the base's (frozen); True: its weights train too (and are checkpointed).
-    train_router: bool = False
-
-
-@dataclass
 class TrainConfig:
     """The step loop: steps, batch sizes, sequence length, optimizer, dtypes, checkpoints, failure policy.
 
@@ -231,7 +214,7 @@ class TrainConfig:
     # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA fine-tuning (off by default)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA fine-tuning, off by default (moelab.config_lora)
 
 
 @dataclass
@@ -314,6 +297,7 @@ class Config:
     def validate(self) -> None:
         """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config_rules)."""
         check(self)
+        check_lora(self)
 
 
 # ---------------------------------------------------------------------- building from dicts (YAML, CLI)

@@ -25,14 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.config import Config, ConfigError
-from moelab.config_rules import resolve_lora_targets
-from moelab.model.experts import GroupedExperts, grouped_mm_supported
+from moelab.config_lora import resolve_lora_targets
+from moelab.model.experts import EXPERT_ADAPTERS, ExpertAdapters, GroupedExperts, expert_adapters  # noqa: F401
 
 ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")
 MLP_ATTRS = ("gate_proj", "up_proj", "down_proj")
-# the stacked adapters of GroupedExperts: (A, B) next to w_gate_up_EDF2, then next to w_down_EFD
-EXPERT_ADAPTERS = (("lora_a_gate_up_EDR", "lora_b_gate_up_ERF2", "w_gate_up_EDF2"),
-                   ("lora_a_down_EFR", "lora_b_down_ERD", "w_down_EFD"))
 
 
 class LoRALinear(nn.Linear):
@@ -56,47 +53,6 @@ class LoRALinear(nn.Linear):
         y = F.linear(x, self.weight, self.bias)
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
-
-
-class ExpertAdapters:
-    """The grouped adapters of one GroupedExperts call, in the compute dtype: ``delta(i, x_NI, counts_E, offs_E)``
-    is the update of projection i (0: gate|up, 1: down) for rows grouped by expert; ``delta_expert(i, x, e)`` the
-    same for the rows of expert e alone (the loop path).
-
-        lora = expert_adapters(experts, x_ND.dtype)
-        h_NF2 = h_NF2 + lora.delta(0, x_ND, counts_E, offs_E)
-    """
-
-    def __init__(self, experts: GroupedExperts, dtype: torch.dtype):
-        self.a = [getattr(experts, a).to(dtype) for a, _, _ in EXPERT_ADAPTERS]
-        self.b = [getattr(experts, b).to(dtype) for _, b, _ in EXPERT_ADAPTERS]
-        self.scaling, self.dropout, self.training = experts.lora_scaling, experts.lora_dropout, experts.training
-
-    def _drop(self, x):
-        return F.dropout(x, self.dropout, self.training) if self.dropout else x
-
-    def delta(self, i: int, x_NI: torch.Tensor, counts_E: torch.Tensor, offs_E: torch.Tensor | None = None):
-        a_EIR, b_ERO = self.a[i], self.b[i]
-        x_NI = self._drop(x_NI)
-        if grouped_mm_supported(x_NI, a_EIR.shape[1], a_EIR.shape[2], b_ERO.shape[2]):
-            offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32) if offs_E is None else offs_E
-            h_NR = torch._grouped_mm(x_NI, a_EIR, offs=offs_E)
-            return torch._grouped_mm(h_NR, b_ERO, offs=offs_E) * self.scaling
-        out_NO = x_NI.new_zeros(x_NI.shape[0], b_ERO.shape[2])  # one matmul pair per expert (a host sync)
-        start = 0
-        for e, n in enumerate(counts_E.tolist()):
-            if n:
-                out_NO[start:start + n] = (x_NI[start:start + n] @ a_EIR[e]) @ b_ERO[e] * self.scaling
-            start += n
-        return out_NO
-
-    def delta_expert(self, i: int, x_nI: torch.Tensor, e: int) -> torch.Tensor:
-        return (self._drop(x_nI) @ self.a[i][e]) @ self.b[i][e] * self.scaling
-
-
-def expert_adapters(experts: GroupedExperts, dtype: torch.dtype) -> ExpertAdapters | None:
-    """The grouped adapters of `experts` (None without LoRA on them)."""
-    return ExpertAdapters(experts, dtype) if getattr(experts, "lora_rank", 0) else None
 
 
 def _add_expert_adapters(experts: GroupedExperts, rank: int, alpha: float, dropout: float) -> None:
