@@ -99,3 +99,24 @@ def test_peft_export_refuses_what_peft_cannot_hold(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="train.lora.train_router=true"):
         write_peft_adapters(model.state_dict(), router, tmp_path / "b")
     assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_lora_base_from_hf_fills_only_the_frozen_tensors(tmp_path, hfm):
+    from moelab.train.lora_state import load_base
+
+    hfm.build("qwen3_moe").save_pretrained(tmp_path)
+    base = load_hf(tmp_path)
+    cfg = base.moelab_config.replace(**{"train.lora.rank": 4})
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.backend)
+    apply_lora(model, cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights(0)
+    a_before = model.layers["0"].attention.q_proj.lora_A.detach().clone()
+    load_base(model, f"hf:{tmp_path}")
+    for key, value in base.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert torch.equal(model.layers["0"].attention.q_proj.lora_A, a_before)
+    with pytest.raises(ConfigError, match="hf:PATH"):
+        load_base(model, str(tmp_path))
