@@ -253,3 +253,10 @@ def test_lora_off_by_default():
     model = build_model(cfg)
     assert all(p.requires_grad for p in model.parameters()) and not any(is_adapter(n) for n, _ in
                                                                         model.named_parameters())
+
+
+def test_expert_learning_rates_scale_only_the_expert_adapters(tmp_path):
+    trainer, losses = run_trainer(lora_config(**{"model.moe.expert_lr_power": 0.5}), tmp_path / "run")
+    held = {id(p) for _, _, p in trainer.expert_lr.params}
+    experts = {id(p) for n, p in trainer.model.named_parameters() if ".experts.lora_" in n}
+    assert held == experts and len(losses) == 3
