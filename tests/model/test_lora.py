@@ -260,3 +260,13 @@ def test_expert_learning_rates_scale_only_the_expert_adapters(tmp_path):
     held = {id(p) for _, _, p in trainer.expert_lr.params}
     experts = {id(p) for n, p in trainer.model.named_parameters() if ".experts.lora_" in n}
     assert held == experts and len(losses) == 3
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_lora_run(mode, tmp_path):
+    cfg = lora_config()
+    _, plain = run_trainer(cfg, tmp_path / "plain")
+    recomputed, losses = run_trainer(cfg.replace(**{"train.activation_checkpointing": mode}), tmp_path / mode)
+    assert losses == pytest.approx(plain, rel=1e-6)
+    keys = checkpoint_keys(tmp_path / mode / "checkpoints/step_000003")
+    assert keys == checkpoint_keys(tmp_path / "plain/checkpoints/step_000003")  # the same names, wrapped or not
