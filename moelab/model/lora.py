@@ -55,7 +55,8 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
 
-def _add_expert_adapters(experts: GroupedExperts, rank: int, alpha: float, dropout: float) -> None:
+def add_expert_adapters(experts: GroupedExperts, rank: int, alpha: float, dropout: float = 0.0) -> None:
+    """Grouped LoRA on stacked experts: per-expert A and B beside w_gate_up_EDF2 and w_down_EFD (uninitialised)."""
     for a_name, b_name, w_name in EXPERT_ADAPTERS:
         w_EIO = getattr(experts, w_name)
         E, I, O = w_EIO.shape
@@ -122,7 +123,7 @@ def apply_lora(model: nn.Module, cfg: Config) -> list[str]:
         for parent, attr in hits:
             mod = getattr(parent, attr)
             if isinstance(mod, GroupedExperts):
-                _add_expert_adapters(mod, lo.rank, lo.alpha, lo.dropout)
+                add_expert_adapters(mod, lo.rank, lo.alpha, lo.dropout)
             elif not isinstance(mod, LoRALinear):
                 setattr(parent, attr, LoRALinear(mod, lo.rank, lo.alpha, lo.dropout))
     if lo.train_router:

@@ -88,9 +88,9 @@ def test_grouped_expert_lora_matches_per_expert_reference(impl, rank):
     cfg = load_config("tiny", {"train.lora.rank": rank, "train.lora.alpha": 6.0, "train.lora.targets": "experts"})
     experts = GroupedExperts(E, D, F, impl=impl)
     g = torch.Generator().manual_seed(0)
-    from moelab.model.lora import _add_expert_adapters
+    from moelab.model.lora import add_expert_adapters
 
-    _add_expert_adapters(experts, rank, cfg.train.lora.alpha, 0.0)
+    add_expert_adapters(experts, rank, cfg.train.lora.alpha, 0.0)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
@@ -118,9 +118,9 @@ def test_expert_adapters_delta_grouped_equals_loop():
     E, I, R, O = 3, 8, 4, 12
     g = torch.Generator().manual_seed(2)
     experts = GroupedExperts(E, I, O // 2)
-    from moelab.model.lora import _add_expert_adapters
+    from moelab.model.lora import add_expert_adapters
 
-    _add_expert_adapters(experts, R, 4.0, 0.0)
+    add_expert_adapters(experts, R, 4.0, 0.0)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
