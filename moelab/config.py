@@ -21,7 +21,8 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from moelab.config_rules import ConfigError, _fail, check  # noqa: F401 (ConfigError: moelab.config's name)
-from moelab.yaml_loader import DuplicateKey, UniqueKeyLoader
+from moelab.config_lora import LoRAConfig, check_lora
+from moelab.yaml_loader import load_yaml
 
 
 @dataclass
@@ -214,6 +215,7 @@ class TrainConfig:
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
     init_from: str = ""  # "" = random (train.seed); "hf:/abs/path": an HF checkpoint (moelab.hf.sharded_load)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA fine-tuning, off by default (moelab.config_lora)
 
 
 @dataclass
@@ -303,6 +305,7 @@ class Config:
     def validate(self) -> None:
         """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config_rules)."""
         check(self)
+        check_lora(self)
 
 
 # ---------------------------------------------------------------------- building from dicts (YAML, CLI)
@@ -401,24 +404,13 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example model.moe.num_experts=16")
     key, raw = text.split("=", 1)
     try:
-        value = _yaml_load(raw, f"--set {key.strip()}", file=False) if raw.strip() else ""
+        value = load_yaml(raw, f"--set {key.strip()}", file=False) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
 
 
 # ---------------------------------------------------------------------- loading and saving
-def _yaml_load(text: str, where: str, file: bool = True):
-    """YAML text -> Python, refusing duplicated keys with a ConfigError naming the key (and its lines in a
-    `file`)."""
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
-    except DuplicateKey as e:
-        lines = f"{where}:{e.line}: key {e.key!r} is given twice (first on line {e.first})" if file else \
-            f"{where}: key {e.key!r} is given twice"
-        raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
-
-
 def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None,
                 readers: "dict | None" = None) -> Config:
     """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied. `readers`
@@ -459,7 +451,7 @@ def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) 
         raise ConfigError(f"unknown preset {source!r}.{hint} Presets: {', '.join(preset_names())} "
                           f"(or give a path to a YAML file)")
     try:
-        data = _yaml_load(path.read_text(), str(path))
+        data = load_yaml(path.read_text(), str(path))
     except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except OSError as e:

@@ -4,11 +4,13 @@ a mapping with the same key twice, where PyYAML keeps the last one silently.
     yaml.load("train: {steps: 5}", Loader=UniqueKeyLoader)            # {'train': {'steps': 5}}
     yaml.load("steps: 5\nsteps: 50", Loader=UniqueKeyLoader)          # DuplicateKey: 'steps', line 2, first 1
 
-moelab.config turns DuplicateKey into a ConfigError naming the file, the key and the lines.
+load_yaml turns DuplicateKey into a ConfigError naming the file, the key and the lines.
 """
 from __future__ import annotations
 
 import yaml
+
+from moelab.config_rules import ConfigError
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -44,3 +46,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: SafeLoader's own error follows
                     continue
         return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, where: str, file: bool = True):
+    """YAML text -> Python, refusing duplicated keys with a ConfigError naming the key (and its lines in a
+    `file`)."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKey as e:
+        lines = f"{where}:{e.line}: key {e.key!r} is given twice (first on line {e.first})" if file else \
+            f"{where}: key {e.key!r} is given twice"
+        raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None

@@ -3,6 +3,8 @@ clamped SwiGLU, with optional per-expert biases (GPT-OSS).
 
 Shapes: N routed rows (tokens x top-k, sorted by expert), D hidden, F expert width, E local experts.
 Weights: w_gate_up_EDF2 = [gate | up] of every expert, w_down_EFD; biases b_gate_up_EF2, b_down_ED.
+LoRA (moelab.model.lora adds them): per-expert adapters beside each, applied by ExpertAdapters with the same
+token grouping (R the rank).
 """
 from __future__ import annotations
 
@@ -77,7 +79,12 @@ class GroupedExperts(nn.Module):
         if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
             w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
             b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
+        lora = None
+        if getattr(self, "lora_rank", 0):  # grouped LoRA (moelab.model.lora), on the torch paths only
+            lora = expert_adapters(self, x_ND.dtype)
         if self.fp8:
+            if lora is not None:  # refused by moelab.config_lora before a run starts
+                raise ValueError("train.fp8 experts have no LoRA path; set train.fp8=off")
             from moelab.model.fp8 import fp8_experts
 
             return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
@@ -87,37 +94,99 @@ class GroupedExperts(nn.Module):
         if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
             from moelab.backends import experts_kernel
 
+            if lora is not None:  # refused by moelab.config_lora before a run starts
+                raise ValueError(f"backend.experts={impl!r} has no LoRA path; use auto, grouped_mm or loop")
             return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
-        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation))
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation), lora)
 
 
-def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
+# the stacked adapters of GroupedExperts: (A, B) next to w_gate_up_EDF2, then next to w_down_EFD
+EXPERT_ADAPTERS = (("lora_a_gate_up_EDR", "lora_b_gate_up_ERF2", "w_gate_up_EDF2"),
+                   ("lora_a_down_EFR", "lora_b_down_ERD", "w_down_EFD"))
+
+
+class ExpertAdapters:
+    """The grouped adapters of one GroupedExperts call, in the compute dtype: ``delta(i, x_NI, counts_E, offs_E)``
+    is the update of projection i (0: gate|up, 1: down) for rows grouped by expert; ``delta_expert(i, x, e)`` the
+    same for the rows of expert e alone (the loop path).
+
+        lora = expert_adapters(experts, x_ND.dtype)
+        h_NF2 = h_NF2 + lora.delta(0, x_ND, counts_E, offs_E)
+    """
+
+    def __init__(self, experts: GroupedExperts, dtype: torch.dtype):
+        self.a = [getattr(experts, a).to(dtype) for a, _, _ in EXPERT_ADAPTERS]
+        self.b = [getattr(experts, b).to(dtype) for _, b, _ in EXPERT_ADAPTERS]
+        self.scaling, self.dropout, self.training = experts.lora_scaling, experts.lora_dropout, experts.training
+
+    def _drop(self, x):
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
+
+    def delta(self, i: int, x_NI: torch.Tensor, counts_E: torch.Tensor, offs_E: torch.Tensor | None = None):
+        a_EIR, b_ERO = self.a[i], self.b[i]
+        x_NI = self._drop(x_NI)
+        if grouped_mm_supported(x_NI, a_EIR.shape[1], a_EIR.shape[2], b_ERO.shape[2]):
+            offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32) if offs_E is None else offs_E
+            h_NR = torch._grouped_mm(x_NI, a_EIR, offs=offs_E)
+            return torch._grouped_mm(h_NR, b_ERO, offs=offs_E) * self.scaling
+        out_NO = x_NI.new_zeros(x_NI.shape[0], b_ERO.shape[2])  # one matmul pair per expert (a host sync)
+        start = 0
+        for e, n in enumerate(counts_E.tolist()):
+            if n:
+                out_NO[start:start + n] = (x_NI[start:start + n] @ a_EIR[e]) @ b_ERO[e] * self.scaling
+            start += n
+        return out_NO
+
+    def delta_expert(self, i: int, x_nI: torch.Tensor, e: int) -> torch.Tensor:
+        return (self._drop(x_nI) @ self.a[i][e]) @ self.b[i][e] * self.scaling
+
+
+def expert_adapters(experts: GroupedExperts, dtype: torch.dtype) -> ExpertAdapters | None:
+    """The grouped adapters of `experts` (None without LoRA on them)."""
+    return ExpertAdapters(experts, dtype) if getattr(experts, "lora_rank", 0) else None
+
+
+def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
+                      lora=None):
+    """`lora`: the experts' grouped adapters (moelab.model.lora.ExpertAdapters), added to both projections."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NF2 = torch._grouped_mm(x_ND, w_gate_up_EDF2, offs=offs_E)
+    if lora is not None:
+        h_NF2 = h_NF2 + lora.delta(0, x_ND, counts_E, offs_E)
     if b_gate_up_EF2 is not None:
         # expert of each row, found on the device (no host sync); rows past the counts get the last expert
         expert_N = torch.searchsorted(offs_E, torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32),
                                       right=True).clamp(max=counts_E.shape[0] - 1)
         h_NF2 = h_NF2 + b_gate_up_EF2[expert_N]
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    y_ND = torch._grouped_mm(act(gate_NF, up_NF), w_down_EFD, offs=offs_E)
+    a_NF = act(gate_NF, up_NF)
+    y_ND = torch._grouped_mm(a_NF, w_down_EFD, offs=offs_E)
+    if lora is not None:
+        y_ND = y_ND + lora.delta(1, a_NF, counts_E, offs_E)
     if b_down_ED is not None:
         y_ND = y_ND + b_down_ED[expert_N]
     return y_ND
 
 
-def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu):
+def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
+                lora=None):
     """Reference: one matmul pair per expert. Reads the counts on the host (one synchronisation)."""
     out = torch.zeros_like(x_ND)
     start = 0
     for e, n in enumerate(counts_E.tolist()):
         if n:
-            h = x_ND[start:start + n] @ w_gate_up_EDF2[e]
+            x = x_ND[start:start + n]
+            h = x @ w_gate_up_EDF2[e]
+            if lora is not None:
+                h = h + lora.delta_expert(0, x, e)
             if b_gate_up_EF2 is not None:
                 h = h + b_gate_up_EF2[e]
             gate, up = h.chunk(2, dim=-1)
-            y = act(gate, up) @ w_down_EFD[e]
+            a = act(gate, up)
+            y = a @ w_down_EFD[e]
+            if lora is not None:
+                y = y + lora.delta_expert(1, a, e)
             out[start:start + n] = y + b_down_ED[e] if b_down_ED is not None else y
         start += n
     return out

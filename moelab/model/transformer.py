@@ -17,6 +17,7 @@ from torch import nn
 from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
+from moelab.model.lora import lora_init_std
 from moelab.model.moe import MoE
 from moelab.planner.shapes import layer_window
 
@@ -116,6 +117,8 @@ class MoETransformer(nn.Module):
                 p.zero_()
                 continue
             scale = out_std if any(k in name for k in ("o_proj", "down_proj", "w_down")) else std
+            adapter_std = lora_init_std(leaf, p.shape)  # LoRA: B = 0 (the base model at step 0), A ~ 1/sqrt(fan in)
+            scale = scale if adapter_std is None else adapter_std
             if name in first_expert:
                 e0 = first_expert[name]
                 full = torch.stack([_seeded_randn(p.shape[1:], seed, f"{name}[{e0 + e}]") for e in range(p.shape[0])])

@@ -11,7 +11,9 @@ A checkpoint is a folder of the run folder, written by every rank together:
         rank_state/rank_00000.pt         each rank's own training state, where the layout has one (the 1-bit
                                          expert-gradient exchange's error-feedback residuals)
         metadata.json                    step, config identity and hash, world size, layout, every file's size
-                                         and crc32, and its own crc32: written last, so it means "complete"
+                                         and crc32, and its own crc32: written last, so it means "complete";
+                                         with train.lora, "base": where the frozen base comes from (the model
+                                         state then holds only what trains, and the routers' buffers)
     checkpoints/.step_000010.tmp/        a save in progress; renamed to step_000010 when complete (atomic)
 
 What makes a resume exact: the model state dict holds the parameters and the Router's persistent buffers
@@ -184,6 +186,13 @@ class Checkpointer:
         self.cfg, self.env, self.layout = cfg, env, layout
         self.check_config()
 
+    def state_options(self):
+        """LoRA (train.lora): the model state holds only what trains (adapters, a trained router) and the routers'
+        buffers; the frozen base is re-created by the run's setup (seed or checkpoint) before a restore."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.cfg.train.lora.rank else None
+
     # ------------------------------------------------------------------ collectives (trivial on one process)
     @property
     def _dist(self) -> bool:
@@ -245,7 +254,7 @@ class Checkpointer:
 
         name = step_dir_name(step)
         final, tmp = self.root / name, self.root / f".{name}.tmp"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
         state = global_experts({"model": model_sd, "optim": optim_sd}, meshes)
         need = sum(self._gather(diskspace.state_bytes(state)))
         refusal = None
@@ -300,6 +309,8 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
                 "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
                 "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
+        if self.cfg.train.lora.rank:  # only the adapters (and what else trains) are saved: where the base comes from
+            meta["base"] = lora_base(self.cfg)
         meta["crc32"] = _json_crc32(meta)
         write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
         if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
@@ -355,13 +366,14 @@ class Checkpointer:
         if out.path is not None:
             meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
             out.step = meta["step"]
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
             state = {"model": model_sd, "optim": optim_sd}
             view = global_experts(state, meshes)  # shares storage with `state`: loading fills both
             try:
                 dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
                 copy_back(view, state)
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                               options=self.state_options())
             except Exception as e:
                 raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
                                       f"{type(e).__name__}: {e}") from e
@@ -400,6 +412,13 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------- helpers
+def lora_base(cfg: Config) -> dict:
+    """The pointer a LoRA checkpoint keeps to its frozen base: the checkpoint it started from (train.init_from,
+    where the config has it) or the random-init seed."""
+    init_from = getattr(cfg.train, "init_from", "")
+    return {"init_from": init_from} if init_from else {"seed": cfg.train.seed}
+
+
 def _describe(e: BaseException) -> str:
     """One line for an exception (DCP's CheckpointException: the first failing rank's)."""
     failures = getattr(e, "failures", None)

@@ -67,7 +67,7 @@ class ExpertLR:
         self.power, self.max_scale = power, max_scale
         # (layer index, global id of the first expert held here, parameter) for every stacked expert tensor
         self.params = [(i, getattr(moe.experts, "expert_offset", 0), p) for i, moe in enumerate(moe_layers)
-                       if moe is not None for p in moe.experts.parameters()]
+                       if moe is not None for p in moe.experts.parameters() if p.requires_grad]  # LoRA: adapters
         self._before: list[torch.Tensor] | None = None
         self._hook = optimizer.register_step_pre_hook(self._snapshot)
 

@@ -91,10 +91,15 @@ class Trainer:
 
             check_fp8(cfg, env.device)
             enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
+        if cfg.train.lora.rank:  # before parallelize: FSDP2 and EP shard the adapters like their base weights
+            from moelab.model.lora import apply_lora
+
+            apply_lora(model, cfg)
         self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
         self.model = self.par.model
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
-        if cfg.train.init_from and not list_checkpoints(self.run_dir):  # a resume restores its own weights
+        # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
+        if cfg.train.init_from and (cfg.train.lora.rank or not list_checkpoints(self.run_dir)):
             from moelab.hf.sharded_load import load_into
 
             self.loaded = load_into(self.model, cfg, progress=self.progress)  # this rank's slices only

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "moelab"
 # (layer name, path prefixes relative to moelab/), lowest first; the longest matching prefix wins
 LAYERS = [
     ("contract", ["run/folder.py", "presets/"]),
-    ("config", ["config.py", "config_rules.py", "yaml_loader.py"]),
+    ("config", ["config.py", "config_rules.py", "config_lora.py", "yaml_loader.py"]),
     ("layout", ["parallel/dims.py"]),
     ("planner", ["planner/"]),
     ("model", ["model/", "backends/"]),
