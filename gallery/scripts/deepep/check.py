@@ -80,25 +80,25 @@ def one_rank_check() -> dict:
     return out
 
 
-def routing(T, D, E, K, drop, rank, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed + 1000 * rank)
-    x_TD = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-    w_TK, e_TK = torch.randn(T, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
-    keep_TK = torch.rand(T, K, generator=g, device="cuda") > 0.25 if drop else None
-    probe_TD = torch.randn(T, D, generator=g, device="cuda")
+def routing(T, D, E, K, drop, rank, device="cuda", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed + 1000 * rank)
+    x_TD = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    w_TK, e_TK = torch.randn(T, E, generator=g, device=device).softmax(-1).topk(K, dim=-1)
+    keep_TK = torch.rand(T, K, generator=g, device=device) > 0.25 if drop else None
+    probe_TD = torch.randn(T, D, generator=g, device=device)
     return x_TD, w_TK, e_TK, keep_TK, probe_TD
 
 
-def run_dispatcher(d, case, rank, ep, backward=True):
+def run_dispatcher(d, case, rank, ep, device="cuda", backward=True):
     """One MoE exchange: dispatch, a per-expert scale as the experts, combine; the gradients by backward."""
-    x_TD, w_TK, e_TK, keep_TK, probe_TD = routing(**case, rank=rank)
+    x_TD, w_TK, e_TK, keep_TK, probe_TD = routing(**case, rank=rank, device=device)
     E = case["E"]
     X = E // ep
     x_TD, w_TK = x_TD.requires_grad_(), w_TK.requires_grad_()
-    scale_X = (torch.arange(X, device="cuda", dtype=torch.float32) + rank * X + 1).div(E).requires_grad_()
+    scale_X = (torch.arange(X, device=device, dtype=torch.float32) + rank * X + 1).div(E).requires_grad_()
     wk_TK = w_TK * keep_TK if keep_TK is not None else w_TK
     x_ND, counts_X, ctx = d.dispatch(x_TD, e_TK, keep_TK, E)
-    expert_N = torch.repeat_interleave(torch.arange(X, device="cuda"), counts_X, output_size=x_ND.shape[0])
+    expert_N = torch.repeat_interleave(torch.arange(X, device=device), counts_X, output_size=x_ND.shape[0])
     y_ND = (x_ND.float() * scale_X[expert_N][:, None]).to(torch.bfloat16)
     y_TD = d.combine(y_ND, ctx, wk_TK, keep_TK, counts_X)
     if backward:
@@ -112,6 +112,20 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-12))
 
 
+def compare(a2a, dpe, rank, ep, device="cuda") -> dict:
+    """Each case through both dispatchers: the same rows in the same order, and outputs and gradients within TOL."""
+    result = {}
+    for name, case in CASES.items():
+        a, b = run_dispatcher(a2a, case, rank, ep, device), run_dispatcher(dpe, case, rank, ep, device)
+        r = {"rows_equal": bool(torch.equal(a["rows"], b["rows"])),
+             "counts_equal": a["counts"].tolist() == b["counts"].tolist()}
+        r.update({f"{k}_rel_diff": rel(a[k], b[k]) for k in ("y", "x_grad", "w_grad", "scale_grad")})
+        r["passed"] = r["rows_equal"] and r["counts_equal"] and all(
+            v <= TOL for k, v in r.items() if k.endswith("_rel_diff"))
+        result[name] = r
+    return result
+
+
 def unit_worker(out: Path) -> None:
     import torch.distributed as dist
 
@@ -123,13 +137,7 @@ def unit_worker(out: Path) -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, ep = dist.get_rank(), dist.get_world_size()
     a2a, dpe = AllToAllDispatcher(dist.group.WORLD), DeepEPDispatcher(dist.group.WORLD, hidden=TIMING["D"])
-    result = {}
-    for name, case in CASES.items():
-        a, b = run_dispatcher(a2a, case, rank, ep), run_dispatcher(dpe, case, rank, ep)
-        r = {"rows_equal": bool(torch.equal(a["rows"], b["rows"])), "counts_equal": a["counts"].tolist() == b["counts"].tolist()}
-        r.update({f"{k}_rel_diff": rel(a[k], b[k]) for k in ("y", "x_grad", "w_grad", "scale_grad")})
-        r["passed"] = r["rows_equal"] and r["counts_equal"] and all(v <= TOL for k, v in r.items() if k.endswith("_rel_diff"))
-        result[name] = r
+    result = compare(a2a, dpe, rank, ep)
     timing = {}
     for label, d in (("all_to_all", a2a), ("deepep", dpe)):
         for phase, backward in (("forward_ms", False), ("forward_backward_ms", True)):
