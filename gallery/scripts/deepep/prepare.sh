@@ -7,7 +7,7 @@
 #
 # DEEPEP_GIT_DIR: a clone of github.com/deepseek-ai/DeepEP (default: $DEEPEP_SRC, else the mirror that the fetch
 # tool leaves in /work/.mirror/deepseek-ai+DeepEP/repo, else a `git clone` where there is network).
-# DEEPEP_COMMIT (default 567632d, the last commit before EPv2, 2026-04): DeepEP 1.2.1's Python API (deep_ep.Buffer,
+# DEEPEP_COMMIT (default 567632d, the last commit before EPv2, 2026-02-03): DeepEP 1.2.1's Python API (deep_ep.Buffer,
 # get_dispatch_layout / dispatch / combine) with setup.py's intranode-only build (no NVSHMEM, no submodules).
 # EPv2 (b306af0 on) needs the fmt submodule and NCCL's device API besides NVSHMEM.
 set -euo pipefail
