@@ -9,13 +9,14 @@
 #
 # The build runs in the background (its own process session), so a build longer than one call goes on after the
 # call returns: the same command again within the machine's warm period (30 s) waits for it. Each call that ends
-# before the build does leaves $OUT/objects.tar.gz (ninja's objects and log): put it in DIR/cache/ and carry DIR,
+# before the build does leaves $OUT/objects.tar.gz.part* (ninja's objects and log): put them in DIR/cache/, carry DIR,
 # and a fresh machine resumes from those objects. A finished build leaves the wheel in $OUT (DIR/cache/ next time:
 # no rebuild), and a failed one $OUT/build.log and $OUT/build-failure.json with the compiler's errors.
 # Environment: DEEPEP_NVSHMEM=0 (default: intranode kernels only, what backend.dispatcher=deepep uses) or 1 (also
 # the internode and low-latency kernels, against the nvidia-nvshmem pip package; needs rdma-core's
 # infiniband/mlx5dv.h), DEEPEP_WAIT_S (default 480: how long a call waits for the build), MAX_JOBS (16),
-# TORCH_CUDA_ARCH_LIST (9.0). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 etc.).
+# TORCH_CUDA_ARCH_LIST (9.0), DEEPEP_REBUILD=1 (build again after a failure on this machine). NVLink multicast
+# stays off (NCCL_NVLS_ENABLE=0 etc.).
 set -u
 MODE=${1:-all}; DIR=${2:-.deepep}; ROOT=$(pwd)
 OUTD=${OUT:-/tmp/deepep-out}; mkdir -p "$OUTD"
@@ -24,6 +25,14 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 NVSHMEM=${DEEPEP_NVSHMEM:-0}; WAIT=${DEEPEP_WAIT_S:-480}
 field() { awk -v k="$1" '$1==k{print $2}' "$DIR/manifest"; }
+cached_wheel() {  # a wheel carried in DIR/cache, whole or in the parts a call brought back (prints its path)
+  local w; w=$(ls "$DIR"/cache/deep_ep-*.whl 2>/dev/null | head -1)
+  if [ -z "$w" ] && ls "$DIR"/cache/deep_ep-*.whl.part* >/dev/null 2>&1; then
+    w=$(ls "$DIR"/cache/deep_ep-*.whl.part0); w=$(basename "${w%.part0}"); mkdir -p "$B/cached"
+    cat $(ls "$DIR"/cache/"$w".part* | sort) > "$B/cached/$w"; w=$B/cached/$w
+  fi
+  echo "$w"
+}
 
 probe() {  # what the image offers DeepEP's build (the answer to "does the pip package ship what it links?")
   python3 - <<'EOF'
@@ -50,8 +59,8 @@ unpack() {  # the source into $B/src (archive mtimes kept), patched for the mode
   local archive; archive="$DIR/$(field archive)"
   echo "$(field sha256)  $archive" | sha256sum -c - || { echo "build.sh: $archive does not match $DIR/manifest"; return 3; }
   rm -rf "$B/src" && mkdir -p "$B/src" && tar xzf "$archive" -C "$B/src" --strip-components=1 || return 3
-  if [ -f "$DIR/cache/objects.tar.gz" ]; then
-    tar xzf "$DIR/cache/objects.tar.gz" -C "$B/src" && echo "build.sh: resuming from $DIR/cache/objects.tar.gz"
+  if ls "$DIR"/cache/objects.tar.gz* >/dev/null 2>&1; then  # whole, or the parts a call brought back
+    cat $(ls "$DIR"/cache/objects.tar.gz* | sort) | tar xzf - -C "$B/src" && echo "build.sh: resuming from $DIR/cache/objects.tar.gz*"
   fi
   if [ "$NVSHMEM" = 0 ]; then
     # Intranode kernels only: setup.py's own no-NVSHMEM mode (-DDISABLE_NVSHMEM, no internode sources), which it
@@ -94,9 +103,12 @@ EOF
 
 do_build() {
   probe > "$OUTD/probe.txt" 2>&1; cat "$OUTD/probe.txt"
-  if ls "$DIR"/cache/deep_ep-*.whl >/dev/null 2>&1; then echo "build.sh: a built wheel is carried: $(ls "$DIR"/cache/deep_ep-*.whl)"; return 0; fi
+  if [ -n "$(cached_wheel)" ]; then echo "build.sh: a built wheel is carried: $(cached_wheel)"; return 0; fi
   if [ -f "$B/rc" ] && [ "$(cat "$B/rc")" = 0 ] && ls "$B"/dist/deep_ep-*.whl >/dev/null 2>&1; then
     echo "build.sh: already built on this machine"
+  elif [ -f "$B/rc" ] && [ -z "${DEEPEP_REBUILD:-}" ]; then
+    echo "build.sh: the build on this machine has failed already (DEEPEP_REBUILD=1 tries again)"
+    cp "$B/build.log" "$OUTD/build.log"; report_failure; return 1
   elif [ ! -f "$B/started" ] || [ -f "$B/rc" ]; then
     start_build || return $?
   else
@@ -106,20 +118,20 @@ do_build() {
   while [ ! -f "$B/rc" ] && [ $(( $(date -u +%s) - t0 )) -lt "$WAIT" ]; do sleep 5; done
   cp "$B/build.log" "$OUTD/build.log" 2>/dev/null
   if [ ! -f "$B/rc" ]; then
-    ( cd "$B/src" && tar czf "$OUTD/objects.tar.gz" build 2>/dev/null )
-    echo "build.sh: still building after ${WAIT} s ($(grep -c '^\[' "$B/build.log") ninja steps logged). Run the same command again within 30 s to wait on;"
-    echo "          on a fresh machine, put objects.tar.gz from this call's files in $DIR/cache/ first."
+    [ -d "$B/src/build" ] && ( cd "$B/src" && tar czf - build | split -b 15000000 -d -a 1 - "$OUTD/objects.tar.gz.part" )
+    echo "build.sh: still building after ${WAIT} s ($(grep -c '\[[0-9]*/[0-9]*\]' "$B/build.log") ninja steps logged). Run the same command again within 30 s to wait on;"
+    echo "          on a fresh machine, put this call's objects.tar.gz.part* in $DIR/cache/ first."
     tail -5 "$B/build.log"; return 0
   fi
   [ "$(cat "$B/rc")" = 0 ] || { report_failure; return 1; }
   local whl; whl=$(ls "$B"/dist/deep_ep-*.whl | head -1)
   echo "build.sh: built $(basename "$whl") ($(du -h "$whl" | cut -f1)) in $(( $(date -u +%s) - $(cat "$B/started") )) s"
   if [ "$(stat -c %s "$whl")" -le 16000000 ]; then cp "$whl" "$OUTD/"
-  else (cd "$OUTD" && split -b 15000000 -d -a 1 "$whl" "$(basename "$whl").part"); echo "build.sh: the wheel comes back in parts: cat them into $DIR/cache/$(basename "$whl")"; fi
+  else (cd "$OUTD" && split -b 15000000 -d -a 1 "$whl" "$(basename "$whl").part"); echo "build.sh: the wheel comes back in parts: put them in $DIR/cache/"; fi
 }
 
 do_check() {
-  local whl; whl=$(ls "$DIR"/cache/deep_ep-*.whl "$B"/dist/deep_ep-*.whl 2>/dev/null | head -1)
+  local whl; whl=$(cached_wheel); [ -n "$whl" ] || whl=$(ls "$B"/dist/deep_ep-*.whl 2>/dev/null | head -1)
   [ -n "$whl" ] || { echo "build.sh check: no wheel in $DIR/cache/ or $B/dist/: run build first"; return 4; }
   rm -rf /tmp/deepep-site
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deepep-site "$whl" || return 4
@@ -135,6 +147,6 @@ do_check() {
 case $MODE in
   build) do_build ;;
   check) do_check ;;
-  all) do_build && if [ -f "$B/rc" ] || ls "$DIR"/cache/deep_ep-*.whl >/dev/null 2>&1; then do_check; fi ;;
+  all) do_build && if [ -f "$B/rc" ] || [ -n "$(cached_wheel)" ]; then do_check; fi ;;
   *) echo "usage: build.sh build|check|all [DIR]"; exit 2 ;;
 esac
