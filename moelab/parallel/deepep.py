@@ -17,7 +17,9 @@ token), so the losses match all_to_all's up to the rounding of the sums. How the
      partial outputs (in fp32, written as bf16: its combine kernel takes bf16 only, hence train.dtype=bfloat16).
 Backward, as in DeepEP's examples: dispatch's backward is a combine over the same handle, combine's a cached
 dispatch; the weights' gradient comes back through combine's top-k weight channel. One ``deep_ep.Buffer``
-(its NVLink buffer sized by DeepEP's own hint) serves every MoE layer of the process.
+(its NVLink buffer sized by DeepEP's own hint) serves every MoE layer of the process; the trainer frees it at the
+end of a run on every rank together (``close_dispatchers``: DeepEP's destroy is a barrier over NVLink). A run
+that fails leaves it to the process's exit, without that barrier, so that a dead peer cannot hang it.
 
 The module imports deep_ep only when a dispatcher is built, so the rest of moelab runs without it.
 
@@ -115,8 +117,14 @@ class DeepEPDispatcher:
         row_bytes = hidden * 2  # bf16 rows
         configs = (deep_ep.Buffer.get_dispatch_config(self.ep), deep_ep.Buffer.get_combine_config(self.ep))
         nvl_bytes = max(c.get_nvl_buffer_size_hint(row_bytes, self.ep) for c in configs)
-        self.buffer = deep_ep.Buffer(group, nvl_bytes, 0)
+        self.buffer = deep_ep.Buffer(group, nvl_bytes, 0, explicitly_destroy=True)
         self.counts = DispatchCounts(self.ep)
+
+    def close(self) -> None:
+        """Free DeepEP's buffer: collective, every EP rank calls it (its destroy synchronises them over NVLink)."""
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
         T, K = experts_TK.shape
@@ -157,3 +165,12 @@ class DeepEPDispatcher:
         rows_R = torch.bincount(flat // X, minlength=R + 1)[:R]
         host = torch.cat([rows_R, ranks_per_token(torch.where(idx_TK >= 0, idx_TK, R * X), X, R)]).tolist()
         self.counts.add(host[:R], host[R:], self.me, x_TD.shape[-1] * x_TD.element_size())
+
+
+def close_dispatchers(moe_layers) -> None:
+    """Close each distinct dispatcher of these MoE layers that holds resources (DeepEP's buffer); the others
+    (local, all-to-all) have nothing to close. Called by the trainer at the end of a run, on every rank."""
+    seen = {id(m.dispatcher): m.dispatcher for m in moe_layers}
+    for dispatcher in seen.values():
+        if hasattr(dispatcher, "close"):
+            dispatcher.close()

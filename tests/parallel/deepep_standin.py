@@ -48,10 +48,17 @@ class Buffer:
         buf = Buffer(group, Config().get_nvl_buffer_size_hint(128, 2), 0)
     """
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0):
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, explicitly_destroy: bool = False):
         self.group, self.rank, self.group_size = group, dist.get_rank(group), dist.get_world_size(group)
         assert self.group_size in (2, 4, 8), "intranode kernels: 2, 4 or 8 ranks"
         assert num_nvl_bytes > 0 and num_nvl_bytes % 128 == 0 and num_rdma_bytes == 0
+        self.explicitly_destroy, self.destroyed = explicitly_destroy, False
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        assert not self.destroyed
+        dist.barrier(group=self.group)  # DeepEP's destroy synchronises the ranks (over NVLink)
+        self.destroyed = True
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
@@ -21,7 +22,7 @@ from moelab.backends import packages  # noqa: E402
 
 packages._DETECTED["deep_ep"] = True  # this process only: the stand-in plays the package
 
-from moelab.parallel.deepep import DeepEPDispatcher  # noqa: E402
+from moelab.parallel.deepep import DeepEPDispatcher, close_dispatchers  # noqa: E402
 from moelab.parallel.expert_parallel import AllToAllDispatcher  # noqa: E402
 
 
@@ -34,6 +35,10 @@ def main(out: Path) -> None:
     a2a, dpe = AllToAllDispatcher(dist.group.WORLD), DeepEPDispatcher(dist.group.WORLD, hidden=512)
     result = check.compare(a2a, dpe, rank, ep, device="cpu")
     result["dispatch_counts"] = {"all_to_all": a2a.counts.pop(), "deepep": dpe.counts.pop()}
+    buffer = dpe.buffer
+    layers = [SimpleNamespace(dispatcher=d) for d in (dpe, dpe, a2a)]  # one dispatcher serves every layer
+    close_dispatchers(layers)  # the stand-in's destroy refuses a second call
+    result["closed"] = dpe.buffer is None and buffer.destroyed
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """moelab's DeepEP dispatcher against the all-to-all dispatcher on two gloo ranks, on a CPU stand-in of deep_ep's
 intranode Buffer (deepep_standin.py: DeepEP's Python contract and host checks, not its kernels): the experts get
 the same rows in the same order with the same counts, and the combined output and the gradients of the tokens,
-the router weights and the experts agree; the dispatch counts in the metrics are the same. On the GPUs the same
+the router weights and the experts agree; the dispatch counts in the metrics are the same; the buffer is freed
+once at the end. On the GPUs the same
 comparison runs on DeepEP itself (gallery/scripts/deepep/check.py)."""
 import json
 import sys
@@ -28,3 +29,4 @@ def test_deepep_dispatcher_matches_all_to_all_on_the_standin(tmp_path):
             assert r["passed"]
         counts = res["dispatch_counts"]
         assert counts["deepep"] == counts["all_to_all"] and counts["deepep"]["dispatch_rows"][0] > 0
+        assert res["closed"]  # the buffer is freed once, by every rank (close_dispatchers at a run's end)

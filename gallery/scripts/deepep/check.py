@@ -65,13 +65,15 @@ def one_rank_check() -> dict:
     out = {}
     try:
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        buf = deep_ep.Buffer(dist.group.WORLD, 2 ** 26, 0)
+        buf = deep_ep.Buffer(dist.group.WORLD, 2 ** 26, 0, explicitly_destroy=True)
         out["buffer_1rank"] = "ok"
         idx_TK = torch.randint(0, 8, (64, 2), device="cuda", dtype=torch.int64)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_TK, 8)
         out["layout_1rank"] = {"tokens_per_rank": per_rank.tolist(), "tokens_per_expert": per_expert.tolist(),
                                "matches_bincount": per_expert.tolist() == torch.bincount(idx_TK.reshape(-1),
                                                                                          minlength=8).tolist()}
+        buf.destroy()
+        out["destroy_1rank"] = "ok"
     except Exception as e:  # recorded, not raised: this is a report
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -158,6 +160,7 @@ def unit_worker(out: Path) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         (out / "unit.json").write_text(json.dumps(gathered, indent=1))
+    dpe.close()
     dist.barrier()
     dist.destroy_process_group()
 
