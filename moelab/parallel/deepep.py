@@ -1,8 +1,9 @@
 """DeepEP's intranode (NVLink) normal kernels as the expert-parallel dispatcher (``backend.dispatcher=deepep``).
 
-Shapes (docs/shapes.md): T tokens on this rank, K top-k (Kp: K padded to 8), D hidden, W tokens received from
-all EP ranks (each token once per rank that owns one of its experts), N routed rows on this rank sorted by local
-expert, X local experts, R EP ranks.
+Shapes (docs/shapes.md): T tokens on this rank, K top-k, D hidden, W tokens received from all EP ranks (each
+token once per rank that owns one of its experts), N routed rows on this rank sorted by local expert, X local
+experts, R EP ranks; 32 and 16 are literal widths (the weights' rows padded to DeepEP's top-k limit, and a
+32-byte bf16 row).
 
 Same interface as moelab.model.moe.LocalDispatcher and AllToAllDispatcher: ``dispatch(x_TD, experts_TK, keep_TK,
 num_experts) -> (x_ND, counts_X, ctx)`` and ``combine(y_ND, ctx, weights_TK, keep_TK, counts_X) -> y_TD``, with
@@ -38,7 +39,7 @@ from moelab.backends.packages import import_package
 from moelab.config import ConfigError
 from moelab.parallel.expert_parallel import DispatchCounts, ranks_per_token
 
-WEIGHT_PAD = 8  # fp32 weight rows are padded to 8 (32 bytes): DeepEP moves rows in pairs of 16-byte words
+WEIGHT_COLUMNS = 32  # the weights' rows: fp32, padded to DeepEP's top-k limit (rows of a multiple of 32 bytes)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -63,20 +64,20 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _DispatchWeights(torch.autograd.Function):
-    """w_TKp (fp32 router weights) -> w_WKp by a cached dispatch; backward: the fp32 gradients summed back
+    """w_T32 (fp32 router weights, padded) -> w_W32 by a cached dispatch; backward: the fp32 gradients summed back
     through combine's top-k weight channel (its data channel takes bf16 only; a 16-column zero tensor rides it)."""
 
     @staticmethod
-    def forward(ctx, w_TKp, buffer, handle):
-        w_WKp, *_ = buffer.dispatch(w_TKp, handle=handle)
+    def forward(ctx, w_T32, buffer, handle):
+        w_W32, *_ = buffer.dispatch(w_T32, handle=handle)
         ctx.buffer, ctx.handle = buffer, handle
-        return w_WKp
+        return w_W32
 
     @staticmethod
-    def backward(ctx, grad_WKp):
-        zeros_W16 = grad_WKp.new_zeros(grad_WKp.shape[0], 16, dtype=torch.bfloat16)
-        _, grad_TKp, _ = ctx.buffer.combine(zeros_W16, ctx.handle, topk_weights=grad_WKp.float().contiguous())
-        return grad_TKp, None, None
+    def backward(ctx, grad_W32):
+        zeros_W16 = grad_W32.new_zeros(grad_W32.shape[0], 16, dtype=torch.bfloat16)
+        _, grad_T32, _ = ctx.buffer.combine(zeros_W16, ctx.handle, topk_weights=grad_W32.float().contiguous())
+        return grad_T32, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -150,9 +151,9 @@ class DeepEPDispatcher:
         handle, order_N, W, K = ctx
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
-        w_TKp = F.pad(weights_TK.float(), (0, -K % WEIGHT_PAD))
-        w_WKp = _DispatchWeights.apply(w_TKp.contiguous(), self.buffer, handle)
-        w_N = w_WKp[:, :K].reshape(-1)[order_N]
+        w_T32 = F.pad(weights_TK.float(), (0, WEIGHT_COLUMNS - K))
+        w_W32 = _DispatchWeights.apply(w_T32.contiguous(), self.buffer, handle)
+        w_N = w_W32[:, :K].reshape(-1)[order_N]
         # this rank's share of each received token: its local rows, weighted (fp32), then bf16 for DeepEP
         y_WD = y_ND.new_zeros(W, y_ND.shape[1], dtype=torch.float32)
         y_WD = y_WD.index_add(0, order_N // K, y_ND.float() * w_N[:, None])
