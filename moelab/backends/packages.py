@@ -48,7 +48,7 @@ PACKAGES = {
         "deep_ep", "deep_ep", "deep-ep",
         "build DeepEP from its source repository (github.com/deepseek-ai/DeepEP at its last 1.x commit; on a "
         "machine without network: gallery/scripts/deepep/prepare.sh packs the source, build.sh builds the wheel "
-        "there and install.sh installs it; the PyPI sdist of deep-ep 1.0.0 lacks its headers)",
+        "there and installs it (README there); the PyPI sdist of deep-ep 1.0.0 lacks its headers)",
         "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
 }
 
