@@ -1,6 +1,6 @@
 """backend.dispatcher=deepep against all_to_all on the GPU machine (run by build.sh check, deep_ep installed).
 
-    python3 gallery/scripts/deepep/check.py --out DIR [--steps 20] [--proxy-steps 8] [--skip-proxy]
+    python3 gallery/scripts/deepep/check.py --out DIR [--steps 20] [--proxy-steps 8] [--skip-proxy] [--set K=V]
 
 Writes DIR/deepep-check.json (and DIR/deepep-logs.tar.gz); exits 1 if a comparison fails.
 - Always: deep_ep imports (its file, whether its SM90 kernels are compiled) and, on one GPU, a one-rank Buffer
@@ -212,6 +212,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--proxy-steps", type=int, default=8)
     ap.add_argument("--skip-proxy", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every training run, e.g. --set train.compile=true")
     ap.add_argument("--proxy-after-s", type=float, default=200, help="skip the proxy runs if the unit and tiny "
                     "parts took longer than this (the call's 10 minutes)")
     a = ap.parse_args()
@@ -257,10 +259,10 @@ def main() -> int:
     record["unit"] = unit or {"rc": rc, "error": "no unit.json; see unit.log in deepep-logs.tar.gz"}
     record["passed"] = False
     save()
-    record["train"] = [train_pair("tiny", a.steps, [], work)]
+    record["train"] = [train_pair("tiny", a.steps, a.set, work)]
     save()
     if not a.skip_proxy and time.time() - t_start < a.proxy_after_s:
-        record["train"].append(train_pair("qwen3-moe-30b-a3b-proxy", a.proxy_steps, PROXY, work))
+        record["train"].append(train_pair("qwen3-moe-30b-a3b-proxy", a.proxy_steps, PROXY + a.set, work))
     elif not a.skip_proxy:
         record["proxy"] = f"skipped: the earlier parts took {time.time() - t_start:.0f} s (--proxy-after-s)"
     record["passed"] = bool(unit) and all(r[name]["passed"] for r in unit for name in CASES) \
