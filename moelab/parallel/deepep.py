@@ -130,7 +130,7 @@ class DeepEPDispatcher:
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
         T, K = experts_TK.shape
         R, X = self.ep, num_experts // self.ep
-        idx_TK = experts_TK.to(torch.int64).contiguous()  # deep_ep.topk_idx_t (64 bits unless built with TOPK_IDX_BITS=32)
+        idx_TK = experts_TK.to(torch.int64).contiguous()  # deep_ep.topk_idx_t (64 bits; TOPK_IDX_BITS=32 builds differ)
         if keep_TK is not None:  # dropped assignments: -1, sent nowhere
             idx_TK = torch.where(keep_TK, idx_TK, -1)
         per_rank_R, _, per_expert_E, in_rank_TR, _ = self.buffer.get_dispatch_layout(idx_TK, num_experts)

@@ -193,16 +193,16 @@ def train_pair(preset: str, steps: int, extra: list[str], work: Path) -> dict:
         rc = torchrun(["-m", "moelab.launch.entry", str(folder)], work / f"{preset}-{dispatcher}.log")
         ev = [e for e in read_events(folder / "metrics.jsonl") if e["event"] == "step"] \
             if (folder / "metrics.jsonl").exists() else []
+        median = (lambda key: statistics.median([e[key] for e in ev[2:]]) if len(ev) > 2 else None)  # after warm-up
         runs[dispatcher] = {"rc": rc, "wall_s": round(time.time() - t0, 1), "losses": [e["loss"] for e in ev],
-                            "step_time_s_median": statistics.median([e["step_time_s"] for e in ev[2:]]) if len(ev) > 2 else None,
-                            "tokens_per_s_per_gpu_median": statistics.median([e["tokens_per_s_per_gpu"] for e in ev[2:]]) if len(ev) > 2 else None,
-                            "overrides": over}
+                            "step_time_s_median": median("step_time_s"),
+                            "tokens_per_s_per_gpu_median": median("tokens_per_s_per_gpu"), "overrides": over}
     a, b = runs["all_to_all"]["losses"], runs["deepep"]["losses"]
     diff = max(abs(x - y) / abs(x) for x, y in zip(a, b)) if len(a) == len(b) == steps else None  # None: a run failed
-    speed = (runs["all_to_all"]["step_time_s_median"] / runs["deepep"]["step_time_s_median"]
-             if runs["deepep"]["step_time_s_median"] and runs["all_to_all"]["step_time_s_median"] else None)
-    return {"preset": preset, "steps": steps, "max_rel_loss_diff": diff, "tolerance": TOL, "passed": diff is not None and diff <= TOL,
-            "deepep_speedup_per_step": speed, "runs": runs}
+    ta, tb = runs["all_to_all"]["step_time_s_median"], runs["deepep"]["step_time_s_median"]
+    return {"preset": preset, "steps": steps, "max_rel_loss_diff": diff, "tolerance": TOL,
+            "passed": diff is not None and diff <= TOL, "deepep_speedup_per_step": ta / tb if ta and tb else None,
+            "runs": runs}
 
 
 def main() -> int:
@@ -228,7 +228,8 @@ def main() -> int:
 
     record = {"check": "backend.dispatcher=deepep against all_to_all (issue 23, item 3)", "commit": commit_id(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-              "gpus": torch.cuda.device_count(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+              "gpus": torch.cuda.device_count(),
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     path = a.out / "deepep-check.json"
     try:
         record["deep_ep"] = package_info()
