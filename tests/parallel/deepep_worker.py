@@ -22,6 +22,8 @@ from moelab.backends import packages  # noqa: E402
 
 packages._DETECTED["deep_ep"] = True  # this process only: the stand-in plays the package
 
+import moelab.parallel.deepep as deepep_module  # noqa: E402
+from moelab.config import ConfigError  # noqa: E402
 from moelab.parallel.deepep import DeepEPDispatcher, close_dispatchers  # noqa: E402
 from moelab.parallel.expert_parallel import AllToAllDispatcher  # noqa: E402
 
@@ -39,6 +41,13 @@ def main(out: Path) -> None:
     layers = [SimpleNamespace(dispatcher=d) for d in (dpe, dpe, a2a)]  # one dispatcher serves every layer
     close_dispatchers(layers)  # the stand-in's destroy refuses a second call
     result["closed"] = dpe.buffer is None and buffer.destroyed
+    # EP ranks on two hosts: refused before any buffer is made (DeepEP's intranode kernels need one node)
+    deepep_module.socket.gethostname = lambda: f"node{rank}"
+    try:
+        DeepEPDispatcher(dist.group.WORLD, hidden=512)
+        result["two_hosts"] = "accepted"
+    except ConfigError as e:
+        result["two_hosts"] = str(e)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

@@ -2,8 +2,8 @@
 intranode Buffer (deepep_standin.py: DeepEP's Python contract and host checks, not its kernels): the experts get
 the same rows in the same order with the same counts, and the combined output and the gradients of the tokens,
 the router weights and the experts agree; the dispatch counts in the metrics are the same; the buffer is freed
-once at the end. On the GPUs the same
-comparison runs on DeepEP itself (gallery/scripts/deepep/check.py)."""
+once at the end; EP ranks on two hosts are refused. On the GPUs the same comparison runs on DeepEP itself
+(gallery/scripts/deepep/check.py)."""
 import json
 import sys
 from pathlib import Path
@@ -30,3 +30,4 @@ def test_deepep_dispatcher_matches_all_to_all_on_the_standin(tmp_path):
         counts = res["dispatch_counts"]
         assert counts["deepep"] == counts["all_to_all"] and counts["deepep"]["dispatch_rows"][0] > 0
         assert res["closed"]  # the buffer is freed once, by every rank (close_dispatchers at a run's end)
+        assert "hosts ['node0', 'node1']" in res["two_hosts"] and "backend.dispatcher=all_to_all" in res["two_hosts"]
