@@ -108,6 +108,7 @@ def check(cfg) -> None:
               "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
     _check_node_limited(moe, p, b)
     _check_replication(p, t)
+    _check_deepep(cfg)
     if moe.capacity_factor < 0:
         _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
     if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -286,3 +287,28 @@ def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:
     if p.expert_dp == "replicate" and p.data_parallel == "fsdp" and t.dtype == "bfloat16":
         _fail("parallel.expert_dp", p.expert_dp, "with FSDP2's bf16 mixed precision the replicated experts would "
               "stay fp32; set parallel.data_parallel=ddp (autocast) or train.dtype=float32")
+
+
+DEEPEP_EP = (2, 4, 8)  # the EP sizes DeepEP's intranode kernels are instantiated for (one node, NVLink)
+
+
+def _check_deepep(cfg: "Config") -> None:
+    """backend.dispatcher=deepep: the layouts and shapes DeepEP's intranode kernels take (its package and the
+    GPU are checked at run time by moelab.backends.check_backends, with backend.fallback)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if cfg.backend.dispatcher != "deepep":
+        return
+    fix = "or set backend.dispatcher=all_to_all"
+    if p.ep not in DEEPEP_EP:
+        _fail("parallel.ep", p.ep, f"backend.dispatcher=deepep runs DeepEP's intranode kernels, built for 2, 4 or 8 "
+              f"EP ranks on one node; set parallel.ep to one of {[e for e in DEEPEP_EP if m.moe.num_experts % e == 0]}"
+              f", {fix}")
+    if t.dtype != "bfloat16" or p.data_parallel != "fsdp":
+        name, value = ("train.dtype", t.dtype) if t.dtype != "bfloat16" else ("parallel.data_parallel", p.data_parallel)
+        _fail(name, value, f"backend.dispatcher=deepep needs bf16 activations (DeepEP's combine sums bf16 rows): "
+              f"set train.dtype=bfloat16 with parallel.data_parallel=fsdp, {fix}")
+    if m.hidden_size % 16 or m.hidden_size > 8176:
+        _fail("model.hidden_size", m.hidden_size, f"DeepEP's intranode dispatch moves bf16 rows in 32-byte steps of "
+              f"at most 16 KB: the hidden size must be a multiple of 16 and at most 8176; {fix}")
+    if m.moe.top_k > 32:
+        _fail("model.moe.top_k", m.moe.top_k, f"DeepEP's kernels take at most 32 experts per token; {fix}")

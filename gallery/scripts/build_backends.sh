@@ -8,7 +8,8 @@
 #    fetch them where pip works, or pass --no-clean and repack the unpacked trees)
 #   gallery/scripts/build_backends.sh sdist wheels all      # then: pip install wheels/*.whl
 #
-# deep_ep: the PyPI sdist of deep-ep 1.0.0 ships no headers (csrc/*.hpp, kernels/*.cuh) and cannot build
+# deep_ep: superseded by gallery/scripts/deepep/ (DeepEP from its source repository, intranode-only).
+# The PyPI sdist of deep-ep 1.0.0 ships no headers (csrc/*.hpp, kernels/*.cuh) and cannot build
 # (gallery/results/deepep-build-failure.json); put a tarball of DeepEP's source repository in SDIST_DIR instead
 # (named deep_ep-<version>.tar.gz, one top folder), e.g. made with `git archive --prefix=deep_ep-1.0.0/`.
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (default 8), NVSHMEM_DIR (default: the pip wheel's).

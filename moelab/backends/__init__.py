@@ -13,7 +13,7 @@ What each backend replaces (the rest of the model is untouched):
     backend.experts=grouped_gemm   GroupedExperts computes with grouped_gemm.ops.gmm (moelab.backends.gmm)
     backend.experts=te             experts become TE GroupedLinear layers (moelab.backends.te)
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
-    backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.backends.deepep)
+    backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
 def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1) -> dict[str, str]:
     """Swap the chosen backends into a model built on the meta device (before it is materialised).
     Returns the effective switchboard; the dispatcher choice is read by moelab.parallel when it builds the
-    EP dispatcher (``moelab.backends.deepep.DeepEPDispatcher``)."""
+    EP dispatcher (``moelab.parallel.deepep.DeepEPDispatcher``)."""
     chosen = check_backends(cfg, device, world_size)
     if chosen["experts"] == "te" or chosen["attention"] == "te":
         from moelab.backends.te import apply_te

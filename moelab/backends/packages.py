@@ -46,9 +46,10 @@ PACKAGES = {
         "wheel matching your CUDA)", "a CUDA GPU (sm80+)"),
     "deep_ep": Package(
         "deep_ep", "deep_ep", "deep-ep",
-        "build DeepEP from its source repository against NVSHMEM (pip install nvidia-nvshmem-cu13 first; "
-        "gallery/scripts/build_backends.sh builds an sdist that has its headers: the PyPI sdist of deep-ep 1.0.0 "
-        "lacks them)", "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
+        "build DeepEP from its source repository (github.com/deepseek-ai/DeepEP at its last 1.x commit; on a "
+        "machine without network: gallery/scripts/deepep/prepare.sh packs the source, build.sh builds the wheel "
+        "there and installs it (README there); the PyPI sdist of deep-ep 1.0.0 lacks its headers)",
+        "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
 }
 
 def _find(module: str) -> bool:

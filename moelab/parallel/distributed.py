@@ -117,9 +117,9 @@ def build_dispatcher(kind: str, group, hidden: int):
         return AllToAllDispatcher(group)
     if kind == "deepep":
         try:
-            from moelab.backends.deepep import DeepEPDispatcher
+            from moelab.parallel.deepep import DeepEPDispatcher
         except ImportError as e:
-            raise ConfigError(f"backend.dispatcher='deepep': moelab.backends.deepep is not available ({e}); "
+            raise ConfigError(f"backend.dispatcher='deepep': moelab.parallel.deepep is not available ({e}); "
                               f"set backend.dispatcher=all_to_all") from e
         return DeepEPDispatcher(group, hidden=hidden)
     raise ConfigError(f"backend.dispatcher={kind!r}: choose all_to_all or deepep")

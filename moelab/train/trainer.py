@@ -24,6 +24,7 @@ import torch
 from moelab.config import Config, save_config
 from moelab.model.attention import set_documents
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
+from moelab.parallel.deepep import close_dispatchers
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.env import DistEnv
 from moelab.run.folder import RunFolder
@@ -353,6 +354,7 @@ class Trainer:
         if self.writer:
             self.writer.write("end", step=self.step, status=status, summary=summary)
             self.folder.summary.write_text(json.dumps(summary, indent=1))
+        close_dispatchers(self.par.moe_layers)  # DeepEP's buffer: freed by all EP ranks together
         self.env.shutdown()
         return summary
 

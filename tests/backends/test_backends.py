@@ -11,7 +11,12 @@ from moelab.backends import BackendUnavailable, check_backends, detected, import
 from moelab.config import ConfigError, load_config
 
 
+DEEPEP_LAYOUT = {"parallel.ep": 2, "train.dtype": "bfloat16"}  # what config_rules asks of backend.dispatcher=deepep
+
+
 def cfg(**over):
+    if over.get("backend.dispatcher") == "deepep":
+        over = {**DEEPEP_LAYOUT, **over}
     return load_config("tiny", {"train.steps": 2, **over})
 
 
@@ -51,7 +56,7 @@ def test_installed_but_unsupported_hardware(monkeypatch):
         check_backends(cfg(**{"backend.experts": "grouped_gemm"}), device="cpu")
     monkeypatch.setitem(backends._DETECTED, "deep_ep", True)
     with pytest.raises(BackendUnavailable, match="Hopper"):
-        check_backends(cfg(**{"backend.dispatcher": "deepep"}), device="cpu")
+        check_backends(cfg(**{"backend.dispatcher": "deepep"}), device="cpu", world_size=2)
 
 
 def test_torch_paths_need_nothing():
@@ -63,11 +68,11 @@ def test_import_package_and_modules_guard():
     missing("deep_ep")
     with pytest.raises(BackendUnavailable, match="transformer-engine"):
         import_package("te")
-    from moelab.backends.deepep import DeepEPDispatcher
+    from moelab.parallel.deepep import DeepEPDispatcher
     from moelab.backends.te import TEGroupedExperts
 
     with pytest.raises(BackendUnavailable, match="deep-ep"):
-        DeepEPDispatcher(group=None)
+        DeepEPDispatcher(group=None, hidden=64)
     with pytest.raises(BackendUnavailable, match="transformer-engine"):
         TEGroupedExperts(4, 8, 8)
 

@@ -109,7 +109,7 @@ def test_planned_fan_out_matches_routing_uniform_scores(E, K, ep, M):
 def test_planner_counts_the_saving_for_a_once_per_rank_dispatcher():
     from moelab.planner.plan import plan
 
-    base = {"parallel.ep": 4, "model.moe.top_k": 4, "train.micro_batch_size": 2}
+    base = {"parallel.ep": 4, "model.moe.top_k": 4, "train.micro_batch_size": 2, "train.dtype": "bfloat16"}
     free = plan(load_config("tiny", base), gpus=4).comm
     limited = plan(load_config("tiny", {**base, "model.moe.routing_ranks": 4, "model.moe.max_routed_ranks": 2}),
                    gpus=4).comm
