@@ -71,6 +71,21 @@ unpack() {  # the source into $B/src (archive mtimes kept), patched for the mode
     if ! grep -q "None.submodule_search_locations" "$B/src/setup.py" || grep -q "rdc=true" "$B/src/setup.py"; then
       echo "build.sh: this DeepEP's setup.py does not take the intranode-only patch (is it commit $(field commit)?)"; return 3
     fi
+    # That mode still calls three low-latency kernels (the shrink-mode mask buffer) outside its #ifndef
+    # DISABLE_NVSHMEM guards, so the module would not import ("undefined symbol: ...update_mask_buffer..."):
+    # guard them as the other low-latency entry points are.
+    python3 - "$B/src/csrc/deep_ep.cpp" <<'PY' || return 3
+import re, sys
+path = sys.argv[1]
+src = open(path).read()
+pattern = re.compile(r"(void Buffer::low_latency_(?:update|query|clean)_mask_buffer\([^)]*\) \{\n)(.*?)(\n\}\n)", re.S)
+new, n = pattern.subn(lambda m: m.group(1) + "#ifndef DISABLE_NVSHMEM\n" + m.group(2) + "\n#else\n    EP_HOST_ASSERT("
+                      "false and \"NVSHMEM is disabled during compilation\");\n#endif" + m.group(3), src)
+if n != 3:
+    sys.exit(f"build.sh: expected the 3 mask-buffer functions in {path}, found {n}")
+open(path, "w").write(new)
+print("build.sh: guarded the 3 mask-buffer functions for the intranode-only build")
+PY
   fi
   grep -n "submodule_search_locations\|rdc=true\|register-usage" "$B/src/setup.py"
 }
