@@ -160,7 +160,6 @@ def test_base_config_fields_and_tokenizer_files_are_kept(qwen_run, tmp_path):
     assert loaded("w5 w7")["input_ids"] == [5, 7] and loaded.eos_token == "w4"
 
 
-@pytest.mark.skipif(not hasattr(load_config("tiny").train, "init_from"), reason="no start from HF checkpoints here")
 def test_a_run_from_an_hf_checkpoint_with_lr_0_exports_that_checkpoint(qwen_run, tmp_path):
     """`moelab run hf:BASE` records BASE (train.init_from): the export keeps BASE's config.json fields without
     being told, and with learning rate 0 gives BASE's logits."""
@@ -292,7 +291,6 @@ def test_lora_call_sites(qwen_run, tmp_path, monkeypatch):
     assert calls == [("merge", names, cfg.name), ("peft", names, cfg.name)]
 
 
-@pytest.mark.skipif(not hasattr(load_config("tiny").train, "lora"), reason="no LoRA training here")
 def test_a_lora_run_exports_merged_or_as_adapters(tmp_path):
     """A LoRA checkpoint holds only the adapters (and the routers' buffers) and points at its base (the seed
     here): merged, transformers gives the logits of moelab's LoRA model restored from it; adapters alone go to
