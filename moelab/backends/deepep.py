@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moelab.backends.packages import import_package
+from moelab.model.moe import Dispatcher
 
 
 def buffer_bytes(hidden: int, num_ranks: int, dtype_bytes: int = 2) -> int:
@@ -60,7 +61,7 @@ class _Combine(torch.autograd.Function):
         return grad_W, None, None
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(Dispatcher):
     """Expert-parallel dispatch/combine through DeepEP over `group` (the EP process group).
 
         moe.dispatcher = DeepEPDispatcher(ep_group, hidden=cfg.model.hidden_size)   # backend.dispatcher=deepep
