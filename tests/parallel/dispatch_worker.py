@@ -7,6 +7,7 @@ each row by a per-expert scalar s_e = e + 1 (global id), a parameter, so its gra
 writes what it received and computed to OUT_DIR/rank{r}.json; the overlapped dispatcher (parallel.ep_overlap)
 runs the same cases through its two-chunk ``route`` (3 tokens: chunks of 1 and 2).
 """
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moelab.parallel import expert_parallel
 from moelab.parallel.expert_parallel import AllToAllDispatcher, OverlappedAllToAllDispatcher
 
 EXPERTS_TK = {0: [[0, 2], [1, 3], [2, 0]], 1: [[3, 1], [2, 3], [0, 1]]}
@@ -31,19 +33,51 @@ def run_case(rank, group, keep, overlap=False):
     if keep_TK is not None:
         weights_TK = weights_TK * keep_TK
     scale_X = torch.tensor([rank * X + 1.0, rank * X + 2.0], requires_grad=True)  # this rank's experts
-    seen = []
+    seen, events = [], []
 
     def experts(x_MD, counts_X):
+        c = len(seen)
         seen.append((x_MD[:, 0].tolist(), counts_X.tolist()))
+        events.append(f"experts {c}")
+        x_MD = _Mark.apply(x_MD, events, f"experts {c} backward")
         return x_MD * scale_X[torch.repeat_interleave(torch.arange(X), counts_X)][:, None]
 
     d = (OverlappedAllToAllDispatcher if overlap else AllToAllDispatcher)(group)
-    y_TD = d.route(experts, x_TD, weights_TK, experts_TK, keep_TK, E)
-    y_TD[:, 0].sum().backward()  # the first feature only (the second is its negative)
+    with _log_exchanges(events):
+        y_TD = d.route(experts, x_TD, weights_TK, experts_TK, keep_TK, E)
+        events.append("backward")
+        y_TD[:, 0].sum().backward()  # the first feature only (the second is its negative)
     received = [v for rows, _ in seen for v in rows]
     counts = [sum(c) for c in zip(*[c for _, c in seen])]
     return {"received": received, "counts": counts, "y": y_TD[:, 0].tolist(), "x_grad": x_TD.grad[:, 0].tolist(),
-            "scale_grad": scale_X.grad.tolist(), "calls": len(seen), "sent": d.counts.pop()}
+            "scale_grad": scale_X.grad.tolist(), "calls": len(seen), "sent": d.counts.pop(), "events": events}
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; notes `label` in `events` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, events, label):
+        ctx.note = events, label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        events, label = ctx.note
+        events.append(label)
+        return grad, None, None
+
+
+@contextlib.contextmanager
+def _log_exchanges(events):
+    """Notes in `events` when an overlapped exchange starts and when it is waited for."""
+    start, wait = expert_parallel._Travel.start, expert_parallel._Travel.wait
+    expert_parallel._Travel.start = lambda self, *a: (events.append("start"), start(self, *a))[1]
+    expert_parallel._Travel.wait = lambda self: (events.append("wait"), wait(self))[1]
+    try:
+        yield
+    finally:
+        expert_parallel._Travel.start, expert_parallel._Travel.wait = start, wait
 
 
 def main(out: Path) -> None:

@@ -58,6 +58,12 @@ def test_rows_counts_outputs_and_gradients_on_two_ranks(tmp_path):
             for key in ("y", "x_grad", "scale_grad", "counts", "sent"):
                 assert got[key] == want[key], (r, over, key)
             assert sorted(got["received"]) == sorted(want["received"])
+            # what overlaps what: chunk 1's dispatch travels while chunk 0's experts compute, chunk 0's combine
+            # while chunk 1's; backward mirrors it (combine 0's gradient behind experts 1's backward, dispatch 1's
+            # behind experts 0's)
+            assert got["events"] == ["start", "experts 0", "wait", "start", "experts 1", "wait", "backward",
+                                     "start", "experts 1 backward", "wait", "start", "experts 0 backward", "wait"]
+            assert want["events"] == ["experts 0", "backward", "experts 0 backward"]
 
 
 def test_an_ep_rank_initialises_exactly_its_slice_of_the_experts():
