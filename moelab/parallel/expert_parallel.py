@@ -18,6 +18,12 @@ One MoE layer's forward, implementing the dispatcher interface of moelab.model.m
   6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights.
 The backward pass of 4 is the mirrored all-to-all, so gradients take the same route back.
 
+With parallel.ep_overlap, ``OverlappedAllToAllDispatcher.route`` runs 1-6 on the two halves of the tokens
+(after routing: same choices, drops and counts), step 3 still once for both, and starts one half's exchange
+with ``async_op=True`` before the other half's experts run (on NCCL the wait makes the compute stream wait for
+NCCL's; no host synchronisation is added). The experts module is called once per half, so FSDP2 enters it
+twice per micro batch (two unshards of the expert weights in forward, two reduce-scatters in backward).
+
 Gradient scale of the experts: each rank's loss is a mean over its own tokens, and an expert's gradient is the
 sum over every EP peer's tokens routed to it; FSDP then averages over the expert-FSDP mesh ((dp*cp)/ep ranks).
 The data-parallel mean needs 1/(dp*cp), i.e. another 1/ep. ``scale_expert_gradients`` applies it around the
