@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moelab.model.experts import GroupedExperts
 from moelab.parallel import expert_parallel
-from moelab.parallel.expert_parallel import AllToAllDispatcher, OverlappedAllToAllDispatcher
+from moelab.parallel.expert_parallel import AllToAllDispatcher, OverlappedAllToAllDispatcher, shard_experts
 
 EXPERTS_TK = {0: [[0, 2], [1, 3], [2, 0]], 1: [[3, 1], [2, 3], [0, 1]]}
 KEEP_TK = {0: [[True, False], [True, True], [True, True]], 1: [[True, True], [True, True], [True, False]]}
@@ -53,6 +54,21 @@ def run_case(rank, group, keep, overlap=False):
             "scale_grad": scale_X.grad.tolist(), "calls": len(seen), "sent": d.counts.pop(), "events": events}
 
 
+def run_nothing_arrives(rank, group, overlap):
+    """Every token picks experts 0 and 1 (rank 0's): rank 1's real grouped-GEMM experts receive no rows."""
+    experts = GroupedExperts(4, 4, 4)
+    shard_experts(experts, rank, 2)
+    gen = torch.Generator().manual_seed(rank)
+    for p in experts.parameters():
+        p.data.normal_(generator=gen)
+    x_TD = torch.randn(3, 4, generator=gen).requires_grad_()
+    d = (OverlappedAllToAllDispatcher if overlap else AllToAllDispatcher)(group)
+    y_TD = d.route(experts, x_TD, torch.tensor([[0.75, 0.25]] * 3), torch.tensor([[0, 1], [1, 0], [0, 1]]), None, 4)
+    y_TD.square().sum().backward()
+    return {"y": y_TD.reshape(-1).tolist(), "x_grad": x_TD.grad.reshape(-1).tolist(),
+            "expert_grads": [p.grad.abs().sum().item() for p in experts.parameters()]}
+
+
 class _Mark(torch.autograd.Function):
     """Identity; notes `label` in `events` when its backward runs."""
 
@@ -86,7 +102,9 @@ def main(out: Path) -> None:
     result = {"plain": run_case(rank, dist.group.WORLD, keep=False),
               "capacity": run_case(rank, dist.group.WORLD, keep=True),
               "overlap": run_case(rank, dist.group.WORLD, keep=False, overlap=True),
-              "overlap_capacity": run_case(rank, dist.group.WORLD, keep=True, overlap=True)}
+              "overlap_capacity": run_case(rank, dist.group.WORLD, keep=True, overlap=True),
+              "nothing_arrives": run_nothing_arrives(rank, dist.group.WORLD, overlap=False),
+              "nothing_arrives_overlap": run_nothing_arrives(rank, dist.group.WORLD, overlap=True)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears down its connections while a peer's last transfer is in flight
     dist.destroy_process_group()

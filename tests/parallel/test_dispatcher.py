@@ -65,6 +65,13 @@ def test_rows_counts_outputs_and_gradients_on_two_ranks(tmp_path):
                                      "start", "experts 1 backward", "wait", "start", "experts 0 backward", "wait"]
             assert want["events"] == ["experts 0", "backward", "experts 0 backward"]
 
+    # A rank whose (grouped-GEMM) experts receive no rows, in the whole batch or in a chunk, still takes part
+    for r in range(2):
+        want, got = res[r]["nothing_arrives"], res[r]["nothing_arrives_overlap"]
+        for key in ("y", "x_grad", "expert_grads"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (r, key)
+    assert min(res[0]["nothing_arrives"]["expert_grads"]) > 0 and res[1]["nothing_arrives"]["expert_grads"] == [0, 0]
+
 
 def test_an_ep_rank_initialises_exactly_its_slice_of_the_experts():
     cfg = load_config("tiny")
