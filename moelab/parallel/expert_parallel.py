@@ -113,16 +113,14 @@ class AllToAllDispatcher(Dispatcher):
         return recv_CRX, send_splits, recv_splits
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
-        T, K = experts_TK.shape
         flat_TK = sort_key(experts_TK, keep_TK, num_experts)
         send_RX = expert_counts(flat_TK, num_experts, self.ep)
         recv_CRX, send_splits, recv_splits = self.exchange_counts(x_TD, flat_TK, send_RX[None])
-        rows = ChunkRows(flat_TK, recv_CRX[0], send_splits[0], recv_splits[0], 0, K)
+        rows = ChunkRows(flat_TK, recv_CRX[0], send_splits[0], recv_splits[0], 0, experts_TK.shape[1])
         x_recv_WD = all_to_all(x_TD[rows.token_N], recv_splits[0], send_splits[0], self.group)
-        return x_recv_WD[rows.perm_W], recv_CRX[0].sum(0), (rows, T, K)
+        return x_recv_WD[rows.perm_W], recv_CRX[0].sum(0), rows
 
-    def combine(self, y_WD, ctx, weights_TK, keep_TK, counts_X):
-        rows, T, K = ctx
+    def combine(self, y_WD, rows, weights_TK, keep_TK, counts_X):
         y_back_ND = all_to_all(rows.rank_major(y_WD), rows.send_splits, rows.recv_splits, self.group)
         return weighted_sum([rows], [y_back_ND], weights_TK)
 
