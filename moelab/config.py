@@ -162,6 +162,9 @@ class ParallelConfig:
     # exchange after backward (the one train.expert_grad_compression can compress).
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     expert_dp: Literal["fsdp", "replicate"] = "fsdp"
+    # Overlap the expert all-to-all with the experts' compute: each micro batch's tokens go in two chunks after
+    # routing, one chunk's exchange running while the other's experts compute (same math; needs ep > 1).
+    ep_overlap: bool = False
 
 
 @dataclass

@@ -109,6 +109,7 @@ def check(cfg) -> None:
     _check_node_limited(moe, p, b)
     _check_replication(p, t)
     _check_deepep(cfg)
+    _check_ep_overlap(p, b)
     if moe.capacity_factor < 0:
         _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
     if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -272,6 +273,19 @@ def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> 
     if R % p.ep:
         _fail("parallel.ep", p.ep, f"must divide model.moe.routing_ranks={R}, so that each EP rank holds whole "
               f"routing blocks and a token reaches at most max_routed_ranks={M} ranks")
+
+
+def _check_ep_overlap(p: ParallelConfig, b: BackendConfig) -> None:
+    """parallel.ep_overlap: the all-to-all dispatcher split in two chunks (moelab.parallel.expert_parallel)."""
+    if not p.ep_overlap:
+        return
+    if p.ep == 1:
+        _fail("parallel.ep_overlap", True, "overlaps the expert-parallel all-to-all, which needs parallel.ep > 1; "
+              "set parallel.ep (e.g. 2) or parallel.ep_overlap=false")
+    if b.dispatcher != "all_to_all":
+        _fail("parallel.ep_overlap", True, f"splits backend.dispatcher='all_to_all''s exchanges, not "
+              f"backend.dispatcher={b.dispatcher!r}'s kernels; set backend.dispatcher=all_to_all or "
+              f"parallel.ep_overlap=false")
 
 
 def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:

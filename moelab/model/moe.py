@@ -38,7 +38,20 @@ class AttachLoss(torch.autograd.Function):
         return grad_x, torch.full_like(loss, ctx.scale), None
 
 
-class LocalDispatcher:
+class Dispatcher:
+    """How a MoE layer's rows reach its experts and come back. ``route`` runs dispatch -> experts -> combine
+    in order; a dispatcher may override it to overlap its communication with the experts' compute
+    (moelab.parallel.expert_parallel.OverlappedAllToAllDispatcher), giving the same result.
+
+        y_TD = LocalDispatcher().route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
+    """
+
+    def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
+        x_ND, counts, ctx = self.dispatch(x_TD, experts_TK, keep_TK, num_experts)
+        return self.combine(experts(x_ND, counts), ctx, weights_TK, keep_TK, counts)
+
+
+class LocalDispatcher(Dispatcher):
     """All experts on this rank: sort the N = T*K assignments by expert, and undo it after.
 
         x_ND, counts_E, order_N = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
@@ -95,9 +108,7 @@ class MoE(nn.Module):
         weights_TK, experts_TK, keep_TK, router_loss = self.router(x_BLD)
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
-        x_ND, counts_E, ctx = self.dispatcher.dispatch(x_TD, experts_TK, keep_TK, self.num_experts)
-        y_ND = self.experts(x_ND, counts_E)
-        y_TD = self.dispatcher.combine(y_ND, ctx, weights_TK, keep_TK, counts_E)
+        y_TD = self.dispatcher.route(self.experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         y_BLD = y_TD.view(B, L, D)

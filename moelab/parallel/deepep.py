@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from moelab.backends.packages import import_package
 from moelab.config import ConfigError
+from moelab.model.moe import Dispatcher
 from moelab.parallel.expert_parallel import DispatchCounts, ranks_per_token
 
 WEIGHT_COLUMNS = 32  # the weights' rows: fp32, padded to DeepEP's top-k limit (rows of a multiple of 32 bytes)
@@ -105,7 +106,7 @@ def check_one_node(group) -> None:
                           f"one node's GPUs, or set backend.dispatcher=all_to_all")
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(Dispatcher):
     """Expert-parallel dispatch/combine through DeepEP's intranode kernels over `group` (2, 4 or 8 EP ranks).
 
         moe.dispatcher = DeepEPDispatcher(ep_group, hidden=cfg.model.hidden_size)   # backend.dispatcher=deepep

@@ -27,7 +27,8 @@ from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.parallel.env import DistEnv
 from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
 from moelab.parallel.context import ContextParallel
-from moelab.parallel.expert_parallel import AllToAllDispatcher, scale_expert_gradients, shard_experts
+from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
+                                             scale_expert_gradients, shard_experts)
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.mesh import Meshes, build_meshes
 from moelab.parallel.replicate import REPLICAS
@@ -111,10 +112,11 @@ def mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def build_dispatcher(kind: str, group, hidden: int):
-    """The EP token dispatcher named by backend.dispatcher (the switchboard has checked its package)."""
+def build_dispatcher(kind: str, group, hidden: int, overlap: bool = False):
+    """The EP token dispatcher named by backend.dispatcher (the switchboard has checked its package);
+    `overlap` (parallel.ep_overlap) splits the all-to-all's exchanges to overlap them with the experts."""
     if kind == "all_to_all":
-        return AllToAllDispatcher(group)
+        return OverlappedAllToAllDispatcher(group) if overlap else AllToAllDispatcher(group)
     if kind == "deepep":
         try:
             from moelab.parallel.deepep import DeepEPDispatcher
@@ -133,7 +135,7 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     kind = getattr(model, "backends", {}).get("dispatcher", cfg.backend.dispatcher)
     # One dispatcher for every layer: it keeps no state between calls, and DeepEP's communication buffer
     # (about a gigabyte) is needed once per process, not once per layer.
-    dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size)
+    dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size, cfg.parallel.ep_overlap)
     for moe in model.moe_layers():
         shard_experts(moe.experts, meshes.coords.ep, ep)
         scale_expert_gradients(moe.experts, ep)

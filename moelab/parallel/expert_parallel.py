@@ -18,6 +18,12 @@ One MoE layer's forward, implementing the dispatcher interface of moelab.model.m
   6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights.
 The backward pass of 4 is the mirrored all-to-all, so gradients take the same route back.
 
+With parallel.ep_overlap, ``OverlappedAllToAllDispatcher.route`` runs 1-6 on the two halves of the tokens
+(after routing: same choices, drops and counts), step 3 still once for both, and starts one half's exchange
+with ``async_op=True`` before the other half's experts run (on NCCL the wait makes the compute stream wait for
+NCCL's; no host synchronisation is added). The experts module is called once per half, so FSDP2 enters it
+twice per micro batch (two unshards of the expert weights in forward, two reduce-scatters in backward).
+
 Gradient scale of the experts: each rank's loss is a mean over its own tokens, and an expert's gradient is the
 sum over every EP peer's tokens routed to it; FSDP then averages over the expert-FSDP mesh ((dp*cp)/ep ranks).
 The data-parallel mean needs 1/(dp*cp), i.e. another 1/ep. ``scale_expert_gradients`` applies it around the
@@ -30,6 +36,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from moelab.model.moe import Dispatcher
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -45,29 +53,33 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _exchange(x_ND, out_splits: list[int], in_splits: list[int], group, async_op: bool = False):
+    """One uneven all_to_all_single: (the received rows, the collective's handle when `async_op`)."""
+    x_ND = x_ND.contiguous()
+    y_WD = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
+    work = dist.all_to_all_single(y_WD, x_ND, out_splits, in_splits, group=group, async_op=async_op)
+    return y_WD, work
+
+
 class _AllToAll(torch.autograd.Function):
     """Uneven all_to_all_single whose backward is the mirrored exchange (output splits <-> input splits)."""
 
     @staticmethod
     def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        y_WD = x_ND.new_empty((sum(out_splits),) + tuple(x_ND.shape[1:]))
-        dist.all_to_all_single(y_WD, x_ND.contiguous(), out_splits, in_splits, group=group)
-        return y_WD
+        return _exchange(x_ND, out_splits, in_splits, group)[0]
 
     @staticmethod
     def backward(ctx, grad_WD):
         out_splits, in_splits = ctx.splits
-        grad_ND = grad_WD.new_empty((sum(in_splits),) + tuple(grad_WD.shape[1:]))
-        dist.all_to_all_single(grad_ND, grad_WD.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_ND, None, None, None
+        return _exchange(grad_WD, in_splits, out_splits, ctx.group)[0], None, None, None
 
 
 def all_to_all(x_ND, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     return _AllToAll.apply(x_ND, out_splits, in_splits, group)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(Dispatcher):
     """Token dispatch over an expert-parallel process group with torch.distributed's all-to-all.
 
     The MoE layer keeps `num_experts` global (routing picks among all experts); the experts module holds only
@@ -82,39 +94,177 @@ class AllToAllDispatcher:
         self.me = dist.get_rank(group)
         self.counts = DispatchCounts(self.ep)
 
-    def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
-        T, K = experts_TK.shape
-        R, X = self.ep, num_experts // self.ep
-        flat_TK = experts_TK.reshape(-1)
-        if keep_TK is not None:  # dropped assignments sort last, behind a sentinel expert, and stay here
-            flat_TK = torch.where(keep_TK.reshape(-1), flat_TK, num_experts)
-        order_TK = torch.argsort(flat_TK, stable=True)
-        send_RX = torch.bincount(flat_TK, minlength=num_experts + 1)[:num_experts].view(R, X)
-        recv_RX = torch.empty_like(send_RX)
-        dist.all_to_all_single(recv_RX, send_RX, group=self.group)  # recv[r, x]: rows from rank r for expert x
+    def exchange_counts(self, x_TD, flat_TK, send_CRX):
+        """Steps 2 and 3 for C chunks of the tokens at once: one all-to-all of the [R, C, X] counts and ONE
+        device-to-host copy. Returns recv_CRX (recv[c, r, x]: rows of chunk c from rank r for my expert x) and
+        the host split sizes [C][R] to send and to receive (and adds this dispatch to ``self.counts``)."""
+        C, R, X = send_CRX.shape
+        send_RCX = send_CRX.transpose(0, 1).contiguous()  # grouped by destination rank: even splits
+        recv_RCX = torch.empty_like(send_RCX)
+        dist.all_to_all_single(recv_RCX, send_RCX, group=self.group)
+        recv_CRX = recv_RCX.transpose(0, 1)
         # The one device-to-host copy of this layer (see the module docstring), with the ranks each token reaches.
-        host = torch.cat([send_RX.sum(1), recv_RX.sum(1), recv_RX.reshape(-1),
-                          ranks_per_token(flat_TK.view(T, K), X, R)]).tolist()
-        send_splits, recv_splits = host[:R], host[R:2 * R]
-        self.counts.add(send_splits, host[2 * R + R * X:], self.me, x_TD.shape[-1] * x_TD.element_size())
-        N, W = sum(send_splits), sum(recv_splits)
-        order_N = order_TK[:N]
-        x_send_ND = x_TD[order_N // K]
-        x_recv_WD = all_to_all(x_send_ND, recv_splits, send_splits, self.group)
-        # rank-major -> local-expert-major: a stable sort of the received rows by their local expert
-        expert_of_row_W = torch.repeat_interleave(torch.arange(R * X, device=x_TD.device) % X,
-                                                  recv_RX.reshape(-1), output_size=W)
-        perm_W = torch.argsort(expert_of_row_W, stable=True)
-        ctx = (order_N, perm_W, send_splits, recv_splits, T, K)
-        return x_recv_WD[perm_W], recv_RX.sum(0), ctx
+        host = torch.cat([send_CRX.sum(2).reshape(-1), recv_CRX.sum(2).reshape(-1),
+                          ranks_per_token(flat_TK.view(x_TD.shape[0], -1), X, R)]).tolist()
+        send, recv = host[:C * R], host[C * R:2 * C * R]
+        send_splits, recv_splits = ([part[c * R:(c + 1) * R] for c in range(C)] for part in (send, recv))
+        self.counts.add([sum(s) for s in zip(*send_splits)], host[2 * C * R:], self.me,
+                        x_TD.shape[-1] * x_TD.element_size())
+        return recv_CRX, send_splits, recv_splits
 
-    def combine(self, y_WD, ctx, weights_TK, keep_TK, counts_X):
-        order_N, perm_W, send_splits, recv_splits, T, K = ctx
-        y_recv_WD = torch.empty_like(y_WD).index_copy(0, perm_W, y_WD)  # back to rank-major
-        y_back_ND = all_to_all(y_recv_WD, send_splits, recv_splits, self.group)
-        # dropped assignments were never sent: their rows stay zero (and their weights are zero too)
-        y_TKD = y_back_ND.new_zeros(T * K, y_back_ND.shape[-1]).index_copy(0, order_N, y_back_ND)
-        return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
+    def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
+        flat_TK = sort_key(experts_TK, keep_TK, num_experts)
+        send_RX = expert_counts(flat_TK, num_experts, self.ep)
+        recv_CRX, send_splits, recv_splits = self.exchange_counts(x_TD, flat_TK, send_RX[None])
+        rows = ChunkRows(flat_TK, recv_CRX[0], send_splits[0], recv_splits[0], 0, experts_TK.shape[1])
+        x_recv_WD = all_to_all(x_TD[rows.token_N], recv_splits[0], send_splits[0], self.group)
+        return x_recv_WD[rows.perm_W], recv_CRX[0].sum(0), rows
+
+    def combine(self, y_WD, rows, weights_TK, keep_TK, counts_X):
+        y_back_ND = all_to_all(rows.rank_major(y_WD), rows.send_splits, rows.recv_splits, self.group)
+        return weighted_sum([rows], [y_back_ND], weights_TK)
+
+
+class OverlappedAllToAllDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher with its exchanges overlapped with the experts' compute (parallel.ep_overlap).
+
+    Each micro batch's tokens are split in two chunks (first and second half) AFTER routing, so the router's
+    choices, capacity drops, aux losses and counts are those of the whole micro batch. Chunk 1's dispatch travels
+    while chunk 0's experts compute, and chunk 0's combine while chunk 1's experts compute; backward mirrors it
+    (chunk 0's combine gradient travels during chunk 1's expert backward, chunk 1's dispatch gradient during
+    chunk 0's). Every row meets the same expert weights as without the split, so the result is the same up to
+    the experts' GEMMs seeing two smaller batches. The counts of both chunks go in one exchange and one
+    device-to-host copy, as in the plain path; the rows take 4 all-to-alls per direction instead of 2.
+
+        moe.dispatcher = OverlappedAllToAllDispatcher(meshes.ep_group)   # moelab.parallel.distributed
+    """
+
+    def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
+        T, K = experts_TK.shape
+        if T < 2:
+            return super().route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
+        g, h = self.group, T // 2
+        flat_TK = sort_key(experts_TK, keep_TK, num_experts)
+        halves = (flat_TK[:h * K], flat_TK[h * K:])
+        send_CRX = torch.stack([expert_counts(f, num_experts, self.ep) for f in halves])
+        recv_CRX, send, recv = self.exchange_counts(x_TD, flat_TK, send_CRX)
+        r0, r1 = (ChunkRows(f, recv_CRX[c], send[c], recv[c], c * h, K) for c, f in enumerate(halves))
+        x0_WD = all_to_all(x_TD[r0.token_N], recv[0], send[0], g)
+        travel1 = _Travel()
+        x1_WD = start_all_to_all(x_TD[r1.token_N], recv[1], send[1], g, travel1)   # chunk 1 travels ...
+        y0_WD = experts(x0_WD[r0.perm_W], recv_CRX[0].sum(0))                        # ... while chunk 0 computes
+        x1_WD = wait_all_to_all(x1_WD, recv[1], send[1], g, travel1)
+        travel0 = _Travel()
+        y0_ND = start_all_to_all(r0.rank_major(y0_WD), send[0], recv[0], g, travel0)  # chunk 0 returns ...
+        y1_WD = r1.rank_major(experts(x1_WD[r1.perm_W], recv_CRX[1].sum(0)))          # ... while chunk 1 computes
+        y0_ND = wait_all_to_all(y0_ND, send[0], recv[0], g, travel0)
+        y1_ND = all_to_all(y1_WD, send[1], recv[1], g)
+        return weighted_sum([r0, r1], [y0_ND, y1_ND], weights_TK)
+
+
+class _Travel:
+    """An all-to-all in flight between its start and its wait: the forward exchange, then its mirror in
+    backward. Holds the tensors until the wait (the collective writes into the output meanwhile)."""
+
+    def start(self, x_ND, out_splits, in_splits, group) -> torch.Tensor:
+        x_ND = x_ND.contiguous()  # the very tensor the collective reads stays referenced until the wait
+        y_WD, self.work = _exchange(x_ND, out_splits, in_splits, group, async_op=True)
+        self.tensors = (x_ND, y_WD)
+        return y_WD
+
+    def wait(self) -> torch.Tensor:
+        """The output, once it has arrived (on NCCL: the current stream waits for it; the host does not)."""
+        self.work.wait()
+        y_WD = self.tensors[1]
+        self.work = self.tensors = None
+        return y_WD
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Starts an uneven all-to-all and returns its output before it has arrived (read it only after
+    ``_WaitAllToAll``). Backward: waits for the mirrored exchange that _WaitAllToAll's backward started, and
+    returns what it brought (the gradient autograd passes in only orders the two)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits, in_splits, group, travel: _Travel):
+        ctx.travel = travel
+        return travel.start(x_ND, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_WD):
+        return ctx.travel.wait(), None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Waits for the exchange _StartAllToAll started. Backward: starts the mirrored exchange of the gradient
+    (output splits <-> input splits), which _StartAllToAll's backward waits for."""
+
+    @staticmethod
+    def forward(ctx, y_WD, out_splits, in_splits, group, travel: _Travel):
+        travel.wait()
+        ctx.args = out_splits, in_splits, group, travel
+        return y_WD.view_as(y_WD)
+
+    @staticmethod
+    def backward(ctx, grad_WD):
+        out_splits, in_splits, group, travel = ctx.args
+        travel.start(grad_WD, in_splits, out_splits, group)
+        return grad_WD, None, None, None, None
+
+
+@torch.compiler.disable
+def start_all_to_all(x_ND, out_splits, in_splits, group, travel: _Travel) -> torch.Tensor:
+    return _StartAllToAll.apply(x_ND, out_splits, in_splits, group, travel)
+
+
+@torch.compiler.disable
+def wait_all_to_all(y_WD, out_splits, in_splits, group, travel: _Travel) -> torch.Tensor:
+    return _WaitAllToAll.apply(y_WD, out_splits, in_splits, group, travel)
+
+
+def sort_key(experts_TK, keep_TK, num_experts) -> torch.Tensor:
+    """[T*K] expert ids to sort the assignments by; dropped ones get the sentinel `num_experts` (sorted last,
+    never sent)."""
+    flat_TK = experts_TK.reshape(-1)
+    return flat_TK if keep_TK is None else torch.where(keep_TK.reshape(-1), flat_TK, num_experts)
+
+
+def expert_counts(flat_N, num_experts: int, ep: int) -> torch.Tensor:
+    """[R, X]: this rank's rows for each rank's local experts (the sentinel's are not counted)."""
+    return torch.bincount(flat_N, minlength=num_experts + 1)[:num_experts].view(ep, num_experts // ep)
+
+
+class ChunkRows:
+    """Where the rows of one chunk of tokens go (steps 1, 4 and 5 of the module docstring): `token_N` the token
+    of each sent row (expert-major), `slot_N` its place among the micro batch's T*K assignments, `perm_W` the
+    received rows from rank-major to local-expert-major, and the host split sizes.
+
+        rows = ChunkRows(flat_TK, recv_RX, send_splits, recv_splits, token_offset=0, K=2)
+    """
+
+    def __init__(self, flat_N, recv_RX, send_splits, recv_splits, token_offset: int, K: int):
+        R, X = recv_RX.shape
+        N, W = sum(send_splits), sum(recv_splits)
+        order_N = torch.argsort(flat_N, stable=True)[:N]
+        self.slot_N = order_N + token_offset * K
+        self.token_N = self.slot_N // K
+        expert_of_row_W = torch.repeat_interleave(torch.arange(R * X, device=flat_N.device) % X,
+                                                  recv_RX.reshape(-1), output_size=W)
+        self.perm_W = torch.argsort(expert_of_row_W, stable=True)
+        self.send_splits, self.recv_splits = send_splits, recv_splits
+
+    def rank_major(self, y_WD: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(y_WD).index_copy(0, self.perm_W, y_WD)
+
+
+def weighted_sum(rows: list[ChunkRows], y_back: list[torch.Tensor], weights_TK) -> torch.Tensor:
+    """Step 6: the returned rows back at their tokens' slots, summed over top-k with the router weights. Dropped
+    assignments were never sent: their rows stay zero (and their weights are zero too)."""
+    T, K = weights_TK.shape
+    slot_N = rows[0].slot_N if len(rows) == 1 else torch.cat([r.slot_N for r in rows])
+    y_ND = y_back[0] if len(y_back) == 1 else torch.cat(y_back)
+    y_TKD = y_ND.new_zeros(T * K, y_ND.shape[-1]).index_copy(0, slot_N, y_ND)
+    return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
 
 
 def ranks_per_token(experts_TK: torch.Tensor, X: int, R: int) -> torch.Tensor:

@@ -29,6 +29,9 @@ def test_overrides_from_cli_strings_and_dicts():
     (["train.global_batch_size=7"], "train.global_batch_size=7", "multiple of train.micro_batch_size"),
     (["parallel.tp=2"], "parallel.tp=2", "not supported"),
     (["model.num_layers=0"], "model.num_layers=0", ">= 1"),
+    (["parallel.ep_overlap=true"], "parallel.ep_overlap=True", "needs parallel.ep > 1"),
+    (["parallel.ep=2", "parallel.ep_overlap=true", "backend.dispatcher=deepep"], "parallel.ep_overlap=True",
+     "set backend.dispatcher=all_to_all"),
 ])
 def test_invalid_values_name_field_value_and_fix(overrides, field, words):
     with pytest.raises(ConfigError) as e:

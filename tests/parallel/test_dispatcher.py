@@ -1,5 +1,6 @@
 """The all-to-all dispatcher on hand-made routing: which rows each rank receives (expert ownership and counts),
-the combined output, and the gradients (tokens, and the experts' 1/ep share; see expert_parallel's docstring)."""
+the combined output, and the gradients (tokens, and the experts' 1/ep share; see expert_parallel's docstring);
+the overlapped two-chunk route (parallel.ep_overlap) gives the same."""
 import json
 import sys
 from pathlib import Path
@@ -47,6 +48,29 @@ def test_rows_counts_outputs_and_gradients_on_two_ranks(tmp_path):
     assert cap[1]["received"] == [a(2), b(1), a(1), b(0), b(1)]
     assert cap[0]["y"][0] == pytest.approx(0.75 * 1 * a(0))  # the dropped half contributes nothing
     assert cap[1]["y"][2] == pytest.approx(0.75 * 1 * b(2))
+
+    # parallel.ep_overlap: the two-chunk route gives the same outputs, gradients and counts, each chunk's rows
+    # reaching the experts in a call of its own
+    for r in range(2):
+        for case, over in (("plain", "overlap"), ("capacity", "overlap_capacity")):
+            want, got = res[r][case], res[r][over]
+            assert want["calls"] == 1 and got["calls"] == 2
+            for key in ("y", "x_grad", "scale_grad", "counts", "sent"):
+                assert got[key] == want[key], (r, over, key)
+            assert sorted(got["received"]) == sorted(want["received"])
+            # what overlaps what: chunk 1's dispatch travels while chunk 0's experts compute, chunk 0's combine
+            # while chunk 1's; backward mirrors it (combine 0's gradient behind experts 1's backward, dispatch 1's
+            # behind experts 0's)
+            assert got["events"] == ["start", "experts 0", "wait", "start", "experts 1", "wait", "backward",
+                                     "start", "experts 1 backward", "wait", "start", "experts 0 backward", "wait"]
+            assert want["events"] == ["experts 0", "backward", "experts 0 backward"]
+
+    # A rank whose (grouped-GEMM) experts receive no rows, in the whole batch or in a chunk, still takes part
+    for r in range(2):
+        want, got = res[r]["nothing_arrives"], res[r]["nothing_arrives_overlap"]
+        for key in ("y", "x_grad", "expert_grads"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (r, key)
+    assert min(res[0]["nothing_arrives"]["expert_grads"]) > 0 and res[1]["nothing_arrives"]["expert_grads"] == [0, 0]
 
 
 def test_an_ep_rank_initialises_exactly_its_slice_of_the_experts():
