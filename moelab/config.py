@@ -161,6 +161,19 @@ class ParallelConfig:
     # exchange after backward (the one train.expert_grad_compression can compress).
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     expert_dp: Literal["fsdp", "replicate"] = "fsdp"
+    # FSDP2 (moelab.parallel.fsdp): whether a unit frees its gathered weights after forward (and gathers them
+    # again in backward). default = torchtitan's rule: yes, except the last block and under pipeline parallelism
+    # (pp > 1: every micro batch's forward would gather again); always / never. Dense blocks and the experts
+    # (their own FSDP2 units under EP) each have their own field.
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    expert_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # The dtype FSDP2 reduce-scatters gradients in (MixedPrecisionPolicy.reduce_dtype): bfloat16 halves the
+    # bytes and rounds every gradient to bf16 before it is summed over ranks.
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # FSDP2's all-gathers: implicit (issued as the CPU reaches each unit), explicit (each block gathers the next
+    # one and its experts ahead: set_modules_to_forward/backward_prefetch), auto = explicit when ep > 1 (the
+    # dispatcher's host syncs hold the CPU back, so implicit gathers start late; torchtitan's rule).
+    fsdp_prefetch: Literal["auto", "implicit", "explicit"] = "auto"
 
 
 @dataclass
