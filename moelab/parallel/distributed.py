@@ -6,8 +6,8 @@ meta device.
 Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
 install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
 name, and stacked experts per expert, so the weights equal the single-process ones), (3) context parallelism
-(moelab.parallel.context), (4) activation checkpointing, (5) FSDP2 (moelab.parallel.fsdp): experts over the expert-FSDP mesh,
-then every block and the root over the dense (dp*cp) mesh, one-rank meshes left plain. With
+(moelab.parallel.context), (4) activation checkpointing, (5) FSDP2 (moelab.parallel.fsdp): experts over the
+expert-FSDP mesh, then every block and the root over the dense (dp*cp) mesh, one-rank meshes left plain. With
 train.dtype=bfloat16 FSDP2 keeps fp32 master weights and computes in bf16 (MixedPrecisionPolicy; gradients
 reduced in parallel.reduce_dtype). Pipeline stages: moelab.parallel.pipeline.
 

@@ -16,7 +16,8 @@ are reduced, and how all-gathers are prefetched.
 - reshard_after_forward (parallel.reshard_after_forward for the blocks and the root,
   parallel.expert_reshard_after_forward for the experts): torchtitan's default keeps the last block gathered
   (backward needs it at once) and, under pipeline parallelism, every block (the schedule runs many micro
-  batches' forwards; resharding would all-gather again for each).
+  batches' forwards; resharding would all-gather again for each); the root (embedding, norm, LM head) stays
+  gathered (FSDP2's own choice for a root) unless the policy is always.
 - reduce_dtype (parallel.reduce_dtype): FSDP2 reduce-scatters gradients in fp32 (default) or bf16.
 - Prefetching (parallel.fsdp_prefetch): explicit = each block's pre-forward gathers the next block and its
   experts, each block's pre-backward the previous one's (set_modules_to_forward/backward_prefetch); auto picks
@@ -74,9 +75,10 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes, ignored_params: set | None
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored or None,
                     reshard_after_forward=reshard_after_forward(p.reshard_after_forward, p.pp, i == len(blocks) - 1))
-    # FSDP2 keeps the root gathered after forward whatever it is given (backward starts with its LM head)
+    # the root: None lets FSDP2 keep it gathered after forward (backward starts with its LM head)
+    root_reshard = None if p.reshard_after_forward == "default" else p.reshard_after_forward == "always"
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored or None,
-                reshard_after_forward=reshard_after_forward(p.reshard_after_forward, p.pp, False))
+                reshard_after_forward=root_reshard)
     if p.fsdp_prefetch == "explicit" or (p.fsdp_prefetch == "auto" and p.ep > 1):
         set_prefetch(model, blocks, experts)
 

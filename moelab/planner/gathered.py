@@ -36,8 +36,11 @@ def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg
     units += [pieces.embedding * dense_on] * first + [pieces.head * dense_on] * last
     biggest = max(units, default=0)
     n = len(moe_layers)
+    # the experts' own policy where they are their own unit (ep > 1; DDP runs leave theirs at FSDP2's default)
+    expert_policy = "always" if p.data_parallel == "ddp" else (
+        p.expert_reshard_after_forward if p.ep > 1 else p.reshard_after_forward)
     held = [d * (not reshard_after_forward(p.reshard_after_forward, p.pp, i == n - 1))
-            + e * experts_on * (not reshard_after_forward(p.expert_reshard_after_forward, p.pp, i == n - 1))
+            + e * experts_on * (not reshard_after_forward(expert_policy, p.pp, i == n - 1))
             for i, (d, e) in enumerate(zip(dense_i, experts_i))]
     extra_held = sum(held) - max(held, default=0)
     return 2 * biggest * a + biggest * 4 + extra_held * a
