@@ -163,8 +163,9 @@ class ParallelConfig:
     expert_dp: Literal["fsdp", "replicate"] = "fsdp"
     # FSDP2 (moelab.parallel.fsdp): whether a unit frees its gathered weights after forward (and gathers them
     # again in backward). default = torchtitan's rule: yes, except the last block and under pipeline parallelism
-    # (pp > 1: every micro batch's forward would gather again); always / never. Dense blocks and the experts
-    # (their own FSDP2 units under EP) each have their own field.
+    # (pp > 1: every micro batch's forward would gather again); always / never. Dense blocks (and the root) and
+    # the experts (their own FSDP2 units when ep > 1; with ep = 1 they follow their block) each have a field.
+    # Placement only: no value changes.
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     expert_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # The dtype FSDP2 reduce-scatters gradients in (MixedPrecisionPolicy.reduce_dtype): bfloat16 halves the

@@ -23,8 +23,8 @@ def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg
     when `first`, the LM head when `last`; `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh,
     `a`: compute dtype bytes."""
     dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
-    if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own (moelab.parallel.replicate)
-        experts_on = p.expert_dp == "fsdp"
+    if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
+        experts_on = p.expert_dp == "fsdp" and efsdp > 1
     elif p.ep == 1:  # the experts are part of their block's unit
         experts_on = p.expert_dp == "fsdp" and dense_on
     else:  # their own unit on the expert-FSDP mesh
