@@ -5,7 +5,7 @@
     save_config(cfg, "run/config.yaml"); load_config("run/config.yaml") == cfg   # True
 
 Every value is checked when a Config is built (``Config.validate``), and every error names the field, the
-value and the fix (`ConfigError`). Layout checks that need the world size live in moelab.parallel.dims (``ParallelDims``).
+value and the fix (`ConfigError`); layout checks that need the world size: moelab.parallel.dims.ParallelDims.
 Nothing here touches torch or hardware: a config can be built and planned on any machine.
 """
 from __future__ import annotations
@@ -162,9 +162,17 @@ class ParallelConfig:
     # exchange after backward (the one train.expert_grad_compression can compress).
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     expert_dp: Literal["fsdp", "replicate"] = "fsdp"
-    # Overlap the expert all-to-all with the experts' compute: each micro batch's tokens go in two chunks after
-    # routing, one chunk's exchange running while the other's experts compute (same math; needs ep > 1).
+    # Two token chunks per micro batch after routing, one's all-to-all overlapping the other's experts (same math).
     ep_overlap: bool = False
+    # FSDP2 placement (moelab.parallel.fsdp; no value changes). Reshard after forward: default = torchtitan's rule
+    # (every block but the last; none under pp > 1), for the dense blocks and the experts' own units.
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    expert_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # The gradient reduce-scatter dtype: bfloat16 halves its bytes, rounding each gradient before the sum.
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # All-gathers issued as the CPU reaches each unit (implicit) or a block ahead (explicit); auto = explicit
+    # when ep > 1 (the dispatcher's host syncs hold the CPU back; torchtitan's rule).
+    fsdp_prefetch: Literal["auto", "implicit", "explicit"] = "auto"
 
 
 @dataclass
@@ -186,35 +194,30 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # Parameter (and gradient, optimizer state) dtype. float32 = fp32 master weights, bf16 compute by autocast or
-    # FSDP2 mixed precision; bfloat16 = parameters stored in bf16 (as HF/torchtitan benchmarks run): half the
-    # memory traffic of the optimizer step, no per-step weight casts; needs train.dtype=bfloat16.
+    # Parameter (gradient, optimizer state) dtype: float32 = fp32 master weights, bf16 compute by autocast or FSDP2;
+    # bfloat16 = stored in bf16 (as HF/torchtitan benchmarks run), no per-step casts; needs train.dtype=bfloat16.
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
-    # FP8 training: off, or rowwise = dynamically scaled e4m3 GEMMs (one scale per row) for the routed experts
-    # and the attention / dense projections; router, norms, embedding, LM head stay bf16 (moelab.model.fp8);
-    # rowwise_lm_head = the same plus the LM head (the largest GEMM; opt-in until its loss parity is shown).
+    # FP8 (moelab.model.fp8): rowwise = e4m3 GEMMs scaled per row for the experts and the attention / dense
+    # projections (router, norms, embedding, LM head in bf16); rowwise_lm_head adds the LM head (opt-in).
     fp8: Literal["off", "rowwise", "rowwise_lm_head"] = "off"
     checkpoint_every: int = 0  # 0 = only on SIGTERM/SIGUSR1 and at the end
     keep_checkpoints: int = 2
-    # False = never write a checkpoint (benchmarks of big models: a checkpoint is ~12 bytes per parameter);
-    # a stop signal then just ends the run (PREEMPTED) at the step boundary. See moelab.train.checkpoint.
+    # False = never checkpoint (big benchmarks); a stop signal then just ends the run (PREEMPTED) at the step.
     save_checkpoints: bool = True
     on_nan: Literal["stop", "skip"] = "stop"
     # 1-bit expert gradients: with parallel.expert_dp=replicate the experts' gradient exchange sends sign bits and
     # one mean |g| per expert, with error feedback (moelab.parallel.compression). none = an exact mean.
     expert_grad_compression: Literal["none", "sign"] = "none"
     collective_timeout_s: float = 120.0
-    # Held-out evaluation every eval_every steps (0 = never) on eval_batches global batches of the validation
-    # split (data.val_fraction / data.val_path; synthetic and random data draw held-out samples): `eval` events.
+    # Held-out evaluation every eval_every steps (0 = never) on eval_batches global batches: `eval` events.
     eval_every: int = 0
     eval_batches: int = 4
     # Every expert_tokens_every steps (0 = never), which token ids each expert receives: expert_tokens.jsonl.
     expert_tokens_every: int = 0
-    # Readers of the metrics stream that mirror it as it is written: TensorBoard event files in RUN/tensorboard,
-    # and W&B (offline: RUN/wandb, no network). Need the optional packages (pip install moelab[export]).
+    # Live mirrors of the metrics stream: RUN/tensorboard event files and W&B (offline: RUN/wandb; moelab[export]).
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
     init_from: str = ""  # "" = random (train.seed); "hf:/abs/path": an HF checkpoint (moelab.hf.sharded_load)
@@ -245,9 +248,8 @@ class DataConfig:
 
         load_config("tiny", ["data.kind=random"]).data
     """
-    # synthetic: a learnable Markov chain; random: uniform tokens (benchmarks); tokens: a token file;
-    # text: text files (moelab.train.corpus); hf: a Hugging Face dataset (saved to disk, or a hub name);
-    # sft: JSON lines of chats or prompt/response pairs, loss on the responses (moelab.train.sft)
+    # synthetic: a learnable Markov chain; random: uniform tokens; tokens: a token file; text: text files
+    # (moelab.train.corpus); hf: a Hugging Face dataset; sft: chats, loss on the responses (moelab.train.sft)
     kind: Literal["synthetic", "random", "tokens", "text", "hf", "sft"] = "synthetic"
     # tokens: a flat file of token ids; text: a file, folder, glob or "stdlib" (the demo corpus, no download);
     # hf: a dataset folder (save_to_disk) or a hub name; sft: a JSON lines file
@@ -265,10 +267,8 @@ class DataConfig:
     val_path: str = ""
     # synthetic: a fixed random Markov chain; each token follows its successor with prob 1 - noise.
     noise: float = 0.1
-    # sft: a jinja chat template file, used instead of (or where it lacks one) the tokenizer's own
-    chat_template: str = ""
-    # sft: pack several examples into each row (attention kept within each, positions restart); false: one
-    # example per row, padded
+    chat_template: str = ""  # sft: a jinja chat template file, in place of the tokenizer's own (or its lack)
+    # sft: several examples per row (attention kept within each, positions restart); false: one per row, padded
     sft_packing: bool = True
 
 
@@ -487,11 +487,11 @@ def _merge(dst: dict, src: dict, prefix: str) -> None:
 
 def _nest(dotted: str, value: Any) -> dict:
     d: dict = {}
-    _set_nested = d
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        _set_nested = _set_nested.setdefault(p, {})
-    _set_nested[parts[-1]] = value
+    *parts, last = dotted.split(".")
+    node = d
+    for p in parts:
+        node = node.setdefault(p, {})
+    node[last] = value
     return d
 
 

@@ -301,6 +301,12 @@ def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:
     if p.expert_dp == "replicate" and p.data_parallel == "fsdp" and t.dtype == "bfloat16":
         _fail("parallel.expert_dp", p.expert_dp, "with FSDP2's bf16 mixed precision the replicated experts would "
               "stay fp32; set parallel.data_parallel=ddp (autocast) or train.dtype=float32")
+    if p.reduce_dtype != "float32" and (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp"):
+        name, value = (("parallel.data_parallel", p.data_parallel) if p.data_parallel != "fsdp"
+                       else ("parallel.expert_dp", p.expert_dp))
+        _fail("parallel.reduce_dtype", p.reduce_dtype, f"is FSDP2's gradient reduce-scatter dtype, and {name}="
+              f"{value} reduces its gradients in fp32 outside FSDP2; set parallel.reduce_dtype=float32 or "
+              f"{name}=fsdp")
 
 
 DEEPEP_EP = (2, 4, 8)  # the EP sizes DeepEP's intranode kernels are instantiated for (one node, NVLink)

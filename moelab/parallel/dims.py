@@ -180,3 +180,20 @@ def coords_of(layout: ParallelConfig, rank: int) -> Coords:
 def check_layout(cfg: Config, world_size: int) -> ParallelConfig:
     """The resolved layout for `world_size` ranks (ParallelDims.build(cfg, world_size).layout)."""
     return ParallelDims.build(cfg, world_size).layout
+
+
+def fsdp_wraps(mesh_size: int, cfg: Config) -> bool:
+    """Whether FSDP2 wraps a unit whose mesh has `mesh_size` ranks (moelab.parallel.fsdp; the planner counts the
+    same): two or more ranks always; one rank (nothing to shard or reduce) only where FSDP2's mixed precision is
+    the bf16 compute (train.dtype=bfloat16 over fp32 weights: its reshard frees each bf16 copy after forward,
+    where a cast left to autograd would be kept until backward)."""
+    return mesh_size > 1 or (cfg.train.dtype == "bfloat16" and cfg.train.param_dtype == "float32")
+
+
+def reshard_after_forward(policy: str, pp: int, last: bool) -> bool:
+    """FSDP2's reshard_after_forward for one unit under `policy` (parallel.reshard_after_forward or
+    expert_reshard_after_forward): always, never, or default: torchtitan's rule, not for a stage's last block
+    (backward needs it at once) and not under pipeline parallelism (each micro batch would gather again)."""
+    if policy != "default":
+        return policy == "always"
+    return pp == 1 and not last

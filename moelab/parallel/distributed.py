@@ -6,9 +6,10 @@ meta device.
 Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
 install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
 name, and stacked experts per expert, so the weights equal the single-process ones), (3) context parallelism
-(moelab.parallel.context), (4) activation checkpointing, (5) FSDP2: experts over the expert-FSDP mesh, then
-every block and the root over the dense (dp*cp) mesh. With train.dtype=bfloat16 FSDP2 keeps fp32 master weights
-and computes in bf16 (MixedPrecisionPolicy, fp32 gradient reduction). Pipeline stages: moelab.parallel.pipeline.
+(moelab.parallel.context), (4) activation checkpointing, (5) FSDP2 (moelab.parallel.fsdp): experts over the
+expert-FSDP mesh, then every block and the root over the dense (dp*cp) mesh, one-rank meshes left plain. With
+train.dtype=bfloat16 FSDP2 keeps fp32 master weights and computes in bf16 (MixedPrecisionPolicy; gradients
+reduced in parallel.reduce_dtype). Pipeline stages: moelab.parallel.pipeline.
 
 The weights of the trainer's statistics sum (``DistributedParallelized``) follow from who holds what: every rank
 of a pipeline stage routes its own tokens (so routing counts add up to global counts), the loss lives on the last
@@ -20,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moelab.config import Config, ConfigError, ParallelConfig
@@ -29,6 +29,7 @@ from moelab.parallel.place import Parallelized, apply_activation_checkpointing, 
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)
+from moelab.parallel.fsdp import apply_fsdp
 from moelab.parallel.dims import ParallelDims
 from moelab.parallel.mesh import Meshes, build_meshes
 from moelab.parallel.replicate import REPLICAS
@@ -45,7 +46,8 @@ class DistributedParallelized(Parallelized):
         super().__init__(model, cfg, env, layout)
         self.meshes, self.cp = meshes, cp
         self.dp_rank, self.dp_size = meshes.coords.dp, layout.fsdp
-        self.casts_params = mixed_precision(cfg) is not None and layout.data_parallel == "fsdp"
+        # bf16 compute without autocast: FSDP2's mixed precision, or weights stored in bf16
+        self.casts_params = cfg.train.dtype == "bfloat16" and layout.data_parallel == "fsdp"
         self.grad_exchange = None  # replicated experts' gradient exchange (moelab.parallel.replicate)
 
     def shard_sequence(self, tokens_BL: torch.Tensor) -> torch.Tensor:
@@ -105,13 +107,6 @@ class DistributedParallelized(Parallelized):
         return x
 
 
-def mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
-    """bf16 compute with fp32 master weights and fp32 gradient reduction, when train.dtype=bfloat16."""
-    if cfg.train.dtype != "bfloat16":
-        return None
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
 def build_dispatcher(kind: str, group, hidden: int, overlap: bool = False):
     """The EP token dispatcher named by backend.dispatcher (the switchboard has checked its package);
     `overlap` (parallel.ep_overlap) splits the all-to-all's exchanges to overlap them with the experts."""
@@ -140,21 +135,6 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
         shard_experts(moe.experts, meshes.coords.ep, ep)
         scale_expert_gradients(moe.experts, ep)
         moe.dispatcher = dispatcher
-
-
-def apply_fsdp(model: nn.Module, cfg: Config, meshes: Meshes, ignored_params: set | None = None) -> None:
-    """FSDP2: experts over the expert-FSDP mesh (when EP splits them), each block and the root over dp*cp.
-    `ignored_params`: replicated experts (moelab.parallel.replicate), left to their own exchange."""
-    mp = mixed_precision(cfg) or MixedPrecisionPolicy()
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        if meshes.layout.ep > 1 and getattr(inner, "is_moe", False) and not ignored_params:
-            fully_shard(inner.ffn.experts, mesh=meshes.efsdp, mp_policy=mp)
-        # the last block's parameters are needed again at once by backward: keep them gathered
-        fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
-                    ignored_params=ignored_params)
-    fully_shard(model, mesh=meshes.dense, mp_policy=mp, ignored_params=ignored_params)
 
 
 def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,

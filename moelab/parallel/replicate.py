@@ -9,7 +9,8 @@ or parallel.expert_dp=replicate (pp = cp = 1, checked by the config).
   buckets while backward runs, once per optimizer step (``set_requires_gradient_sync`` off for all but the
   last micro batch), gradients as views of the buckets (no second copy). Parameters stay fp32; bf16 compute is
   the trainer's autocast.
-- expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone).
+- expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone);
+  on a one-rank expert-FSDP mesh (ep = dp) they stay plain tensors, left out of DDP (moelab.parallel.fsdp).
 - expert_dp=replicate: every rank of the expert-FSDP mesh holds its EP rank's experts whole; neither DDP nor
   FSDP2 touches them; moelab.parallel.compression.ExpertGradExchange averages their gradients (exactly, or 1-bit
   with error feedback: train.expert_grad_compression), each launched from its gradient hook in the last micro
@@ -41,13 +42,16 @@ def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, appl
     if p.data_parallel == "fsdp":  # FSDP2 for the dense weights, replicated experts left out of it
         apply_fsdp(model, cfg, meshes, ignored_params={q for e in experts for q in e.parameters()})
     else:
-        if p.expert_dp == "fsdp":
+        # experts on a one-rank expert-FSDP mesh (ep = dp) stay plain: nothing to shard or reduce, and autocast
+        # (not FSDP2) makes the bf16 compute under DDP
+        sharded = p.expert_dp == "fsdp" and meshes.efsdp.size() > 1
+        if sharded:
             for e in experts:
                 fully_shard(e, mesh=meshes.efsdp, mp_policy=MixedPrecisionPolicy())
         from torch.distributed._composable.replicate import replicate
 
         dense = meshes.dense.get_group()
-        replicate(model, ignored_modules=experts if p.expert_dp == "replicate" else None, process_group=dense,
+        replicate(model, ignored_modules=None if sharded else experts, process_group=dense,
                   device_id=torch.device(device), gradient_as_bucket_view=True, broadcast_buffers=False)
     expert_params = {id(q) for e in experts for q in e.parameters()}  # after fully_shard replaced them
     if p.data_parallel == "ddp":

@@ -1,5 +1,5 @@
-"""The planner's terms for replicated weights and once-per-rank dispatch (issue 25's features): what FSDP2 still
-gathers when parts are replicated, the bytes replicated parts exchange, and the EP ranks a token reaches.
+"""The planner's terms for replicated weights and once-per-rank dispatch (issue 25's features): the bytes
+replicated parts exchange, and the EP ranks a token reaches (what FSDP2 still gathers: moelab.planner.gathered).
 
     dispatch_ranks_per_token(MoEConfig(num_experts=64, top_k=8), ep=8)   # 5.43
 """
@@ -8,15 +8,6 @@ from __future__ import annotations
 import math
 
 from moelab.config import Config
-
-
-def _fsdp_units(pieces, moe_layers: list[bool], first: bool, last: bool, p) -> list[int]:
-    """What FSDP2 gathers at once when part of the weights is replicated (moelab.parallel.replicate): dense
-    parts only under data_parallel=fsdp, a block's experts (per EP rank) only under expert_dp=fsdp."""
-    dense_on, experts_on = p.data_parallel == "fsdp", p.expert_dp == "fsdp"
-    units = [(pieces.moe_layer - pieces.moe_experts if moe else pieces.dense_layer) * dense_on
-             + (pieces.moe_experts // p.ep if moe else 0) * experts_on for moe in moe_layers]
-    return units + [pieces.embedding * dense_on] * first + [pieces.head * dense_on] * last
 
 
 def _replication_comm(cfg: Config, p, dense_sh: float, exp_sh: float, efsdp: int, n_moe: int) -> dict:

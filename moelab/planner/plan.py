@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
 from moelab.parallel.dims import ParallelDims
-from moelab.planner.comm import _fsdp_units, _replication_comm, dispatch_ranks_per_token
+from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.gathered import gathered_params
 from moelab.planner.shapes import layer_window
 from moelab.planner.stages import stage_layers
 from moelab.planner.units import GiB, _bytes, _flop, _num
@@ -366,16 +367,9 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         dense_div = 1 if p.data_parallel == "ddp" else z.shard  # replicated dense weights are whole here
         expert_div = 1 if p.expert_dp == "replicate" else z.efsdp
         local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
-        # the largest unit FSDP gathers at once: a block (its dense part whole, its experts per EP rank)
-        units = [pieces.moe_layer - pieces.moe_experts + pieces.moe_experts // p.ep if is_moe[i]
-                 else pieces.dense_layer for i in layers]
-        units += [pieces.embedding] if r == 0 else []
-        units += [pieces.head] if r == p.pp - 1 else []
-        if (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp"):  # replicated parts are never gathered
-            units = _fsdp_units(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, p)
-        biggest_unit = max(units) if units else 0
-        if z.world > 1:  # every block is under FSDP2 in a distributed run; on a one-rank mesh its gathers are copies
-            gathered = 2 * biggest_unit * a + biggest_unit * 4  # current + prefetched compute copy, fp32 grads
+        if z.world > 1:  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
+            gathered = gathered_params(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, cfg, p,
+                                       z.shard, z.efsdp, a)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         per_layer = [acts[i] for i in layers]
@@ -482,7 +476,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
-        "FSDP2 reshards after forward (all-gathers twice per micro batch) and reduce-scatters every micro batch",
+        "FSDP2 all-gathers counted twice per micro batch (forward, backward) and reduce-scatters every micro batch; "
+        f"blocks kept gathered after forward (parallel.reshard_after_forward={p.reshard_after_forward}, experts "
+        f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
     ]
     if t.init_from:
         out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "

@@ -368,7 +368,10 @@ class Checkpointer:
             out.step = meta["step"]
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
             state = {"model": model_sd, "optim": optim_sd}
-            view = global_experts(state, meshes)  # shares storage with `state`: loading fills both
+            # Only the per-parameter optimizer state is read: the groups come from the config and the layout
+            # (moelab.train.optim groups parameters by kind, so another layout may have more or fewer)
+            moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
+            view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
             try:
                 dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
                 copy_back(view, state)

@@ -8,20 +8,33 @@ import torch
 from moelab.config import Config
 
 
+def param_kind(p: torch.Tensor) -> str:
+    """'plain' for a torch.Tensor, else the DTensor's mesh: 'mesh[0, 1]' (its ranks, by name in the layout)."""
+    mesh = getattr(p, "device_mesh", None)
+    return "plain" if mesh is None else f"mesh{mesh.mesh.flatten().tolist()}"
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on vectors (norms, biases, sinks); fused kernels on CUDA."""
+    """AdamW; no weight decay on vectors (norms, biases, sinks); fused kernels on CUDA.
+
+    One group per (decay, kind): plain tensors and the DTensors of each mesh apart, because fused and foreach
+    AdamW refuse a group that mixes DTensor and plain parameters (a model whose one-rank meshes skip FSDP2 has
+    both: moelab.parallel.fsdp). The grouping does not change the update, which is per element."""
     t = cfg.train
-    decay, no_decay = [], []
+    groups: dict[tuple[bool, str], list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": t.weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
-    on_cuda = any(p.is_cuda for p in decay)
-    for g in groups:
-        g["lr_scale"] = 1.0
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2),
-                             fused=on_cuda or None)
+            groups.setdefault((p.ndim >= 2, param_kind(p)), []).append(p)
+    kinds = list(dict.fromkeys(kind for _, kind in groups))
+    out = []
+    for decay in (True, False):
+        for kind in kinds:
+            if (decay, kind) in groups:
+                name = ("decay" if decay else "no_decay") + ("" if len(kinds) == 1 else f"/{kind}")
+                out.append({"params": groups[decay, kind], "weight_decay": t.weight_decay if decay else 0.0,
+                            "name": name, "lr_scale": 1.0})
+    on_cuda = any(p.is_cuda for g in out for p in g["params"])
+    return torch.optim.AdamW(out, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
 
 
 def lr_at(step: int, cfg: Config) -> float:

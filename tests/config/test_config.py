@@ -30,7 +30,8 @@ def test_overrides_from_cli_strings_and_dicts():
     (["parallel.tp=2"], "parallel.tp=2", "not supported"),
     (["model.num_layers=0"], "model.num_layers=0", ">= 1"),
     (["parallel.ep_overlap=true"], "parallel.ep_overlap=True", "needs parallel.ep > 1"),
-    (["parallel.ep=2", "parallel.ep_overlap=true", "backend.dispatcher=deepep"], "parallel.ep_overlap=True",
+    (["parallel.ep=2", "parallel.ep_overlap=true", "backend.dispatcher=deepep",
+      "train.dtype=bfloat16"], "parallel.ep_overlap=True",
      "set backend.dispatcher=all_to_all"),
 ])
 def test_invalid_values_name_field_value_and_fix(overrides, field, words):

@@ -3,11 +3,14 @@
     python -m rank_entry RUN_DIR      (with tests/parallel on PYTHONPATH; launched by run_local_processes)
 
 After training, every parameter is gathered to a full tensor (all shards, all experts) and rank 0 saves them to
-RUN_DIR/params.pt, so a test can compare them with a single-process run.
+RUN_DIR/params.pt, so a test can compare them with a single-process run; every rank writes
+RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, the FSDP2 units with their
+reshard and prefetch settings, the optimizer groups' parameter kinds).
 
 Fault injection (tests only, never in moelab): TEST_FAULT="RANK:STEP:exit" makes that rank os._exit(13) when it
 starts STEP; "RANK:STEP:hang" makes it sleep instead, like a stuck GPU.
 """
+import json
 import os
 import sys
 import time
@@ -18,6 +21,30 @@ import torch
 from moelab.config import load_config
 from moelab.parallel.distributed import full_state_dict
 from moelab.train.trainer import Trainer
+
+
+def placement(model, optimizer) -> dict:
+    """What FSDP2 wrapped and how, read back from the model (FSDP2's own state) and the optimizer."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    clean = lambda n: n.replace("_checkpoint_wrapped_module.", "") or "<root>"  # noqa: E731
+    names = {id(m): clean(n) for n, m in model.named_modules()}
+    units = {}
+    for n, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            group = state._fsdp_param_group
+            units[clean(n)] = {
+                "mesh_size": group.mesh_info.mesh.size() if group is not None else None,
+                "reshard_after_forward": bool(group is not None and group.post_forward_mesh_info is not None),
+                "forward_prefetch": [names[id(s._modules[0])] for s in state._states_to_forward_prefetch],
+                "backward_prefetch": [names[id(s._modules[0])] for s in state._states_to_backward_prefetch]}
+    kind = lambda p: "dtensor" if isinstance(p, DTensor) else "plain"  # noqa: E731
+    return {"params": {clean(n): kind(p) for n, p in model.named_parameters()}, "units": units,
+            "groups": [{"name": g["name"], "kinds": sorted({kind(p) for p in g["params"]}),
+                        "meshes": sorted({str(p.device_mesh.mesh.tolist()) for p in g["params"]
+                                          if isinstance(p, DTensor)})} for g in optimizer.param_groups]}
 
 
 def main(run_dir: Path) -> None:
@@ -38,6 +65,7 @@ def main(run_dir: Path) -> None:
     env = trainer.env
     shutdown, env.shutdown = env.shutdown, lambda: None  # keep the process group for the gather below
     trainer.run()
+    (run_dir / f"placement_rank{env.rank}.json").write_text(json.dumps(placement(trainer.model, trainer.optimizer)))
     params = full_state_dict(trainer.par)
     if env.rank == 0:
         torch.save(params, run_dir / "params.pt")

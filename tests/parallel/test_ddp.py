@@ -27,6 +27,12 @@ def test_replicated_layout_reproduces_single_process(name, reference, helpers, t
     assert params.keys() == ref_params.keys()
     for key, ref in ref_params.items():
         assert (params[key] - ref).abs().max().item() < 2e-5, key
+    # experts are DTensors only where FSDP2 shards them: not replicated, not on a one-rank mesh (ep = dp)
+    import json
+
+    kinds = json.loads((tmp_path / "placement_rank0.json").read_text())["params"]
+    experts_plain = name == "ddp2xep2" or "replicated_experts" in name
+    assert {k for k, v in kinds.items() if ".experts." in k and v == ("dtensor" if experts_plain else "plain")} == set()
     if "replicated_experts" in name:  # moelab's exchange counted what it sent: an exact ring all-reduce
         comm = ev[0]["comm"]
         assert comm["expert_grad_bytes"] == pytest.approx(comm["expert_grad_uncompressed_bytes"]) and comm[

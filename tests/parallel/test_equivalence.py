@@ -20,8 +20,14 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     # parallel.ep_overlap: the all-to-all in two chunks overlapped with the experts (also held to plain EP below)
     "ep2overlap": (2, ["parallel.ep=2", OVERLAP], ()),
     "ep2xfsdp2overlap": (4, ["parallel.ep=2", OVERLAP], ()),
+    # FSDP2 options that change no value: every block gathered through backward, explicit prefetching
+    "fsdp2-lean": (2, ["parallel.reshard_after_forward=never", "parallel.fsdp_prefetch=explicit"], ()),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
+# One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
+# of expert-FSDP), one rank per pipeline stage leaves everything plain; every other parameter is a DTensor.
+PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
+         "pp2vp2": "all"}
 # Parameters after 4 AdamW steps: Adam turns rounding noise in near-zero gradients into updates of up to lr,
 # so no per-element rtol. Layouts that run the one-process kernels get a tight bound. CP computes attention per
 # query chunk (other rounding than one whole-sequence kernel), and its bound is what a kernel change does to this
@@ -61,6 +67,7 @@ def test_layout_reproduces_single_process(name, reference, layout_run, helpers):
         worst[key] = ((params[key] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
         assert diff < max_abs, (key, diff)
     assert max(worst.values()) < max_rel, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    check_placement(name, run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +106,32 @@ def test_ep_overlap_gives_the_plain_ep_run(name, layout_run, helpers):
             for k, p in plain_params.items()}
     print("overlap vs plain, worst (max abs, relative norm):", max(diff.values()))
     assert max(d[0] for d in diff.values()) < 1e-5 and max(d[1] for d in diff.values()) < 5e-6, diff
+
+
+
+def check_placement(name, run_dir):
+    """Rank 0's parameters are plain exactly where PLAIN says; each optimizer group holds one kind (plain, or
+    DTensors of one mesh: fused AdamW refuses a mix); the FSDP2 options reached FSDP2."""
+    import json
+
+    got = json.loads((run_dir / "placement_rank0.json").read_text())
+    plain = PLAIN.get(name)
+    for key, kind in got["params"].items():
+        want = plain == "all" or (plain == "experts" and ".experts." in key)
+        assert kind == ("plain" if want else "dtensor"), (key, kind)
+    assert all(len(g["kinds"]) == 1 and len(g["meshes"]) <= 1 for g in got["groups"]), got["groups"]
+    units = got["units"]
+    if plain == "all":
+        assert units == {}
+        return
+    blocks = sorted((k for k in units if k.startswith("layers.") and ".experts" not in k), key=lambda k: int(k[7:]))
+    # the root stays gathered (pipeline stages' roots are not in the model's module tree)
+    assert blocks and not units.get("<root>", {}).get("reshard_after_forward")
+    if name == "fsdp2-lean":  # never: no block reshards; explicit: the root and each block gather the next
+        assert not any(units[b]["reshard_after_forward"] for b in blocks)
+        assert [units[k]["forward_prefetch"] for k in ["<root>", *blocks]] == [[b] for b in blocks] + [[]]
+        assert [units[k]["backward_prefetch"] for k in ["<root>", *blocks[::-1]]] == [[b] for b in blocks[::-1]] + [[]]
+    elif "pp2" not in name:  # torchtitan's default: all but the last block reshard after forward
+        assert [units[b]["reshard_after_forward"] for b in blocks] == [True] * (len(blocks) - 1) + [False]
+    else:  # pipeline stages keep their blocks gathered through the schedule's micro batches
+        assert not any(units[b]["reshard_after_forward"] for b in blocks)

@@ -1,6 +1,7 @@
 """Per-expert learning rates under expert parallelism with expert-FSDP: each rank scales the rows it holds (an
 EP slice, further sharded by FSDP2) by the scales of their global experts, so 4 gloo ranks reproduce the
-single-process run (moelab.train.expert_lr)."""
+single-process run (moelab.train.expert_lr); and on 2 ranks, where the experts are plain tensors (a one-rank
+expert-FSDP mesh is not wrapped: moelab.parallel.fsdp)."""
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -8,10 +9,11 @@ pytestmark = pytest.mark.slow
 EXPERT_LR = ("model.moe.expert_lr_power=1.0", "model.moe.expert_lr_max_scale=4.0")
 
 
-def test_expert_lr_under_ep2_x_expert_fsdp2_matches_one_process(reference, helpers, tmp_path):
+@pytest.mark.parametrize("nproc", [4, 2], ids=["expert_fsdp2", "plain_experts"])
+def test_expert_lr_under_ep2_matches_one_process(nproc, reference, helpers, tmp_path):
     ref_losses, ref_params, _ = reference(*EXPERT_LR)
     _, plain_params, _ = reference()
-    losses, params = helpers.run_multi(helpers.small_config(*EXPERT_LR, "parallel.ep=2"), tmp_path, 4)
+    losses, params = helpers.run_multi(helpers.small_config(*EXPERT_LR, "parallel.ep=2"), tmp_path, nproc)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     experts = [k for k in ref_params if ".experts." in k]
     assert experts
