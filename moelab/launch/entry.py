@@ -48,6 +48,9 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
 
 
 def main(argv: list[str]) -> None:
+    from moelab.launch.executors import quiet_idle_threads
+
+    quiet_idle_threads()  # before torch is imported
     if "--bench" in argv:
         i = argv.index("--bench")
         steps, warmup, command = argv[i + 1: i + 4]

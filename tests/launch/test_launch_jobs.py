@@ -151,3 +151,16 @@ def test_a_job_over_its_time_limit_is_timeout(jobs):
     assert run.status == "TIMEOUT", (run.status, run.error)
     assert "timed-out" in run.error and len(run.metrics) < 100000
     assert Run.load(run.folder).status == "TIMEOUT"
+
+
+def test_ranks_let_idle_openmp_threads_sleep_unless_told_otherwise():
+    """TrainJob and the rank entry point set OMP_WAIT_POLICY=PASSIVE before torch loads (the OpenMP runtime
+    reads it once): importing them must not load torch, and a value the user set is kept."""
+    code = ("import os, sys\nimport moelab.launch.entry, moelab.launch.executors as ex\n"
+            "loaded = 'torch' in sys.modules\nex.quiet_idle_threads()\nprint(loaded, os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "PASSIVE"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "ACTIVE"]
