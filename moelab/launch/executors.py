@@ -257,10 +257,12 @@ def quiet_idle_threads() -> None:
 
 def _limit_cpu_threads(local_world: int) -> None:
     """Tasks sharing a node's cores should not each start one thread per core (on CPU that oversubscribes
-    the machine several times over)."""
+    the machine several times over); the cores are those this process may run on (taskset, a cgroup's cpuset),
+    not all the machine has."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 
-    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, (os.cpu_count() or 1) // local_world)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, usable // local_world)
     torch.set_num_threads(cpus)

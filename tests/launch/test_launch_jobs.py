@@ -164,3 +164,14 @@ def test_ranks_let_idle_openmp_threads_sleep_unless_told_otherwise():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "ACTIVE"]
+
+
+def test_rank_threads_follow_the_cores_the_process_may_use():
+    """Under taskset (or a cgroup's cpuset) a rank starts one thread per core it may run on, not per core of the
+    machine: more threads than cores is the oversubscription that made CPU steps crawl."""
+    code = ("import os, torch\nfrom moelab.launch.executors import _limit_cpu_threads\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n_limit_cpu_threads(1)\n"
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1", out.stdout + out.stderr
