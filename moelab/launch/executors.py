@@ -208,7 +208,7 @@ class TrainJob:
     def __call__(self) -> dict:
         import submitit
 
-        from moelab.launch.entry import train_rank
+        from moelab.launch.entry import quiet_idle_threads, train_rank
         from moelab.launch.local import die_with_parent
 
         die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
@@ -245,14 +245,6 @@ def master_port(job_id: str) -> int:
         pass
     span = low - 20000 if low > 21000 else 10000
     return 20000 + zlib.crc32(str(job_id).encode()) % span
-
-
-def quiet_idle_threads() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless it is set: OpenMP's idle threads sleep instead of spinning between
-    parallel regions. It changes no result (the work is split over the same threads), but on a machine whose
-    cores are shared (CI, a busy login node) spinning threads took a tiny CPU step from 0.3-0.5 s to 3-15 s.
-    Must run before torch is imported (the OpenMP runtime reads it once, when it loads)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _limit_cpu_threads(local_world: int) -> None:

@@ -156,8 +156,8 @@ def test_a_job_over_its_time_limit_is_timeout(jobs):
 def test_ranks_let_idle_openmp_threads_sleep_unless_told_otherwise():
     """TrainJob and the rank entry point set OMP_WAIT_POLICY=PASSIVE before torch loads (the OpenMP runtime
     reads it once): importing them must not load torch, and a value the user set is kept."""
-    code = ("import os, sys\nimport moelab.launch.entry, moelab.launch.executors as ex\n"
-            "loaded = 'torch' in sys.modules\nex.quiet_idle_threads()\nprint(loaded, os.environ['OMP_WAIT_POLICY'])")
+    code = ("import os, sys\nimport moelab.launch.executors, moelab.launch.entry as entry\n"
+            "loaded = 'torch' in sys.modules\nentry.quiet_idle_threads()\nprint(loaded, os.environ['OMP_WAIT_POLICY'])")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "PASSIVE"], out.stderr
