@@ -4,6 +4,7 @@
     moelab run tiny --nproc 2 --set parallel.ep=2
     moelab resume runs/tiny                           # continue from the last checkpoint
     moelab status runs/ ; moelab cancel runs/tiny
+    moelab unlock runs/tiny                           # break a lock whose owner this host cannot check
     moelab presets ; moelab plan CONFIG --gpus 8 ; moelab bench CONFIG ; moelab report FOLDER
     moelab compare SWEEP_FOLDER --out fig.png ; moelab gallery list | run NAME | report
 

@@ -7,6 +7,7 @@
     moelab run tiny --executor slurm --cluster gpus_per_node=8 --cluster time=60 --cluster partition=gpu
     moelab status runs/tiny-20261130-101500       # one run, or every run under a folder
     moelab cancel runs/tiny-20261130-101500
+    moelab unlock runs/tiny-20261130-101500       # break the writer lock of an owner this host cannot check
 """
 from __future__ import annotations
 
@@ -154,6 +155,21 @@ def cmd_cancel(args) -> int:
     return 0 if all(r.status == "CANCELLED" for r in selected) else 1
 
 
+def cmd_unlock(args) -> int:
+    """Remove a run folder's writer lock whose owner is gone or cannot be checked from here (another host, no
+    SLURM job to ask); refused (FolderLocked) while the owner is known to run."""
+    from moelab.run.folder import break_lock
+
+    owner = break_lock(args.folder)
+    if not owner:
+        print(f"{args.folder}: no owner named in its lock; nothing to unlock")
+        return 0
+    job = f", job {owner['job_id']}" if owner.get("job_id") else ""
+    print(f"{args.folder}: lock of pid {owner.get('pid')} on {owner.get('host')}{job} ({owner.get('role', '?')}) "
+          f"removed; the next writer takes it")
+    return 0
+
+
 def _select(folder: Path) -> list[Run]:
     if RunFolder(folder).holds_run():
         return [Run.load(folder)]
@@ -191,6 +207,10 @@ def add_parsers(sub) -> None:
     p.add_argument("folder")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the scheduler to confirm")
     p.set_defaults(func=cmd_cancel)
+    p = sub.add_parser("unlock", help="break a run folder's writer lock held by an owner this host cannot check "
+                                      "(another host); refused while the owner is known to run")
+    p.add_argument("folder")
+    p.set_defaults(func=cmd_unlock)
 
 
 def _cluster_argument(p) -> None:

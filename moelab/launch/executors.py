@@ -208,10 +208,11 @@ class TrainJob:
     def __call__(self) -> dict:
         import submitit
 
-        from moelab.launch.entry import train_rank
+        from moelab.launch.entry import quiet_idle_threads, train_rank
         from moelab.launch.local import die_with_parent
 
         die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
+        quiet_idle_threads()  # before torch is imported
         # every task derives the same port from the job id (an inherited MASTER_PORT would be shared by all jobs)
         os.environ["MASTER_PORT"] = str(master_port(submitit.JobEnvironment().job_id))
         # one GPU per task: DistEnv picks cuda:<local_rank % visible devices>, which is right whether SLURM
@@ -248,10 +249,12 @@ def master_port(job_id: str) -> int:
 
 def _limit_cpu_threads(local_world: int) -> None:
     """Tasks sharing a node's cores should not each start one thread per core (on CPU that oversubscribes
-    the machine several times over)."""
+    the machine several times over); the cores are those this process may run on (taskset, a cgroup's cpuset),
+    not all the machine has."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     import torch
 
-    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, (os.cpu_count() or 1) // local_world)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # taskset
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, usable // local_world)
     torch.set_num_threads(cpus)

@@ -132,6 +132,13 @@ class InlineJob(Job):
 
     executor = "inline"
 
+    def log(self, rank: int, stream: str) -> str:
+        """What the run's process printed while it trained (logs/rank0.out / .err, moelab.launch.submit.tee_output)."""
+        try:
+            return self.folder.rank_log(rank, "out" if stream == "stdout" else "err").read_text(errors="replace")
+        except OSError:
+            return ""
+
     def state(self) -> str:
         status = self.info.get("status") or self.stream_state()
         if status not in TERMINAL and owner_gone(self.info):

@@ -27,6 +27,24 @@ def reached_step(folder: RunFolder) -> int:
     return int(steps[-1]) if steps else 0
 
 
+def checkpoint_step(folder: RunFolder) -> int:
+    """The step of the folder's newest intact checkpoint: where a resume continues from (0 without one; the
+    stream is rewound to it, so a run killed after step N with its last checkpoint at C < N trains C+1.. again)."""
+    from moelab.train.checkpoint import latest_checkpoint, read_metadata
+
+    path = latest_checkpoint(folder.path)
+    return int(read_metadata(path)["step"]) if path is not None else 0
+
+
+def resume_point(folder: RunFolder) -> tuple[int, str]:
+    """(the step a resume starts from, a note saying so when the stream reached further than that checkpoint)."""
+    step, start = reached_step(folder), checkpoint_step(folder)
+    if start >= step:
+        return start, ""
+    where = f"its checkpoint at step {start}" if start else "step 0 (no intact checkpoint)"
+    return start, f"the stream reached step {step}; a resume continues from {where}"
+
+
 def config_diff(old, new) -> dict:
     """{dotted key: (old, new)} for every field that differs."""
     a, b = flatten(old.to_dict()), flatten(new.to_dict())
@@ -44,16 +62,19 @@ def rerun_refusal(folder: RunFolder, cfg) -> str:
         return (f"folder={where!r} already holds a run; choose a new folder, or continue it with "
                 f"`moelab resume {where}`")
     status, step = job_for(folder).state(), reached_step(folder)
+    start, note = resume_point(folder) if status != "COMPLETED" else (step, "")
+    note = f" ({note})" if note else ""
     diff = config_diff(old, cfg)
     if not diff:
         if status == "COMPLETED":
             return (f"folder={where!r} already holds this run, COMPLETED at step {step}/{old.train.steps}: nothing "
                     f"to do (moelab.Run.load({where!r}), `moelab status {where}`); choose a new folder to train "
                     f"it again")
-        return (f"folder={where!r} holds this run, {status} at step {step}/{old.train.steps}; continue it with "
+        return (f"folder={where!r} holds this run, {status} at step {step}/{old.train.steps}{note}; continue it with "
                 f"`moelab resume {where}` (Run.load(folder).resume()), or choose a new folder")
     if set(diff) == {"train.steps"}:
-        return (f"folder={where!r} holds this run with train.steps={old.train.steps} ({status} at step {step}); "
+        return (f"folder={where!r} holds this run with train.steps={old.train.steps} ({status} at step {step}"
+                f"{note}); "
                 f"to extend it to {cfg.train.steps} steps, `moelab resume {where} --steps {cfg.train.steps}` "
                 f"(Run.load(folder).resume(steps={cfg.train.steps})); or choose a new folder")
     fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items())
@@ -62,13 +83,14 @@ def rerun_refusal(folder: RunFolder, cfg) -> str:
 
 
 def extension_note(old, new, step: int) -> str | None:
-    """What resuming at `step` with another train.steps does: the range, and the learning rate's jump (the
-    cosine decay is recomputed over the new total); ConfigError when the new total is below `step`."""
+    """What resuming at `step` (the newest intact checkpoint's) with another train.steps does: the range, and the
+    learning rate's jump (the cosine decay is recomputed over the new total); ConfigError when the new total is
+    below `step`."""
     if old.train.steps == new.train.steps:
         return None
     if new.train.steps < step:
-        raise ConfigError(f"train.steps={new.train.steps}: the run already reached step {step}; give steps >= "
-                          f"{step} (or load the run as it is with moelab.Run.load)")
+        raise ConfigError(f"train.steps={new.train.steps}: the run already reached step {step} (its newest "
+                          f"checkpoint); give steps >= {step} (or load the run as it is with moelab.Run.load)")
     from moelab.train.optim import lr_at
 
     nxt = min(step + 1, new.train.steps)

@@ -47,12 +47,13 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
     from moelab.train.checkpoint import CheckpointError
     from moelab.launch.submit import run_inline, submit_folders, unlink_logs, validate
 
-    from moelab.launch.rerun import extension_note, reached_step
+    from moelab.launch.rerun import extension_note, reached_step, resume_point
 
     folder = RunFolder(run_dir)
     cfg = resume_config(folder.path, steps)
     reached = reached_step(folder)
-    note = extension_note(resume_config(folder.path), cfg, reached)  # refuses steps below the step reached
+    start, behind = resume_point(folder)  # the newest intact checkpoint's step, not the stream's last
+    note = extension_note(resume_config(folder.path), cfg, start)  # refuses steps below the checkpoint's
     if reached >= cfg.train.steps and job_for(folder).state() == "COMPLETED":
         raise ConfigError(f"{folder.path}: the run is already COMPLETED at step {reached}/{cfg.train.steps}; "
                           f"nothing to resume (give --steps M / resume(steps=M) to train further)")
@@ -68,8 +69,9 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
         kind = "inline" if nproc == 1 and not options else "local"
     kind, world = validate(kind, nproc, options, [cfg])
     with lock_folder(folder.path, "submit"):  # FolderLocked while the run's owner still runs
-        if note:
-            print(f"moelab: {note}", file=sys.stderr)
+        for line in (behind, note):
+            if line:
+                print(f"moelab: {line}", file=sys.stderr)
         if steps is not None:
             save_config(cfg, folder.config)  # what the ranks read
         unlink_logs(folder)  # they point at the previous job's files

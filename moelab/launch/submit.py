@@ -9,9 +9,12 @@ moelab.run.folder. The layout of every config is checked by the one validator be
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
+import traceback
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
@@ -104,17 +107,57 @@ def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)
     info = {"name": folder.name, "executor": "inline", "created": time.time(), "status": "RUNNING",
             "ntasks": 1, "pid": os.getpid(), "host": socket.gethostname()}
     folder.write_info(info)
-    try:
-        status = train_rank(folder.path, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal
-    except KeyboardInterrupt:
-        folder.update_info(status="CANCELLED")
-        raise
-    except reraise:
-        folder.update_info(status="FAILED")
-        raise
-    except Exception:  # noqa: BLE001 - the trainer wrote the error event; Run.error shows it
-        status = "FAILED"
+    with tee_output(folder) as err:
+        try:
+            status = train_rank(folder.path, progress=True)["status"]  # COMPLETED, or PREEMPTED by a signal
+        except KeyboardInterrupt:
+            folder.update_info(status="CANCELLED")
+            raise
+        except reraise:
+            folder.update_info(status="FAILED")
+            raise
+        except Exception:  # noqa: BLE001 - the trainer wrote the error event; Run.error shows it
+            traceback.print_exc(file=err)  # the log keeps the traceback the stream's error event holds
+            status = "FAILED"
     return InlineJob(folder, folder.update_info(status=status))
+
+
+class Tee:
+    """A text stream that writes to `stream` (the notebook cell, the terminal) and to `file` as well; every
+    other attribute is the stream's.
+
+        sys.stdout = Tee(sys.stdout, open("logs/rank0.out", "a", buffering=1))
+    """
+
+    def __init__(self, stream, file):
+        self.stream, self.file = stream, file
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def tee_output(folder: RunFolder):
+    """While an inline run trains, what this process prints (the progress bar, warnings) goes to the cell or
+    terminal as before and to logs/rank0.out / rank0.err, as the other executors' ranks write theirs (a resumed
+    run appends); yields the stderr log file."""
+    folder.logs.mkdir(parents=True, exist_ok=True)
+    with open(folder.rank_log(0, "out"), "a", buffering=1) as out, open(folder.rank_log(0, "err"), "a",
+                                                                         buffering=1) as err:
+        previous = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(previous[0], out), Tee(previous[1], err)
+        try:
+            yield err
+        finally:
+            sys.stdout, sys.stderr = previous
 
 
 def unlink_logs(folder: RunFolder) -> None:

@@ -153,18 +153,19 @@ _HELD: dict[str, list] = {}  # resolved folder -> [fd, count]: the locks this pr
 
 
 class FolderLocked(RuntimeError):
-    """Another live process or job writes this run folder; `owner` says who (pid, host, job_id, role).
+    """Another live process or job writes this run folder; `owner` says who (pid, host, job_id, role). `why`
+    replaces the advice when the owner runs on another host (what SLURM says, or how to break the lock).
 
         try: lock_folder("runs/a", "inline")
         except FolderLocked as e: e.owner["pid"]
     """
 
-    def __init__(self, folder: Path, owner: dict):
+    def __init__(self, folder: Path, owner: dict, why: str | None = None):
         job = f", job {owner['job_id']}" if owner.get("job_id") else ""
+        advice = why or f"wait for it to end or cancel it (`moelab cancel {folder}`), or choose another folder"
         super().__init__(f"run folder {str(folder)!r} is being written by pid {owner.get('pid')} on "
                          f"{owner.get('host')}{job} ({owner.get('role', '?')}, since "
-                         f"{time.strftime('%H:%M:%S', time.localtime(owner.get('since', 0)))}); wait for it to end "
-                         f"or cancel it (`moelab cancel {folder}`), or choose another folder")
+                         f"{time.strftime('%H:%M:%S', time.localtime(owner.get('since', 0)))}); {advice}")
         self.folder, self.owner = folder, owner
 
 
@@ -196,10 +197,90 @@ def owner_gone(owner: dict) -> bool:
         not pid_alive(pid)
 
 
+# SLURM job states (the controller's, squeue -t all, or accounting's, sacct) after which no process of the job runs
+SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+
+
+def slurm_job_state(job_id) -> str | None:
+    """A SLURM job's state from the controller (squeue -t all, which knows an end before accounting), else from
+    accounting (sacct, once the controller has forgotten the job); None when neither answers or knows it."""
+    import shutil
+    import subprocess
+
+    for cmd in (["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"],
+                ["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        states = [line.split()[0].rstrip("+") for line in out.stdout.splitlines() if line.strip()]  # "CANCELLED by 0"
+        if out.returncode == 0 and states:
+            return states[-1]
+    return None
+
+
+def remote_owner(owner: dict) -> tuple[str, str]:
+    """For a lock owner on another host (its pid cannot be checked from here): (state, why), state "gone" when
+    the lock names a SLURM job that has ended (or this very job, whose earlier attempt it was: SLURM runs one
+    attempt of a job at a time), "running" while that job has not ended, else "unknown"; `why` says what is
+    known and how to go on ({folder} stands for the run folder)."""
+    job = owner.get("slurm_job_id")
+    if job and str(job) == os.environ.get("SLURM_JOB_ID") and owner.get("pid") != os.getpid():
+        return "gone", f"an earlier attempt of this SLURM job {job}"
+    state = slurm_job_state(job) if job else None
+    if state in SLURM_ENDED:
+        return "gone", f"its SLURM job {job} is {state}"
+    if state is not None:
+        return "running", f"its SLURM job {job} is {state}; wait for it to end or cancel it (`scancel {job}`)"
+    unknown = f"SLURM does not know its job {job}" if job else "it names no SLURM job"
+    return "unknown", (f"this host cannot check that process ({unknown}); if it has ended, break the lock with "
+                       f"`moelab unlock {{folder}}`")
+
+
+def is_remote(owner: dict) -> bool:
+    """Does the lock name an owner on another host?"""
+    return bool(owner) and owner.get("host", socket.gethostname()) != socket.gethostname()
+
+
+def break_lock(folder: "str | Path") -> dict:
+    """Remove a run folder's lock whose owner is gone or cannot be checked from here (another host without a
+    SLURM job to ask), so the next writer takes a fresh one: `moelab unlock FOLDER`. Returns the owner the lock
+    named ({} when there was none). FolderLocked when the owner is known to run: a process of this host
+    holding it, or a SLURM job that has not ended.
+
+        break_lock("runs/a")   # {"pid": 4242, "host": "node7", "role": "rank 0", ...}
+    """
+    import fcntl
+
+    path = Path(folder) / LOCK
+    if not path.exists():
+        return {}
+    owner = read_owner(folder)
+    if is_remote(owner):
+        state, why = remote_owner(owner)
+        if state == "running":
+            raise FolderLocked(Path(folder), owner, why)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not is_remote(owner):  # held by a process of this host: it runs
+            os.close(fd)
+            raise FolderLocked(Path(folder), owner or {"host": socket.gethostname()}) from None
+    os.unlink(path)
+    os.close(fd)
+    return owner
+
+
 class FolderLock:
     """The advisory lock (flock on FOLDER/.lock) of the one process that writes a run folder, held for the
     owner's whole life; the kernel drops it when the owner dies, so a stale lock is simply taken over. The file
-    names the owner (pid, host, SLURM job id, role), which a refusal quotes. Re-entrant within a process; a
+    names the owner (pid, host, SLURM job id, role), which a refusal quotes. An owner on another host is gone
+    when the SLURM job it names has ended (squeue / sacct); without one it counts as holding the lock until
+    `moelab unlock FOLDER` (break_lock) removes it. Re-entrant within a process; a
     rank started by the lock's owner (its parent: moelab's local launcher) writes under its parent's lock.
 
         with lock_folder("runs/a", "inline"):   # FolderLocked if another live process holds it
@@ -226,24 +307,39 @@ class FolderLock:
         owner = read_owner(self.path)
         if owner.get("pid") == os.getppid() and owner.get("host") == socket.gethostname() and pid_alive(owner["pid"]):
             return self  # our launcher holds it for us
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        start = time.monotonic()
+        lock_file = self.path / LOCK
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        start, broken = time.monotonic(), False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                held = False
             except BlockingIOError:
-                owner = read_owner(self.path)
-                waited = time.monotonic() - start
-                # a submitter holds the lock only until run.json is written: the job it submitted waits for it;
-                # no owner named yet is a lock being taken or released this instant
-                if (owner.get("role") == "submit" and waited < self.wait_s) or (not owner and waited < 5.0):
-                    time.sleep(0.2)
-                    continue
+                held = True
+            owner = read_owner(self.path)
+            # a lock naming another host's owner says nothing by flock alone (a file system may not share flocks
+            # between hosts): SLURM decides when the lock names a job, else it stays held (`moelab unlock`)
+            state, why = remote_owner(owner) if is_remote(owner) else ("running" if held else "gone", None)
+            if state == "gone" and not held:
+                break
+            if state == "gone" and not broken:  # the flock of a host whose job ended: start a fresh lock file
                 os.close(fd)
-                raise FolderLocked(self.path, owner) from None
+                os.unlink(lock_file)
+                fd, broken = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644), True
+                continue
+            if not held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            waited = time.monotonic() - start
+            # a submitter holds the lock only until run.json is written: the job it submitted waits for it;
+            # no owner named yet is a lock being taken or released this instant
+            if (owner.get("role") == "submit" and waited < self.wait_s) or (not owner and waited < 5.0):
+                time.sleep(0.2)
+                continue
+            os.close(fd)
+            raise FolderLocked(self.path, owner, why and why.replace("{folder}", str(self.path)))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "role": self.role, "since": time.time(),
-              "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")}
+              "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
         _HELD[key] = [fd, 1]
         self._write_owner(fd, me)
         self.key = key

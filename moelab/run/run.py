@@ -234,8 +234,8 @@ class Run:
         return None
 
     def logs(self, rank: int = 0) -> str:
-        """What `rank` has printed so far (stdout, then stderr). Empty for inline runs: their output went to
-        the calling process."""
+        """What `rank` has printed so far (stdout, then stderr); for an inline run, what its process printed
+        while it trained (also shown where it ran: the cell or the terminal)."""
         out, err = self.job.log(rank, "stdout"), self.job.log(rank, "stderr")
         return out + (("\n" if out and not out.endswith("\n") else "") + err if err else "")
 

@@ -151,3 +151,27 @@ def test_a_job_over_its_time_limit_is_timeout(jobs):
     assert run.status == "TIMEOUT", (run.status, run.error)
     assert "timed-out" in run.error and len(run.metrics) < 100000
     assert Run.load(run.folder).status == "TIMEOUT"
+
+
+def test_ranks_let_idle_openmp_threads_sleep_unless_told_otherwise():
+    """TrainJob and the rank entry point set OMP_WAIT_POLICY=PASSIVE before torch loads (the OpenMP runtime
+    reads it once): importing them must not load torch, and a value the user set is kept."""
+    code = ("import os, sys\nimport moelab.launch.executors, moelab.launch.entry as entry\n"
+            "loaded = 'torch' in sys.modules\nentry.quiet_idle_threads()\nprint(loaded, os.environ['OMP_WAIT_POLICY'])")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "PASSIVE"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "ACTIVE"]
+
+
+def test_rank_threads_follow_the_cores_the_process_may_use():
+    """Under taskset (or a cgroup's cpuset) a rank starts one thread per core it may run on, not per core of the
+    machine: more threads than cores is the oversubscription that made CPU steps crawl."""
+    code = ("import os, torch\nfrom moelab.launch.executors import _limit_cpu_threads\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n_limit_cpu_threads(1)\n"
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1", out.stdout + out.stderr

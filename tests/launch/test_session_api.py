@@ -82,17 +82,20 @@ def test_slurm_executor_header(tmp_path):
         assert line in text, line
 
 
-def test_inline_run_is_a_finished_run(tmp_path, small_session):
+def test_inline_run_is_a_finished_run(tmp_path, small_session, capsys):
     run = small_session(train={"steps": 3}).submit("inline", folder=tmp_path / "a")
     assert run.status == "COMPLETED" and run.executor == "inline" and run.done
     assert list(run.metrics["step"]) == [1, 2, 3] and run.routing().shape == (3, 1, 4)
-    assert run.summary["status"] == "COMPLETED" and run.error is None and run.logs() == ""
+    assert run.summary["status"] == "COMPLETED" and run.error is None
+    shown = capsys.readouterr().err                 # the trainer's own output (its progress bar) ...
+    assert "3/3" in shown and "3/3" in run.logs()   # ... stays where it ran and is in the run's log too
     again = Run.load(tmp_path / "a")
-    assert again.status == "COMPLETED" and again.config == run.config
+    assert again.status == "COMPLETED" and again.config == run.config and again.logs() == run.logs()
     with pytest.raises(ConfigError, match="holds this run with train.steps=3 .COMPLETED at step 3.; to extend it to 50 steps"):
         small_session().submit("inline", folder=tmp_path / "a")
     bad = small_session(train={"steps": 4, "lr": 1e30}).submit("inline", folder=tmp_path / "b")
     assert bad.status == "FAILED" and "NonFiniteLoss" in bad.error
+    assert "Traceback" in bad.logs() and "NonFiniteLoss" in bad.logs()  # the log keeps the traceback
     assert [r.folder.name for r in moelab.runs(tmp_path)] == ["a", "b"]
     with pytest.raises(FileNotFoundError, match="not a moelab run folder"):
         Run.load(tmp_path)

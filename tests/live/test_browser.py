@@ -9,10 +9,8 @@ chromium`).
   gallery/dashboard-done.png (final).
 - Cancel clicked while the next cell blocks in `run.wait()` stops the run (local executor and the local SLURM
   cluster); the seconds from submit to the first live metric are printed (not asserted: a loaded machine).
-
-Not here yet: a kernel restart that leaves a local run alive (that needs local runs started in their own
-process session); it would be one more step of test_cancel_during_a_blocking_wait: restart the kernel,
-`Run.load` the folder in a new cell, check that the step count still grows.
+- A kernel restart leaves a local run training (its controller runs in a session of its own): a new cell's
+  `Run.load(folder)` reattaches, and its dashboard follows the step count as it grows.
 """
 from __future__ import annotations
 
@@ -69,7 +67,8 @@ def _free_port() -> int:
 
 
 def _api(port: int, path: str, method: str = "GET"):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}?token={TOKEN}", method=method)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}?token={TOKEN}", method=method,
+                                 data=b"" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=10) as r:
         body = r.read()
     return json.loads(body) if body else None
@@ -284,6 +283,65 @@ def test_cancel_during_a_blocking_wait(lab, tmp_path, request, executor):
           f"Cancel -> the blocked cell returned: {answered:.1f} s")
     assert "ended CANCELLED" in ended, ended
     assert len(steps) < 5000
+
+
+SURVIVOR_NOTEBOOK = [
+    "from moelab import Session\n"
+    "run = Session('tiny', name='survivor', train={'steps': 5000, 'device': 'cpu'}).submit('local', "
+    "folder='runs/survivor')\n"
+    "dash = run.dashboard()",
+    "from moelab import Run\nrun = Run.load('runs/survivor')\ndash = run.dashboard()",
+    "run.cancel()\nrun.wait()\nprint('ended', run.status)",
+]
+# The step count the dashboard in cell i shows ("<b>12</b> / 5000 steps"), -1 before it shows one.
+STEP_SHOWN = r"""(i) => [-1, ...[...document.querySelectorAll('.jp-CodeCell')[i].querySelectorAll('.widget-html-content')]
+  .map(e => e.textContent.match(/(\d+) \/ 5000 steps/)).filter(m => m).map(m => parseInt(m[1]))].pop()"""
+RUN_CELL = """(i) => { const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = i;
+  window.jupyterapp.commands.execute('notebook:run-cell'); return 1; }"""
+
+
+def test_a_local_run_outlives_a_kernel_restart_and_its_dashboard_reattaches(lab, tmp_path):
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from moelab import Run
+
+    port, root = lab
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in SURVIVOR_NOTEBOOK])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(root / "survivor.ipynb"))
+    folder = root / "runs" / "survivor"
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path / "chrome"), executable_path=CHROMIUM,
+                                                   headless=True, args=CHROME_ARGS,
+                                                   viewport={"width": 1280, "height": 1800})
+        try:
+            page = ctx.pages[0] if ctx.pages else ctx.new_page()
+            page.goto(f"http://127.0.0.1:{port}/lab/tree/survivor.ipynb?token={TOKEN}&reset",
+                      wait_until="domcontentloaded")
+            page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
+            page.evaluate(RUN_CELL, 0)
+            page.wait_for_function(FIRST_METRIC, timeout=300_000, polling=200)
+            (kernel,) = _api(port, "kernels")
+            _api(port, f"kernels/{kernel['id']}/restart", "POST")
+            restarted = time.time()
+            page.wait_for_function(f"() => ({KERNEL})() === 'idle'", timeout=90_000)
+            assert Run.load(folder).status == "RUNNING"            # the restart did not take the run with it
+            page.evaluate(RUN_CELL, 1)                             # reattach from the new kernel
+            page.wait_for_function(f"() => ({STEP_SHOWN})(1) > 0", timeout=120_000, polling=250)
+            seen = page.evaluate(STEP_SHOWN, 1)
+            page.wait_for_function(f"() => ({STEP_SHOWN})(1) > {seen}", timeout=120_000, polling=250)
+            grown = page.evaluate(STEP_SHOWN, 1)
+            page.screenshot(path=str(tmp_path / "reattached.png"))
+            page.evaluate(RUN_CELL, 2)
+            page.wait_for_function(f"() => ({CELL_OUTPUT})(2).includes('ended')", timeout=120_000, polling=250)
+            ended = page.evaluate(CELL_OUTPUT, 2)
+        finally:
+            ctx.close()
+    steps = [json.loads(line) for line in (folder / "metrics.jsonl").open() if '"event": "step"' in line]
+    after = [e["step"] for e in steps if e["time"] > restarted]
+    assert after and grown > seen, (seen, grown, after[:3])   # it trained on after the restart, and was followed
+    assert "ended CANCELLED" in ended, ended
 
 
 def _shoot(page, path: Path) -> Path:

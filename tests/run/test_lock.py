@@ -2,6 +2,7 @@
 naming the owner, the lock of a killed owner is taken over, and re-entry in one process is allowed."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -64,3 +65,97 @@ def test_a_submitter_lock_is_waited_for_by_the_job_it_submitted(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+# ---------------------------------------------------------------------- an owner on another host
+def _fake_owner(folder, **owner):
+    """A lock file as a writer on another host leaves it (a file system need not share flocks between hosts, so
+    only the file tells this host about that owner)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".lock").write_text(json.dumps({"pid": 424242, "host": "node-elsewhere", "role": "rank 0",
+                                              "since": time.time(), **owner}))
+
+
+def test_an_owner_on_another_host_without_a_slurm_job_is_held_until_unlocked(tmp_path, capsys, monkeypatch):
+    from moelab.cli import main
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    _fake_owner(tmp_path / "run")
+    with pytest.raises(FolderLocked) as e:
+        lock_folder(tmp_path / "run", "inline")
+    assert "pid 424242 on node-elsewhere" in str(e.value) and "names no SLURM job" in str(e.value)
+    assert f"moelab unlock {tmp_path / 'run'}" in str(e.value)
+    assert read_owner(tmp_path / "run")["pid"] == 424242  # the refusal left the lock as it was
+
+    assert main(["unlock", str(tmp_path / "run")]) == 0
+    assert "pid 424242 on node-elsewhere" in capsys.readouterr().out
+    with lock_folder(tmp_path / "run", "inline"):          # the next writer takes it
+        assert read_owner(tmp_path / "run")["pid"] == os.getpid()
+    assert main(["unlock", str(tmp_path / "run")]) == 0    # released cleanly: nothing to unlock
+    assert "nothing to unlock" in capsys.readouterr().out
+
+    _fake_owner(tmp_path / "other", slurm_job_id="999999999", job_id="999999999")
+    with pytest.raises(FolderLocked, match="job 999999999"):  # a job SLURM does not know (or no SLURM here)
+        lock_folder(tmp_path / "other", "inline")
+
+
+def test_a_lock_left_by_an_earlier_attempt_of_this_slurm_job_is_stale(tmp_path, monkeypatch):
+    """SLURM runs one attempt of a job at a time: a requeued job's rank 0 takes over its own earlier lock."""
+    _fake_owner(tmp_path, slurm_job_id="31337", job_id="31337")
+    monkeypatch.setenv("SLURM_JOB_ID", "31337")
+    with lock_folder(tmp_path, "rank 0"):
+        assert read_owner(tmp_path)["pid"] == os.getpid() and read_owner(tmp_path)["slurm_job_id"] == "31337"
+
+
+def test_a_lock_of_a_slurm_job_is_held_while_the_job_runs_and_stale_once_it_ends(tmp_path, slurm_cluster,
+                                                                                  monkeypatch):
+    """A real job on the local cluster takes the lock and ends without releasing it (os._exit, as a killed job
+    does). Seen from another host (the lock's host renamed: this cluster has one node), SLURM decides."""
+    from moelab.run.folder import SLURM_ENDED, break_lock, slurm_job_state
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run, stop = tmp_path / "run", tmp_path / "stop"
+    code = ("import os, sys, time\nfrom pathlib import Path\nfrom moelab.run.folder import lock_folder\n"
+            "lock_folder(sys.argv[1], 'rank 0')\nwhile not Path(sys.argv[2]).exists(): time.sleep(0.2)\n"
+            "os._exit(0)\n")
+    (tmp_path / "hold.py").write_text(code)
+    out = subprocess.run(["sbatch", "--parsable", "-o", str(tmp_path / "job.out"), "--wrap",
+                          f"{sys.executable} {tmp_path / 'hold.py'} {run} {stop}"],
+                         capture_output=True, text=True, check=True)
+    job = out.stdout.strip().split(";")[0]
+    try:
+        end = time.monotonic() + 300
+        while read_owner(run).get("slurm_job_id") != job:
+            assert slurm_job_state(job) not in SLURM_ENDED, (tmp_path / "job.out").read_text()
+            assert time.monotonic() < end, f"job {job} never took the lock: {slurm_job_state(job)}"
+            time.sleep(0.3)
+        with pytest.raises(FolderLocked, match=f"job {job}"):  # on its own host: the flock refuses
+            lock_folder(run, "inline")
+
+        owner = {**read_owner(run), "host": "node-elsewhere"}
+        (run / ".lock").write_text(json.dumps(owner))       # the job's lock as another host reads it
+        with pytest.raises(FolderLocked, match=f"SLURM job {job} is RUNNING"):
+            lock_folder(run, "inline")
+        with pytest.raises(FolderLocked, match=f"SLURM job {job} is RUNNING"):
+            break_lock(run)                                   # `moelab unlock` refuses a running job's lock
+        _fake_owner(tmp_path / "unheld", slurm_job_id=job)     # no flock held, the file alone names the job
+        with pytest.raises(FolderLocked, match="RUNNING"):
+            lock_folder(tmp_path / "unheld", "inline")
+    finally:
+        stop.touch()
+    while slurm_job_state(job) not in SLURM_ENDED:
+        assert time.monotonic() < end, f"job {job} did not end: {slurm_job_state(job)}"
+        time.sleep(0.3)
+    assert read_owner(run)["slurm_job_id"] == job          # it ended without releasing: the file names it
+    with lock_folder(run, "inline"):                        # ... and SLURM says it has ended: stale
+        assert read_owner(run)["pid"] == os.getpid()
+
+    # a flock still held for a host whose job has ended (a lock server that has not noticed): a fresh lock file
+    holder = _holder(tmp_path / "held")
+    try:
+        _fake_owner(tmp_path / "held", slurm_job_id=job)
+        with lock_folder(tmp_path / "held", "inline"):
+            assert read_owner(tmp_path / "held")["pid"] == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait()
