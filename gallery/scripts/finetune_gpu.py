@@ -95,7 +95,9 @@ def train(args) -> dict:
     wall = time.perf_counter() - t0
     trained = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
     variant = args.mode + ("-compile" if args.compile else "")
-    rec = {"system": "moelab", "workload": ENTRY, "variant": variant, "gpus": 1, "gpu_name": tr.gpu_name,
+    # the entry is the LoRA run; full fine-tuning's record is beside it under a workload of its own
+    workload = ENTRY if args.mode == "lora" else ENTRY.replace("-finetune-", "-full-finetune-")
+    rec = {"system": "moelab", "workload": workload, "variant": variant, "gpus": 1, "gpu_name": tr.gpu_name,
            "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"), "tflops_per_gpu": s.get("tflops_per_gpu"),
            "peak_memory_gb": s.get("peak_memory_gb"), "flops_convention": FLOPS_CONVENTION,
            "command": " ".join(["python"] + sys.argv),
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
         rec, name = make(args), "make.json"
     else:
         rec = train(args)
-        name = f"{ENTRY}--moelab--{rec['variant']}.json"
+        name = f"{rec['workload']}--moelab--{rec['variant']}.json"
     (Path(args.out) / name).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     return 0
 

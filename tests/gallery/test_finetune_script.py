@@ -21,8 +21,9 @@ def test_finetune_script_makes_a_checkpoint_and_fine_tunes_it_from_hf(tmp_path):
     made = json.loads((out / "make.json").read_text())
     assert made["bytes"] == sum(p.stat().st_size for p in ckpt.glob("*.safetensors")) > 0
     assert (ckpt / "tokenizer.json").is_file() and (ckpt / "config.json").is_file()
-    recs = {m: json.loads((out / f"qwen3-moe-30b-a3b-proxy-finetune-1gpu--moelab--{m}.json").read_text())
-            for m in ("lora", "full")}
+    recs = {m: json.loads((out / f"qwen3-moe-30b-a3b-proxy-{w}-1gpu--moelab--{m}.json").read_text())
+            for m, w in (("lora", "finetune"), ("full", "full-finetune"))}
+    assert recs["lora"]["workload"] == "qwen3-moe-30b-a3b-proxy-finetune-1gpu"  # the gallery entry's name
     for mode, r in recs.items():
         assert all(r.get(k) is not None for k in RESULT_FIELDS), [k for k in RESULT_FIELDS if r.get(k) is None]
         assert r["status"] == "COMPLETED" and r["steps"] == 3 and r["commit"] == "abc123"
