@@ -52,7 +52,7 @@ def overrides(args) -> list[str]:
 
     data = write_chats(Path(args.out) / "chats.jsonl", 400 if args.tiny else 4000)
     sets = [*(TINY_SET if args.tiny else GPU_SET), "data.kind=sft", f"data.path={data}",
-            f"data.tokenizer={args.ckpt}", f"train.steps={args.steps}", "train.warmup_steps=2",
+            f"train.steps={args.steps}", "train.warmup_steps=2",
             f"train.lr={1e-3 if args.mode == 'lora' else 1e-5}", "train.save_checkpoints=false",
             f"train.compile={str(args.compile).lower()}"]
     return sets + (LORA if args.mode == "lora" else [])

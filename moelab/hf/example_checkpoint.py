@@ -71,7 +71,7 @@ def make_chat_tokenizer(folder, vocab_size: int = 300):
 
 def make_qwen3_checkpoint(folder, shapes: dict = SMALL_QWEN3, dtype: torch.dtype = torch.float32,
                           device: str = "cpu", seed: int = 0, tokenizer: bool = True) -> dict:
-    """A Qwen3MoeForCausalLM of `shapes` with random weights (std 0.02; norms 1), saved with save_pretrained
+    """A Qwen3MoeForCausalLM of `shapes` with random weights (std hidden_size ** -0.5; norms 1), saved with save_pretrained
     (safetensors) into `folder`, plus make_chat_tokenizer's tokenizer there. Returns the folder, the bytes
     written and the seconds spent building and saving."""
     import transformers
@@ -84,9 +84,10 @@ def make_qwen3_checkpoint(folder, shapes: dict = SMALL_QWEN3, dtype: torch.dtype
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM(config).to(dtype)
+    std = shapes["hidden_size"] ** -0.5  # 0.022 at Qwen3-30B-A3B's width; a small model's head can still learn
     with torch.no_grad():  # transformers' init leaves some tensors at zero; make every one random
         for name, t in model.named_parameters():
-            t.fill_(1.0) if "norm" in name else t.normal_(0.0, 0.02 if "experts" not in name else 0.05)
+            t.fill_(1.0) if "norm" in name else t.normal_(0.0, std)
     if device != "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()
     built = time.perf_counter() - t0
