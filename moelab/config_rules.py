@@ -228,9 +228,12 @@ def _validate_sft(cfg: "Config") -> None:
     if not d.path:
         _fail("data.path", d.path, "data.kind='sft' needs data.path: a JSON lines file of {\"messages\": [...]} "
               "or {\"prompt\": ..., \"response\": ...} records")
-    if d.tokenizer in ("bytes", "bpe"):
+    # left at its default ("bytes") in a run from hf:PATH, the checkpoint folder is the tokenizer (check_data
+    # refuses a folder without tokenizer files)
+    if d.tokenizer == "bpe" or (d.tokenizer == "bytes" and not t.init_from.startswith("hf:")):
         _fail("data.tokenizer", d.tokenizer, "data.kind='sft' renders chats with a transformers tokenizer: give a "
-              "local tokenizer folder (the checkpoint's: tokenizer.json, tokenizer_config.json)")
+              "local tokenizer folder (the checkpoint's: tokenizer.json, tokenizer_config.json), or start "
+              "from hf:PATH, whose folder is the default")
     for name, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value > 1:
             _fail(name, value, "data.kind='sft' is not supported with pipeline or context parallelism yet "

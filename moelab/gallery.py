@@ -279,6 +279,8 @@ def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
             cfg = entry.config()
         except ConfigError:
             return None
+        if cfg.train.lora.rank:  # a preset's runs train every weight: a LoRA entry has only results of its own
+            return None
         t = cfg.train
         want = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
                 "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype,

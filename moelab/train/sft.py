@@ -9,8 +9,9 @@ assistant message):
     {"prompt": "...", "response": "..."}
 
 ``data.tokenizer`` is a local transformers tokenizer folder (``AutoTokenizer.from_pretrained(path,
-local_files_only=True)``); its chat template renders every record (``data.chat_template``, a jinja file, gives one
-where it has none, or replaces it). There is no fallback template: a tokenizer without one is a ConfigError.
+local_files_only=True)``; left at its default in a run from ``hf:PATH``, PATH itself when it has tokenizer
+files); its chat template renders every record (``data.chat_template``, a jinja file, gives one where it has
+none, or replaces it). There is no fallback template: a tokenizer without one is a ConfigError.
 Every assistant turn is a response: its tokens, from the end of the generation prompt to the end of the turn
 (the end-of-turn token the template writes included), are the targets that count; prompt tokens and padding
 get target -100 (moelab.train.loss.IGNORE_INDEX), which cross_entropy leaves out.
@@ -111,12 +112,31 @@ def _messages(record, where: str) -> list[dict]:
     raise ConfigError(f"{where}: keys {sorted(record)}; {fix}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def chat_tokenizer_path(cfg: Config) -> str:
+    """data.tokenizer, or, left at its default ("bytes") in a run from hf:PATH, PATH when it holds tokenizer
+    files (a ConfigError naming data.tokenizer when it holds none)."""
+    d, base = cfg.data, cfg.train.init_from
+    if d.tokenizer != "bytes" or not base.startswith("hf:"):
+        return d.tokenizer
+    folder = Path(base.removeprefix("hf:"))
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: data.kind='sft' uses the checkpoint's tokenizer by "
+                          f"default, but {folder} (train.init_from) has no tokenizer files "
+                          f"({', '.join(TOKENIZER_FILES)}); give data.tokenizer=FOLDER of the model's tokenizer")
+    return str(folder)
+
+
 def load_chat_tokenizer(cfg: Config):
-    """The transformers tokenizer of data.tokenizer (local files only) with a chat template, or a ConfigError."""
+    """The transformers tokenizer of chat_tokenizer_path(cfg) (local files only) with a chat template, or a
+    ConfigError."""
     d = cfg.data
-    path = Path(d.tokenizer)
+    name = chat_tokenizer_path(cfg)
+    path = Path(name)
     if not path.is_dir():
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: not a folder; data.kind='sft' needs a local "
+        raise ConfigError(f"data.tokenizer={name!r}: not a folder; data.kind='sft' needs a local "
                           f"transformers tokenizer folder (the checkpoint's, or one saved with save_pretrained)")
     try:
         from transformers import AutoTokenizer
@@ -125,10 +145,10 @@ def load_chat_tokenizer(cfg: Config):
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a folder it cannot read
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: transformers cannot load a tokenizer from it "
+        raise ConfigError(f"data.tokenizer={name!r}: transformers cannot load a tokenizer from it "
                           f"({type(e).__name__}: {e})") from None
     if not tok.is_fast:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: a slow (Python) tokenizer; data.kind='sft' needs a "
+        raise ConfigError(f"data.tokenizer={name!r}: a slow (Python) tokenizer; data.kind='sft' needs a "
                           f"fast one (a tokenizer.json) for its character offsets")
     if d.chat_template:
         file = Path(d.chat_template)
@@ -136,11 +156,11 @@ def load_chat_tokenizer(cfg: Config):
             raise ConfigError(f"data.chat_template={d.chat_template!r}: no such file (a jinja chat template)")
         tok.chat_template = file.read_text(encoding="utf-8")
     if not tok.chat_template:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: has no chat template, which data.kind='sft' renders "
+        raise ConfigError(f"data.tokenizer={name!r}: has no chat template, which data.kind='sft' renders "
                           f"chats with; use the checkpoint's tokenizer folder (tokenizer_config.json "
                           f"'chat_template' or chat_template.jinja), or give data.chat_template=FILE.jinja")
     if len(tok) > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: {len(tok)} ids do not fit model.vocab_size="
+        raise ConfigError(f"data.tokenizer={name!r}: {len(tok)} ids do not fit model.vocab_size="
                           f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(tok)}")
     return tok
 
@@ -194,8 +214,8 @@ def load_examples(cfg: Config, tok=None) -> list[Example]:
             ex = render(tok, messages)
         except Exception as e:  # jinja's TemplateError, a template's raise_exception, the prefix check above
             raise ConfigError(f"data.path={path!r}: line {n}: the chat template of data.tokenizer="
-                              f"{cfg.data.tokenizer!r} cannot render it ({type(e).__name__}: {e}); fix the line, "
-                              f"or give a template that renders it (data.chat_template)") from None
+                              f"{chat_tokenizer_path(cfg)!r} cannot render it ({type(e).__name__}: {e}); fix the "
+                              f"line, or give a template that renders it (data.chat_template)") from None
         if not ex.response_N[1:].any():
             raise ConfigError(f"data.path={path!r}: line {n}: its responses render to no token to predict; "
                               f"give the assistant's answer or remove the line")
