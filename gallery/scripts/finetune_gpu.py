@@ -88,7 +88,7 @@ def train(args) -> dict:
     run_dir = Path(args.out) / f"run-{args.mode}"
     t0 = time.perf_counter()
     try:
-        tr = Trainer(cfg, run_dir, env=DistEnv())
+        tr = Trainer(cfg, run_dir, env=DistEnv(), progress=True)
         s = tr.run()
     finally:
         sharded_load.load_into = load_into
@@ -123,6 +123,10 @@ def train(args) -> dict:
 
 
 def main(argv=None) -> int:
+    if os.environ.get("STACKS_S"):  # where a slow part spends its time, in its log (finetune_gpu.sh)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["STACKS_S"]), repeat=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["make", "train"])
     p.add_argument("--ckpt", required=True)
