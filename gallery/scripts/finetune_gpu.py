@@ -55,7 +55,7 @@ def overrides(args) -> list[str]:
             f"train.steps={args.steps}", "train.warmup_steps=2",
             f"train.lr={1e-3 if args.mode == 'lora' else 1e-5}", "train.save_checkpoints=false",
             f"train.compile={str(args.compile).lower()}"]
-    return sets + (LORA if args.mode == "lora" else [])
+    return sets + (LORA if args.mode == "lora" else []) + list(args.set)
 
 
 def train(args) -> dict:
@@ -85,7 +85,7 @@ def train(args) -> dict:
         return out
 
     sharded_load.load_into = timed_load
-    run_dir = Path(args.out) / f"run-{args.mode}"
+    run_dir = Path(args.out) / f"run-{args.mode}{args.tag}"
     t0 = time.perf_counter()
     try:
         tr = Trainer(cfg, run_dir, env=DistEnv(), progress=True)
@@ -94,7 +94,7 @@ def train(args) -> dict:
         sharded_load.load_into = load_into
     wall = time.perf_counter() - t0
     trained = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
-    variant = args.mode + ("-compile" if args.compile else "")
+    variant = args.mode + ("-compile" if args.compile else "") + args.tag
     # the entry is the LoRA run; full fine-tuning's record is beside it under a workload of its own
     workload = ENTRY if args.mode == "lora" else ENTRY.replace("-finetune-", "-full-finetune-")
     rec = {"system": "moelab", "workload": workload, "variant": variant, "gpus": 1, "gpu_name": tr.gpu_name,
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["lora", "full"], default="lora")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another config override")
+    p.add_argument("--tag", default="", help="appended to the variant and the run folder, e.g. -nopack")
     p.add_argument("--tiny", action="store_true", help="CPU, small shapes: checks the script")
     args = p.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)

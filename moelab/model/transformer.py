@@ -98,16 +98,17 @@ class MoETransformer(nn.Module):
         return [b.ffn for b in self.layers.values() if b.is_moe]
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+    def init_weights(self, seed: int = 0, std: float = 0.02, select=None) -> None:
         """Initialise every parameter from a generator seeded by (seed, parameter name): the same weights on
-        any device and for any subset of layers, so pipeline stages and sharded builds agree with one process."""
+        any device and for any subset of layers, so pipeline stages and sharded builds agree with one process.
+        `select(name) -> bool` limits it to some parameters (a start from a checkpoint fills the others)."""
         out_std = std / math.sqrt(2 * max(self.cfg.num_layers, 1))
         # Stacked expert tensors [E, ...] are seeded per expert (by global index), so an expert-parallel rank
         # that holds a slice of the experts builds exactly that slice of the single-process tensor.
         first_expert = {f"{mname}.{pname}": m.expert_offset for mname, m in self.named_modules()
                         if hasattr(m, "expert_offset") for pname, _ in m.named_parameters(recurse=False)}
         for name, p in self.named_parameters():
-            if p.device.type == "meta":
+            if p.device.type == "meta" or (select is not None and not select(name)):
                 continue
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name.rsplit(".", 2)[-2] or leaf == "sinks":

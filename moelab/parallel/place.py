@@ -96,7 +96,11 @@ def materialize(model: nn.Module, cfg: Config, device) -> None:
     """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gave the embedding and the head separate tensors
-    model.init_weights(cfg.train.seed)
+    # A start from a checkpoint (train.init_from) fills every base weight after placement: only what the
+    # checkpoint lacks, LoRA's adapters, is drawn here (a random init of billions of weights takes minutes).
+    from moelab.model.lora import is_adapter
+
+    model.init_weights(cfg.train.seed, select=is_adapter if cfg.train.init_from else None)
     if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
