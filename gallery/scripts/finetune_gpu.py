@@ -62,7 +62,6 @@ def train(args) -> dict:
     import moelab.hf.sharded_load as sharded_load
     from moelab.bench import commit_id
     from moelab.hf.source import load_config
-    from moelab.parallel.env import DistEnv
     from moelab.planner.flops import FLOPS_CONVENTION
     from moelab.planner.plan import plan
     from moelab.train.trainer import Trainer
@@ -88,7 +87,7 @@ def train(args) -> dict:
     run_dir = Path(args.out) / f"run-{args.mode}{args.tag}"
     t0 = time.perf_counter()
     try:
-        tr = Trainer(cfg, run_dir, env=DistEnv(), progress=True)
+        tr = Trainer(cfg, run_dir, progress=True)  # its DistEnv follows train.device
         s = tr.run()
     finally:
         sharded_load.load_into = load_into

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.config import Config, save_config
+from moelab.config import Config, ConfigError, save_config
 from moelab.model.attention import set_documents
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
@@ -59,6 +59,9 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.folder = RunFolder(run_dir)  # the file names of the run folder
         self.env = env or DistEnv.from_environ(cfg.train.device)
+        if cfg.train.device != "auto" and self.env.device.split(":")[0] != cfg.train.device:
+            raise ConfigError(f"train.device={cfg.train.device!r} but this rank's DistEnv runs on "
+                              f"{self.env.device!r}; pass env=DistEnv.from_environ({cfg.train.device!r}) (or none)")
         self.progress = progress and self.env.rank == 0
         self.writer: MetricsWriter | None = None
         self.step = 0

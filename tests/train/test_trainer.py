@@ -45,3 +45,15 @@ def test_grouped_and_loop_experts_train_identically(tmp_path):
     Trainer(load_config("tiny", ["train.steps=3", "backend.experts=grouped_mm"]), tmp_path / "g").run()
     Trainer(load_config("tiny", ["train.steps=3", "backend.experts=loop"]), tmp_path / "l").run()
     assert _losses(tmp_path / "g") == pytest.approx(_losses(tmp_path / "l"), rel=1e-5)
+
+
+def test_a_distenv_on_another_device_than_train_device_is_refused(tmp_path):
+    """train.device=cuda with an explicitly passed CPU DistEnv would silently train on the CPU (as a GPU script
+    once did): refused, naming the field and the fix."""
+    from moelab.config import ConfigError, load_config
+    from moelab.parallel.env import DistEnv
+    from moelab.train.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"train.device='cuda'.*DistEnv runs on 'cpu'"):
+        Trainer(load_config("tiny", ["train.device=cuda"]), tmp_path, env=DistEnv())
+    Trainer(load_config("tiny", ["train.device=cpu"]), tmp_path, env=DistEnv())  # the same device: accepted
