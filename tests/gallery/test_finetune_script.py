@@ -28,7 +28,7 @@ def test_finetune_script_makes_a_checkpoint_and_fine_tunes_it_from_hf(tmp_path):
         assert all(r.get(k) is not None for k in RESULT_FIELDS), [k for k in RESULT_FIELDS if r.get(k) is None]
         assert r["status"] == "COMPLETED" and r["steps"] == 3 and r["commit"] == "abc123"
         assert 0 < r["load_bytes"] <= made["bytes"] and r["tokens_per_s_per_gpu"] > 0
-        assert r["planned_memory_gb"] > 0 and f"--mode {mode}" in r["command"]
+        assert r["planned_memory_gb"] > 0 and f"--mode {mode}" in r["command"] and r["device"] == "cpu"
     # LoRA trains the adapters only; full fine-tuning trains every parameter of the checkpoint
     assert recs["full"]["trained_params"] == recs["full"]["total_params"]
     assert 0 < recs["lora"]["trained_params"] < recs["full"]["trained_params"]
