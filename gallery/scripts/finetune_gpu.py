@@ -66,6 +66,8 @@ def train(args) -> dict:
     from moelab.planner.plan import plan
     from moelab.train.trainer import Trainer
 
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("finetune_gpu.py train: no CUDA device (use --tiny on CPU)")
     sets = overrides(args)
     cfg = load_config(f"hf:{args.ckpt}", sets)
     planned = plan(cfg, gpus=1)
@@ -87,7 +89,7 @@ def train(args) -> dict:
     run_dir = Path(args.out) / f"run-{args.mode}{args.tag}"
     t0 = time.perf_counter()
     try:
-        tr = Trainer(cfg, run_dir, progress=True)  # its DistEnv follows train.device
+        tr = Trainer(cfg, run_dir, progress=True)  # DistEnv.from_environ(train.device): the GPU
         s = tr.run()
     finally:
         sharded_load.load_into = load_into
@@ -97,6 +99,7 @@ def train(args) -> dict:
     # the entry is the LoRA run; full fine-tuning's record is beside it under a workload of its own
     workload = ENTRY if args.mode == "lora" else ENTRY.replace("-finetune-", "-full-finetune-")
     rec = {"system": "moelab", "workload": workload, "variant": variant, "gpus": 1, "gpu_name": tr.gpu_name,
+           "device": tr.env.device,
            "tokens_per_s_per_gpu": s.get("tokens_per_s_per_gpu"), "tflops_per_gpu": s.get("tflops_per_gpu"),
            "peak_memory_gb": s.get("peak_memory_gb"), "flops_convention": FLOPS_CONVENTION,
            "command": " ".join(["python"] + sys.argv),

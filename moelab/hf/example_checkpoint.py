@@ -71,9 +71,9 @@ def make_chat_tokenizer(folder, vocab_size: int = 300):
 
 def make_qwen3_checkpoint(folder, shapes: dict = SMALL_QWEN3, dtype: torch.dtype = torch.float32,
                           device: str = "cpu", seed: int = 0, tokenizer: bool = True) -> dict:
-    """A Qwen3MoeForCausalLM of `shapes` with random weights (std hidden_size ** -0.5; norms 1), saved with save_pretrained
-    (safetensors) into `folder`, plus make_chat_tokenizer's tokenizer there. Returns the folder, the bytes
-    written and the seconds spent building and saving."""
+    """A Qwen3MoeForCausalLM of `shapes` with random weights (std hidden_size ** -0.5; norms 1), saved with
+    save_pretrained (safetensors) into `folder`, plus make_chat_tokenizer's tokenizer there (unless
+    `tokenizer` is false). Returns the folder, the bytes written and the seconds spent building and saving."""
     import transformers
 
     folder = Path(folder)
