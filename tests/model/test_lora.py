@@ -11,9 +11,8 @@ from moelab.config import ConfigError, load_config
 from moelab.model import MoETransformer, build_model
 from moelab.model.experts import GroupedExperts, swiglu
 from moelab.model.lora import ExpertAdapters, apply_lora, is_adapter, merge_lora_state
-from moelab.parallel.env import DistEnv
 from moelab.train.metrics import read_events
-from moelab.train.trainer import Trainer
+from support import run_one_thread
 
 ALL_GQA = "attention,dense_mlp,experts"
 MLA = {"model.attention": "mla", "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8,
@@ -132,13 +131,7 @@ def test_expert_adapters_delta_grouped_equals_loop():
 
 
 def run_trainer(cfg, run_dir):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = Trainer(cfg, run_dir, env=DistEnv())
-        trainer.run()
-    finally:
-        torch.set_num_threads(threads)
+    trainer = run_one_thread(cfg, run_dir)
     losses = [e["loss"] for e in read_events(Path(run_dir) / "metrics.jsonl") if e["event"] == "step"]
     return trainer, losses
 

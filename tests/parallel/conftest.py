@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from moelab.config import load_config
-from moelab.parallel.env import DistEnv
 from moelab.launch.local import run_local_processes
 from moelab.train.metrics import read_events
-from moelab.train.trainer import Trainer
+from support import run_one_thread
 
 HERE = Path(__file__).parent
 
@@ -37,13 +36,7 @@ def step_events(run_dir):
 def run_single(cfg, run_dir):
     """One process, in this one: (losses, full parameters). One CPU thread, like each launched rank: on a busy
     machine OpenMP's spinning threads slow small kernels down a hundredfold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        trainer = Trainer(cfg, run_dir, env=DistEnv())
-        trainer.run()
-    finally:
-        torch.set_num_threads(threads)
+    trainer = run_one_thread(cfg, run_dir)
     return step_losses(run_dir), {k: v.detach().float().clone() for k, v in trainer.model.named_parameters()}
 
 
