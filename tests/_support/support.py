@@ -18,3 +18,18 @@ def run_one_thread(cfg, run_dir):
     finally:
         torch.set_num_threads(threads)
     return trainer
+
+
+# A small model for command-line tests: `moelab run tiny *SMALL_CLI ...` trains in seconds on one CPU thread.
+SMALL_CLI = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.moe.num_experts=4",
+             "--set", "model.moe.expert_ffn_size=32", "--set", "train.seq_len=16", "--set",
+             "train.global_batch_size=4", "--set", "train.micro_batch_size=2", "--set", "train.device=cpu"]
+
+
+def moelab_cli(*args, timeout=300, **kw):
+    """`python -m moelab ARGS` in a subprocess (arguments turned into strings); its CompletedProcess, output kept."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "moelab", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, **kw)

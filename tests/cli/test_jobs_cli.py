@@ -12,16 +12,12 @@ import pytest
 
 from moelab import Run
 
+from support import SMALL_CLI as SMALL
+from support import moelab_cli as moelab
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.moe.num_experts=4",
-         "--set", "model.moe.expert_ffn_size=32", "--set", "train.seq_len=16", "--set", "train.global_batch_size=4",
-         "--set", "train.micro_batch_size=2", "--set", "train.device=cpu"]
 
-
-def moelab(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", "moelab", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, **kw)
 
 
 def test_run_follows_a_local_job_then_status_and_cancel(tmp_path):

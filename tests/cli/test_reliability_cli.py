@@ -14,15 +14,11 @@ import pytest
 from moelab import Run, Session
 from moelab.run.folder import FolderLocked, pid_alive
 
+from support import SMALL_CLI as SMALL
+from support import moelab_cli as moelab
+
 pytestmark = pytest.mark.slow
-SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.moe.num_experts=4",
-         "--set", "model.moe.expert_ffn_size=32", "--set", "train.seq_len=16", "--set", "train.global_batch_size=4",
-         "--set", "train.micro_batch_size=2", "--set", "train.device=cpu"]
 
-
-def moelab(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", "moelab", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, **kw)
 
 
 def start_long_inline(out: Path) -> subprocess.Popen:

@@ -3,8 +3,6 @@ starts and leave the folder byte for byte as it was; extending a run says from w
 happens to the learning-rate schedule."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +10,12 @@ import pytest
 from moelab import Run, Session
 from moelab.config import ConfigError
 
+from support import SMALL_CLI
+from support import moelab_cli as moelab
+
 pytestmark = pytest.mark.slow
-SMALL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.moe.num_experts=4",
-         "--set", "model.moe.expert_ffn_size=32", "--set", "train.seq_len=16", "--set", "train.global_batch_size=4",
-         "--set", "train.micro_batch_size=2", "--set", "train.device=cpu", "--set", "train.warmup_steps=1"]
+SMALL = [*SMALL_CLI, "--set", "train.warmup_steps=1"]
 
-
-def moelab(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "moelab", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def snapshot(folder: Path) -> dict:
