@@ -114,7 +114,10 @@ def train(args) -> dict:
            "load_peak_memory_gb": timed.get("load_peak_gb"),
            "planned_memory_gb": planned.memory_per_gpu_bytes / 1e9,
            "planned_loading": planned.loading,
-           "planner_note": "the plan counts full training's gradients and optimizer state (LoRA not counted)",
+           "planned_trained_params": planned.trained_params,
+           "flops_note": None if args.mode != "lora" else
+           "tflops_per_gpu keeps the convention's 6 x activated params; LoRA skips the frozen weights' "
+           "weight-gradient matmuls, so it does about 4 x of work per parameter",
            "run_wall_s": round(wall, 1), "overrides": sets,
            "tokens_note": "tokens/s counts global batch x seq_len positions per step (packed rows, padding in)"}
     print(f"{variant}: {rec['status']}, loss {rec['first_loss']:.3f} -> {rec['final_loss']:.3f}, "

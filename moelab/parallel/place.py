@@ -94,6 +94,11 @@ class Parallelized:
 
 def materialize(model: nn.Module, cfg: Config, device) -> None:
     """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
+    if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
+        # cast on the meta device, so the device never holds an fp32 copy of the model (3x a bf16 model's
+        # weights at placement); init_weights draws in fp32 and rounds into bf16, the same values as before
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gave the embedding and the head separate tensors
     # A start from a checkpoint (train.init_from) fills every base weight after placement: only what the
@@ -101,9 +106,6 @@ def materialize(model: nn.Module, cfg: Config, device) -> None:
     from moelab.model.lora import is_adapter
 
     model.init_weights(cfg.train.seed, select=is_adapter if cfg.train.init_from else None)
-    if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:

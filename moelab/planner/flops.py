@@ -13,6 +13,7 @@ causal halving and the head, giving larger TFLOPs for the same run.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moelab.planner.shapes import layer_windows
@@ -100,3 +101,26 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
         if key in name:
             return bf16 if dtype == "bfloat16" else bf16 / 2
     return None
+
+
+@dataclass
+class BlockParams:
+    """Parameters per piece of a model, from count_params (the planner's memory and loading terms).
+
+        block_params(load_config("tiny").model).moe_experts     # the routed experts of one MoE block
+    """
+    embedding: int  # the token embedding
+    head: int  # final norm + LM head (0 head params when tied)
+    dense_layer: int  # a dense block, all parameters
+    moe_layer: int  # a MoE block, all parameters
+    moe_experts: int  # the routed experts of a MoE block
+
+
+def block_params(m) -> BlockParams:
+    """Per-block parameter counts, by differencing count_params on 0- and 1-layer models."""
+    none = count_params(dataclasses.replace(m, num_layers=0, num_dense_layers=0))
+    dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
+    moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
+    return BlockParams(embedding=none.embedding, head=none.total - none.embedding,
+                   dense_layer=dense.total - none.total, moe_layer=moe.total - none.total,
+                   moe_experts=moe.experts_total)

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from moelab.config import Config, ConfigError
 from moelab.parallel.dims import ParallelDims
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
-from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token
+from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
 from moelab.planner.shapes import layer_window
-from moelab.planner.stages import stage_layers
+from moelab.planner.stages import split_layers
 from moelab.planner.units import GiB, _bytes, _flop, _num
 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
@@ -104,6 +105,8 @@ class Plan:
     verdict: str
     assumptions: list = field(default_factory=list)
     loading: dict | None = None  # train.init_from: the peak while loading (moelab.planner.loading)
+    placing_bytes: int = 0  # while placing: the stage's dense weights whole + its experts, before FSDP2 shards them
+    trained_params: int = 0  # parameters with gradients and optimizer state (fewer than total_params under LoRA)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,7 +119,9 @@ class Plan:
             ("config", self.name),
             ("GPUs / layout", f"{self.gpus}  [TP {L['tp']}, PP {L['pp']}, CP {L['cp']}, EP {L['ep']}, VP {L['vp']}, "
                               f"FSDP {L['fsdp']}]  expert-FSDP {L['efsdp']}"),
-            ("parameters", f"{_num(self.total_params)} total, {_num(self.activated_params)} activated per token"),
+            ("parameters", f"{_num(self.total_params)} total, {_num(self.activated_params)} activated per token"
+                           + (f", {_num(self.trained_params)} trained (LoRA)" if self.trained_params < self.total_params
+                              else "")),
             ("FLOPs per token", f"{_flop(self.flops_per_token)} at seq {self.seq_len} ({self.flops_convention})"),
             ("batch", f"global {self.global_batch_size} x seq {self.seq_len}, micro batch {self.micro_batch_size}, "
                       f"{self.micro_batches_per_step} micro batches per rank per step"),
@@ -125,6 +130,9 @@ class Plan:
                                f"({self.gpu_memory_source})"),
         ]
         rows += [(f"  {MEMORY_LABELS[term]}", _bytes(self.memory[term])) for term in MEMORY_TERMS]
+        if self.placing_bytes:
+            rows.append(("  while placing", f"{_bytes(self.placing_bytes)} (dense weights whole, before FSDP2 "
+                                            f"shards them)"))
         if self.loading:
             rows.append(("  while loading", f"{_bytes(self.loading['device_bytes'])} (weights + the largest slice), "
                                             f"host {_bytes(self.loading['host_bytes'])} per rank"))
@@ -191,35 +199,6 @@ def gpu_memory(gpu_memory_gb: float | None) -> tuple[float, str]:
     except Exception:  # no usable CUDA: plan for the reference GPU
         pass
     return DEFAULT_GPU_MEMORY_GB, "default: an 80 GB H100, the reference table's GPU; no CUDA device here"
-
-
-# ---------------------------------------------------------------------- model pieces (all from count_params)
-@dataclass
-class _Pieces:
-    embedding: int  # the token embedding
-    head: int  # final norm + LM head (0 head params when tied)
-    dense_layer: int  # a dense block, all parameters
-    moe_layer: int  # a MoE block, all parameters
-    moe_experts: int  # the routed experts of a MoE block
-
-
-def _pieces(m) -> _Pieces:
-    """Per-block parameter counts, by differencing moelab.planner.flops.count_params on 0- and 1-layer models."""
-    none = count_params(dataclasses.replace(m, num_layers=0, num_dense_layers=0))
-    dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
-    moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
-    return _Pieces(embedding=none.embedding, head=none.total - none.embedding,
-                   dense_layer=dense.total - none.total, moe_layer=moe.total - none.total,
-                   moe_experts=moe.experts_total)
-
-
-def split_layers(m, pp: int, vp: int) -> list[list[int]]:
-    """Layer indices held by each pipeline rank: the pipeline's own cost-balanced split into pp*vp virtual
-    stages (moelab.planner.stages.stage_layers), virtual stage v on rank v % pp."""
-    ranks: list[list[int]] = [[] for _ in range(pp)]
-    for v, layers in enumerate(stage_layers(m, pp * vp)):
-        ranks[v % pp].extend(layers)
-    return ranks
 
 
 def _act_bytes_per_token(cfg: Config, moe: bool, a: int, eager: bool = False) -> dict:
@@ -338,7 +317,16 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"])
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"],
+        placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total))
+
+
+def _trained_params(cfg: Config, total: int) -> int:
+    lp, m = lora_params(cfg), cfg.model
+    if lp is None:
+        return total
+    n_moe = m.num_layers - m.num_dense_layers
+    return m.num_dense_layers * lp.dense_block + n_moe * (lp.moe_block + lp.experts + lp.router)
 
 
 def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
@@ -346,7 +334,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     per token."""
     cfg, p, a, T = z.cfg, z.p, z.a, z.T
     mdl, t = cfg.model, cfg.train
-    pieces = _pieces(mdl)
+    pieces, lp = block_params(mdl), lora_params(cfg)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
 
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
@@ -367,6 +355,9 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         dense_div = 1 if p.data_parallel == "ddp" else z.shard  # replicated dense weights are whole here
         expert_div = 1 if p.expert_dp == "replicate" else z.efsdp
         local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
+        # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
+        adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
+        local += adapters
         if z.world > 1:  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
             gathered = gathered_params(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, cfg, p,
                                        z.shard, z.efsdp, a)
@@ -386,8 +377,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         flight = _in_flight(p, r, z.m)
         mem = {
             "parameters": local * z.pb,
-            "gradients": local * z.pb,
-            "optimizer": local * 2 * z.pb,
+            "gradients": trained * z.pb,
+            "optimizer": trained * 2 * z.pb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
             "logits": T * logit_bytes if r == p.pp - 1 else 0,
@@ -395,9 +386,12 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         }
         load = loading_bytes(cfg, pieces, r, p.pp, n_moe, n_dense, dense_div, expert_div, local, z.pb) \
             if t.init_from else None  # a start from a checkpoint: a second peak, before training
+        # placement (moelab.parallel.place.materialize) allocates the stage's dense weights whole on every rank
+        # and its experts split by EP only; FSDP2 shards them after: a peak before training on a sharded run
+        placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if local < dense + experts else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, loading=load,
-                             total=max(_peak(mem, z.m), load["device_bytes"] if load else 0)))
+                             act=act, flight=flight, mem=mem, loading=load, placing=placing,
+                             total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))
     return per_rank, logit_bytes
 
 
@@ -480,6 +474,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         f"blocks kept gathered after forward (parallel.reshard_after_forward={p.reshard_after_forward}, experts "
         f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
     ]
+    if lora_params(cfg):
+        out.append("LoRA (train.lora): gradients and AdamW state for the adapters (and a trained router) only; "
+                   "activations counted as full training's")
     if t.init_from:
         out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "
                    "of that slice on the host; the larger of this and the training peak counts")

@@ -44,3 +44,12 @@ def stage_layers(m, num_stages: int) -> list[list[int]]:
         bounds.append((cut[s][i], i))
         i = cut[s][i]
     return [list(range(a, b)) for a, b in reversed(bounds)]
+
+
+def split_layers(m, pp: int, vp: int) -> list[list[int]]:
+    """Layer indices held by each pipeline rank: the pipeline's own cost-balanced split into pp*vp virtual
+    stages (stage_layers), virtual stage v on rank v % pp."""
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    for v, layers in enumerate(stage_layers(m, pp * vp)):
+        ranks[v % pp].extend(layers)
+    return ranks

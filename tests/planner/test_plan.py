@@ -227,3 +227,18 @@ def test_a_start_from_a_checkpoint_counts_the_loading_peak(gpus, layout):
     assert p.loading["device_bytes"] == 4 * (p.params_per_gpu + p.loading["largest_slice"])
     assert p.memory_per_gpu_bytes == max(base.memory_per_gpu_bytes, p.loading["device_bytes"])
     assert "while loading" in str(p)
+
+
+@pytest.mark.parametrize("layout,experts_over", [(["parallel.fsdp=2"], 1), (["parallel.ep=2"], 2)])
+def test_a_sharded_run_counts_the_placement_peak(layout, experts_over):
+    """moelab.parallel.place.materialize allocates the dense weights whole on every rank and the experts split by
+    EP only, before FSDP2 shards them: the plan's placing figure is those bytes, part of the peak."""
+    cfg = load_config("tiny", layout)
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    p = plan(cfg, gpus=2)
+    assert p.placing_bytes == 4 * (dense + experts // experts_over)
+    assert p.memory_per_gpu_bytes >= p.placing_bytes
+    assert "while placing" in str(p) and plan(load_config("tiny")).placing_bytes == 0
