@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moelab.config import BackendConfig, ModelConfig
-from moelab.model.attention import cached_block_mask, causal_attention
+from moelab.model.attention import attention_path, cached_block_mask, causal_attention
 from moelab.model.layers import RMSNorm, apply_rope, yarn_mscale
 
 # HF and DeepSeek's reference build the two latent norms with RMSNorm's default eps, whatever rms_norm_eps says.
@@ -81,6 +81,7 @@ class MLAttention(nn.Module):
         return self.o_proj(o_BHLDv.transpose(1, 2).reshape(B, L, H * self.v_dim))
 
     def attend(self, q_BHLD, k_BHLD, v_BHLDv):
-        block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0) if self.backend == "flex" else None
-        return causal_attention(q_BHLD, k_BHLD, v_BHLDv, self.backend, scale=self.softmax_scale,
+        backend = attention_path(self.backend, q_BHLD.device, self.documents_BL is not None)
+        block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0) if backend == "flex" else None
+        return causal_attention(q_BHLD, k_BHLD, v_BHLDv, backend, scale=self.softmax_scale,
                                 block_mask=block_mask, documents_BL=self.documents_BL)

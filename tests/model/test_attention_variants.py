@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moelab.config import BackendConfig, load_config
-from moelab.model.attention import GQAttention, causal_attention
+from moelab.model.attention import GQAttention, attention_path, causal_attention
 from moelab.model.layers import rope_cos_sin
 from moelab.model.mla import MLAttention, mla_softmax_scale
 
@@ -120,3 +120,13 @@ def test_flex_training_on_cpu_says_what_to_do():
     q = torch.randn(1, 2, 8, 8, requires_grad=True)
     with pytest.raises(ConfigError, match="backend.attention=eager"):
         causal_attention(q, q, q, "flex")
+
+
+def test_sdpa_runs_packed_documents_through_flex_on_a_gpu():
+    """backend.attention=sdpa with packed documents (data.kind sft) takes FlexAttention's block-sparse document
+    mask on a GPU, sdpa's dense mask on CPU (no FlexAttention backward there); nothing else changes path."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert attention_path("sdpa", cuda, packed=True) == "flex"
+    assert attention_path("sdpa", cpu, packed=True) == "sdpa"
+    assert attention_path("sdpa", cuda, packed=False) == "sdpa"
+    assert [attention_path(b, cuda, packed=True) for b in ("eager", "flex", "te")] == ["eager", "flex", "te"]
