@@ -29,6 +29,7 @@ from moelab.config import Config, ConfigError
 from moelab.hf import adapter_for
 from moelab.hf.safetensors_folder import SafetensorsFolder, ignorable, quantization
 from moelab.hf.source import checkpoint_folder, read_hf_config
+from moelab.parallel.place import shard_start
 
 FIELD = "train.init_from"
 
@@ -94,21 +95,9 @@ def owned_slices(model: nn.Module):
             full = full.replace("_checkpoint_wrapped_module.", "")
             start = 0
             if isinstance(t, DTensor):
-                start, t = _shard_start(full, t), t.to_local()
+                start, t = shard_start(full, t), t.to_local()
             is_param = isinstance(mod._parameters.get(name), nn.Parameter)
             yield full, t, start + (expert_offset if is_param else 0)
-
-
-def _shard_start(name: str, t) -> int:
-    """The global first row of a DTensor's local shard (FSDP2: Shard(0) over its mesh)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in t.placements):
-        raise NotImplementedError(f"moelab.hf.sharded_load: {name} is placed as {t.placements}; only Shard(0) "
-                                  f"and Replicate are read by rows")
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return int(offset[0]) if offset else 0
 
 
 @torch.no_grad()

@@ -98,10 +98,13 @@ class MoETransformer(nn.Module):
         return [b.ffn for b in self.layers.values() if b.is_moe]
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, std: float = 0.02, select=None) -> None:
+    def init_weights(self, seed: int = 0, std: float = 0.02, select=None, write=None) -> None:
         """Initialise every parameter from a generator seeded by (seed, parameter name): the same weights on
         any device and for any subset of layers, so pipeline stages and sharded builds agree with one process.
-        `select(name) -> bool` limits it to some parameters (a start from a checkpoint fills the others)."""
+        `select(name) -> bool` limits it to some parameters (a start from a checkpoint fills the others);
+        `write(param, value)` puts a drawn value (the whole single-process tensor, on the CPU) into a parameter
+        (default: copy; moelab.parallel.place passes one that writes a shard's rows)."""
+        write = write or (lambda p, value: p.copy_(value.to(p.device, p.dtype)))
         out_std = std / math.sqrt(2 * max(self.cfg.num_layers, 1))
         # Stacked expert tensors [E, ...] are seeded per expert (by global index), so an expert-parallel rank
         # that holds a slice of the experts builds exactly that slice of the single-process tensor.
@@ -125,9 +128,10 @@ class MoETransformer(nn.Module):
                 full = torch.stack([_seeded_randn(p.shape[1:], seed, f"{name}[{e0 + e}]") for e in range(p.shape[0])])
             else:
                 full = _seeded_randn(p.shape, seed, name)
-            p.copy_((full * scale).to(p.device, p.dtype))
-        if self.cfg.pad_token_id >= 0 and self.tok_embeddings is not None:  # as transformers initialises it
-            self.tok_embeddings.weight[self.cfg.pad_token_id] = 0.0
+            value = full * scale
+            if name == "tok_embeddings.weight" and self.cfg.pad_token_id >= 0:  # as transformers initialises it
+                value[self.cfg.pad_token_id] = 0.0
+            write(p, value)
         for moe in self.moe_layers():
             moe.router.reset_buffers()
 

@@ -114,10 +114,14 @@ class _CPAttend:
     """attend(q, k, v) of one attention module under context parallelism (see the module docstring)."""
 
     def __init__(self, attention: nn.Module, cp: ContextParallel, ends: tuple[int, int]):
-        self.cp, self.ends = cp, ends
+        self.cp, self.ends, self.attention = cp, ends, attention
         self.backend = attention.backend
-        self.window, self.sinks = attention.window, attention.sinks
+        self.window = attention.window
         self.scale = getattr(attention, "softmax_scale", None)
+
+    @property
+    def sinks(self):  # read at each call: FSDP2 replaces the module's parameters after this is built
+        return self.attention.sinks
 
     def __call__(self, q_BHLD, k_BGLD, v_BGLD):
         k_BGSD, v_BGSD = self.cp.gather(k_BGLD), self.cp.gather(v_BGLD)

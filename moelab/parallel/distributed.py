@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.parallel.env import DistEnv
-from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
+from moelab.parallel.place import (Parallelized, apply_activation_checkpointing, apply_compile, cast_params,
+                                   materialize)
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)
@@ -152,18 +153,24 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
 
 
 def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp: ContextParallel | None = None):
-    """EP, materialisation with the single-process weights, CP, activation checkpointing and FSDP2, in order."""
+    """EP, CP, activation checkpointing, FSDP2 and materialisation with the single-process weights, in order.
+    FSDP2 wraps the meta-device model, so each rank allocates only its shards (torchtitan's order); DDP and
+    replicated experts need their weights before wrapping, so those layouts materialise first."""
     apply_expert_parallel(model, cfg, meshes)
-    materialize(model, cfg, env.device)
+    replicated = (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp")
+    cast_params(model, cfg)
+    if replicated:
+        materialize(model, cfg, env.device)
     if cp is not None:
         cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
     apply_compile(model, cfg)  # per block, inside FSDP's wrapping, as on one process
-    if (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp"):
+    if replicated:
         from moelab.parallel.replicate import apply_data_parallel
 
         return apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
     apply_fsdp(model, cfg, meshes)
+    materialize(model, cfg, env.device)
 
 
 def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes,

@@ -92,20 +92,51 @@ class Parallelized:
         return out
 
 
-def materialize(model: nn.Module, cfg: Config, device) -> None:
-    """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model)."""
-    if cfg.train.param_dtype == "bfloat16":  # parameters only: router and norm buffers stay fp32
-        # cast on the meta device, so the device never holds an fp32 copy of the model (3x a bf16 model's
-        # weights at placement); init_weights draws in fp32 and rounds into bf16, the same values as before
+def cast_params(model: nn.Module, cfg: Config) -> None:
+    """bf16 parameters (train.param_dtype) cast on the meta device, before FSDP2 wraps them: the device never
+    holds an fp32 copy of the model. Router and norm buffers stay fp32."""
+    if cfg.train.param_dtype == "bfloat16":
         for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
+            if p.dtype != torch.bfloat16:
+                p.data = p.data.to(torch.bfloat16)
+
+
+def materialize(model: nn.Module, cfg: Config, device) -> None:
+    """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model). Its
+    parameters may already be FSDP2 shards (moelab.parallel.distributed wraps on the meta device): each rank
+    then allocates and fills only its rows, never the whole tensor on the device."""
+    cast_params(model, cfg)  # init_weights draws in fp32 and rounds into bf16: the values of an fp32 init, cast
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gave the embedding and the head separate tensors
     # A start from a checkpoint (train.init_from) fills every base weight after placement: only what the
     # checkpoint lacks, LoRA's adapters, is drawn here (a random init of billions of weights takes minutes).
     from moelab.model.lora import is_adapter
 
-    model.init_weights(cfg.train.seed, select=is_adapter if cfg.train.init_from else None)
+    model.init_weights(cfg.train.seed, select=is_adapter if cfg.train.init_from else None, write=write_rows)
+
+
+def write_rows(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a drawn single-process tensor into parameter `p`: whole, or the rows of `p`'s shard when `p` is a
+    DTensor (FSDP2: Shard(0), possibly under Replicate)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        p.copy_(value.to(p.device, p.dtype))
+        return
+    local, start = p.to_local(), shard_start("parameter", p)
+    local.copy_((value[start:start + local.shape[0]] if local.dim() else value).to(local.device, local.dtype))
+
+
+def shard_start(name: str, t) -> int:
+    """The global first row of a DTensor's local shard (FSDP2: Shard(0) over its mesh)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in t.placements):
+        raise NotImplementedError(f"{name} is placed as {t.placements}; only Shard(0) "
+                                  f"and Replicate are read by rows")
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return int(offset[0]) if offset else 0
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:

@@ -105,7 +105,7 @@ class Plan:
     verdict: str
     assumptions: list = field(default_factory=list)
     loading: dict | None = None  # train.init_from: the peak while loading (moelab.planner.loading)
-    placing_bytes: int = 0  # while placing: the stage's dense weights whole + its experts, before FSDP2 shards them
+    placing_bytes: int = 0  # DDP / replicated experts: the stage allocated whole (experts by EP) before wrapping
     trained_params: int = 0  # parameters with gradients and optimizer state (fewer than total_params under LoRA)
 
     def to_dict(self) -> dict:
@@ -131,8 +131,8 @@ class Plan:
         ]
         rows += [(f"  {MEMORY_LABELS[term]}", _bytes(self.memory[term])) for term in MEMORY_TERMS]
         if self.placing_bytes:
-            rows.append(("  while placing", f"{_bytes(self.placing_bytes)} (dense weights whole, before FSDP2 "
-                                            f"shards them)"))
+            rows.append(("  while placing", f"{_bytes(self.placing_bytes)} (dense weights whole, experts split by "
+                                            f"EP, before DDP / FSDP2 wrap them)"))
         if self.loading:
             rows.append(("  while loading", f"{_bytes(self.loading['device_bytes'])} (weights + the largest slice), "
                                             f"host {_bytes(self.loading['host_bytes'])} per rank"))
@@ -149,8 +149,8 @@ class Plan:
                                       f"{_bytes(c['cp_bytes_per_step'])}"),
         ]
         if c.get("ddp_all_reduce_bytes_per_step") or c.get("expert_grad_bytes_per_step"):
-            rows.append(("replicated grads per step", f"DDP all-reduce {_gib(c['ddp_all_reduce_bytes_per_step'])}, "
-                                                      f"experts {_gib(c['expert_grad_bytes_per_step'])}"))
+            rows.append(("replicated grads per step", f"DDP all-reduce {_bytes(c['ddp_all_reduce_bytes_per_step'])}, "
+                                                      f"experts {_bytes(c['expert_grad_bytes_per_step'])}"))
         if self.layout["pp"] > 1:
             pl = self.pipeline
             rows.append(("pipeline", f"{pl['schedule']}, bubble {100 * pl['bubble_fraction']:.1f}%, "
@@ -386,9 +386,10 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         }
         load = loading_bytes(cfg, pieces, r, p.pp, n_moe, n_dense, dense_div, expert_div, local, z.pb) \
             if t.init_from else None  # a start from a checkpoint: a second peak, before training
-        # placement (moelab.parallel.place.materialize) allocates the stage's dense weights whole on every rank
-        # and its experts split by EP only; FSDP2 shards them after: a peak before training on a sharded run
-        placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if local < dense + experts else 0
+        # DDP or replicated experts (moelab.parallel.distributed.place_stage): the stage is allocated with its
+        # dense weights whole and its experts split by EP only, then wrapped; FSDP2 alone wraps on the meta device
+        replicated = (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp")
+        placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if replicated and z.world > 1 else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
                              act=act, flight=flight, mem=mem, loading=load, placing=placing,
                              total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))

@@ -5,7 +5,8 @@
 After training, every parameter is gathered to a full tensor (all shards, all experts) and rank 0 saves them to
 RUN_DIR/params.pt, so a test can compare them with a single-process run; every rank writes
 RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, the FSDP2 units with their
-reshard and prefetch settings, the optimizer groups' parameter kinds).
+reshard and prefetch settings, the optimizer groups' parameter kinds, and how many parameters were allocated
+whole or as FSDP2 shards).
 
 Fault injection (tests only, never in moelab): TEST_FAULT="RANK:STEP:exit" makes that rank os._exit(13) when it
 starts STEP; "RANK:STEP:hang" makes it sleep instead, like a stuck GPU.
@@ -47,7 +48,27 @@ def placement(model, optimizer) -> dict:
                                           if isinstance(p, DTensor)})} for g in optimizer.param_groups]}
 
 
+ALLOCATED = {"plain": 0, "dtensor": 0}  # parameter kinds when placement allocated them (moelab.parallel.place)
+
+
+def record_allocation() -> None:
+    """Count, at each materialize call of moelab.parallel.distributed, how many parameters are still plain
+    tensors (allocated whole) and how many FSDP2 shards (allocated as their rows only)."""
+    import moelab.parallel.distributed as distributed
+    from torch.distributed.tensor import DTensor
+
+    inner = distributed.materialize
+
+    def spy(model, cfg, device):
+        for p in model.parameters():
+            ALLOCATED["dtensor" if isinstance(p, DTensor) else "plain"] += 1
+        return inner(model, cfg, device)
+
+    distributed.materialize = spy
+
+
 def main(run_dir: Path) -> None:
+    record_allocation()
     trainer = Trainer(load_config(run_dir / "config.yaml"), run_dir)
     fault = os.environ.get("TEST_FAULT")
     if fault:
@@ -65,7 +86,8 @@ def main(run_dir: Path) -> None:
     env = trainer.env
     shutdown, env.shutdown = env.shutdown, lambda: None  # keep the process group for the gather below
     trainer.run()
-    (run_dir / f"placement_rank{env.rank}.json").write_text(json.dumps(placement(trainer.model, trainer.optimizer)))
+    (run_dir / f"placement_rank{env.rank}.json").write_text(json.dumps({**placement(trainer.model, trainer.optimizer),
+                                                                        "allocated": ALLOCATED}))
     params = full_state_dict(trainer.par)
     if env.rank == 0:
         torch.save(params, run_dir / "params.pt")

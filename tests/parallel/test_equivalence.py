@@ -110,8 +110,9 @@ def test_ep_overlap_gives_the_plain_ep_run(name, layout_run, helpers):
 
 
 def check_placement(name, run_dir):
-    """Rank 0's parameters are plain exactly where PLAIN says; each optimizer group holds one kind (plain, or
-    DTensors of one mesh: fused AdamW refuses a mix); the FSDP2 options reached FSDP2."""
+    """Rank 0's parameters are plain exactly where PLAIN says, and were allocated so (FSDP2 shards as shards);
+    each optimizer group holds one kind (plain, or DTensors of one mesh: fused AdamW refuses a mix); the FSDP2
+    options reached FSDP2."""
     import json
 
     got = json.loads((run_dir / "placement_rank0.json").read_text())
@@ -119,6 +120,9 @@ def check_placement(name, run_dir):
     for key, kind in got["params"].items():
         want = plain == "all" or (plain == "experts" and ".experts." in key)
         assert kind == ("plain" if want else "dtensor"), (key, kind)
+    # FSDP2 wrapped the meta-device model: every parameter that ends a shard was allocated as one (its rows only)
+    kinds = list(got["params"].values())
+    assert got["allocated"] == {"plain": kinds.count("plain"), "dtensor": kinds.count("dtensor")}, got["allocated"]
     assert all(len(g["kinds"]) == 1 and len(g["meshes"]) <= 1 for g in got["groups"]), got["groups"]
     units = got["units"]
     if plain == "all":

@@ -229,10 +229,12 @@ def test_a_start_from_a_checkpoint_counts_the_loading_peak(gpus, layout):
     assert "while loading" in str(p)
 
 
-@pytest.mark.parametrize("layout,experts_over", [(["parallel.fsdp=2"], 1), (["parallel.ep=2"], 2)])
-def test_a_sharded_run_counts_the_placement_peak(layout, experts_over):
-    """moelab.parallel.place.materialize allocates the dense weights whole on every rank and the experts split by
-    EP only, before FSDP2 shards them: the plan's placing figure is those bytes, part of the peak."""
+@pytest.mark.parametrize("layout,experts_over", [(["parallel.data_parallel=ddp"], 1),
+                                                 (["parallel.ep=2", "parallel.expert_dp=replicate"], 2)])
+def test_a_replicated_layout_counts_the_placement_peak(layout, experts_over):
+    """DDP and replicated experts need their weights before wrapping (moelab.parallel.distributed.place_stage):
+    each rank allocates the dense weights whole and the experts split by EP only, then FSDP2 shards what it
+    shards. The plan's placing figure is those bytes, part of the peak; FSDP2 alone wraps on the meta device."""
     cfg = load_config("tiny", layout)
     with torch.device("meta"):
         model = MoETransformer(cfg.model)
@@ -242,3 +244,4 @@ def test_a_sharded_run_counts_the_placement_peak(layout, experts_over):
     assert p.placing_bytes == 4 * (dense + experts // experts_over)
     assert p.memory_per_gpu_bytes >= p.placing_bytes
     assert "while placing" in str(p) and plan(load_config("tiny")).placing_bytes == 0
+    assert plan(load_config("tiny", ["parallel.fsdp=2"]), gpus=2).placing_bytes == 0
