@@ -22,8 +22,9 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
                      block_mask=None, documents_BL=None):
     """Causal attention with optional sliding window and learned sink logits (GPT-OSS).
 
-    backend "sdpa" (plain causal and packed documents; windows and sinks fall to eager), "flex" (FlexAttention; `block_mask` from
-    `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults to 1/sqrt(Dh).
+    backend "sdpa" (plain causal and packed documents; windows and sinks fall to eager), "flex" (FlexAttention;
+    `block_mask` from `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults
+    to 1/sqrt(Dh).
     v may have a different head dim than q and k (MLA). `documents_BL` (packed sequences, moelab.train.sft):
     each token's document number; a token attends only within its document (sdpa and eager: a block-diagonal
     causal mask; flex: a document mask_mod)."""

@@ -122,5 +122,5 @@ def block_params(m) -> BlockParams:
     dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
     moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
     return BlockParams(embedding=none.embedding, head=none.total - none.embedding,
-                   dense_layer=dense.total - none.total, moe_layer=moe.total - none.total,
-                   moe_experts=moe.experts_total)
+                       dense_layer=dense.total - none.total, moe_layer=moe.total - none.total,
+                       moe_experts=moe.experts_total)
