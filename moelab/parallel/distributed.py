@@ -158,9 +158,10 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
     replicated experts need their weights before wrapping, so those layouts materialise first."""
     apply_expert_parallel(model, cfg, meshes)
     replicated = (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp")
-    cast_params(model, cfg)
     if replicated:
         materialize(model, cfg, env.device)
+    else:
+        cast_params(model, cfg)  # FSDP2 shards the parameters in their final dtype
     if cp is not None:
         cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
