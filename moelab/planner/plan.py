@@ -323,10 +323,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
 
 def _trained_params(cfg: Config, total: int) -> int:
     lp, m = lora_params(cfg), cfg.model
-    if lp is None:
-        return total
-    n_moe = m.num_layers - m.num_dense_layers
-    return m.num_dense_layers * lp.dense_block + n_moe * (lp.moe_block + lp.experts + lp.router)
+    return total if lp is None else lp.on_rank(m.num_dense_layers, m.num_layers - m.num_dense_layers, 1, 1)[1]
 
 
 def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
