@@ -7,7 +7,7 @@
 from moelab.config import Config, ConfigError, load_config, save_config
 from moelab.run.run import Run
 from moelab.run.sweep import Sweep, runs
-from moelab.session import Session
+from moelab.run.session import Session
 
 __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "Run", "Session", "Sweep", "runs",

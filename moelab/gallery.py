@@ -166,13 +166,13 @@ def hardware_check(entry: Entry) -> str | None:
 
 
 def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, command: str) -> dict:
-    """Run the path of `moelab bench` (moelab.bench.bench) and return its record. Several GPUs: one process per
+    """Run the path of `moelab bench` (moelab.train.bench.bench) and return its record. Several GPUs: one process per
     GPU through moelab's local launcher, each the one rank entry point in its bench mode
     (``python -m moelab.launch.entry RUN_DIR --bench STEPS WARMUP COMMAND``); logs in RUN_DIR/logs/."""
     from moelab.config import save_config
     from moelab.launch.entry import BENCH_FILE
     from moelab.launch.local import RankFailed, launch
-    from moelab.run.folder import RunFolder
+    from moelab.contract.folder import RunFolder
 
     if gpus == 1:
         return _bench_here(cfg, steps, warmup, command)
@@ -189,7 +189,7 @@ def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, com
 
 
 def _bench_here(cfg: Config, steps: int, warmup: int, command: str) -> dict:
-    from moelab.bench import bench
+    from moelab.train.bench import bench
 
     return dict(bench(cfg, steps=steps, warmup=warmup, command=command))
 

@@ -3,7 +3,7 @@ import pytest
 
 from moelab.compare import compare
 from moelab.config import load_config
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import commit_id
+from moelab.train.bench import commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION, flops_per_token, peak_tflops
 

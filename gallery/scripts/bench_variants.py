@@ -1,5 +1,5 @@
 """moelab's fast-path variants on ONE model (built once: initialising 5.6 B parameters takes about 45 s), each
-timed with moelab.bench.Bencher on the trainer's real step; one JSON record per variant (gallery/perf-notes.md).
+timed with moelab.train.bench.Bencher on the trainer's real step; one JSON record per variant (gallery/perf-notes.md).
 
     python gallery/scripts/bench_variants.py --out DIR [--preset qwen3-moe-30b-a3b-proxy] [--set k=v ...]
         [--profile] [--skip NAME,...] [--deadline-s S]
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import Bencher, bench_config, commit_id
+from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
 

@@ -5,7 +5,7 @@
 #   torchtitan 0.2.2 (+ the imports its model code pulls in: datasets<4.8 with dill and multiprocess, torchdata,
 #   tyro with docstring_parser, typeguard and shtab, tomli) for the torchtitan peer;
 #   torchao (float8 training, the FP8 peer): the release built against torch 2.11.
-# moelab's own training path (moelab.train.trainer, moelab.bench) imports none of submitit / ipywidgets.
+# moelab's own training path (moelab.train.trainer, moelab.train.bench) imports none of submitit / ipywidgets.
 #   bash gallery/scripts/carry_wheels.sh [DEST]
 set -eu
 DEST=${1:-/work/main/.whl}

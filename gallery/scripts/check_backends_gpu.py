@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from moelab.bench import commit_id
+from moelab.train.bench import commit_id
 from moelab.backends import detected
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import commit_id
-from moelab.train.metrics import read_events
+from moelab.train.bench import commit_id
+from moelab.contract.stream import read_events
 
 out, preset, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}

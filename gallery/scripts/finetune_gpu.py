@@ -60,7 +60,7 @@ def overrides(args) -> list[str]:
 
 def train(args) -> dict:
     import moelab.hf.sharded_load as sharded_load
-    from moelab.bench import commit_id
+    from moelab.train.bench import commit_id
     from moelab.hf.source import load_config
     from moelab.planner.flops import FLOPS_CONVENTION
     from moelab.planner.plan import plan

@@ -7,10 +7,10 @@ and the FP8 loss-parity curves.
     python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
 
 bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 parameters, train.compile=true),
-built once, timed with moelab.bench.Bencher on the trainer's real step at each global batch, first in bf16
+built once, timed with moelab.train.bench.Bencher on the trainer's real step at each global batch, first in bf16
 (--triton-adamw: again with moelab.train.adamw_triton's optimizer, then back to torch's), then converted in
 place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
-global batch (moelab.bench's fields plus fp8, compile, variant). --profile: one compiled step under
+global batch (moelab.train.bench's fields plus fp8, compile, variant). --profile: one compiled step under
 torch.profiler, kernels summed by category (matmul, attention, optimizer, elementwise, permute, comm, other).
 parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 32 experts top 4, vocab
 8192, the synthetic Markov data, seq 1024, global batch 8, eager, fp32 master weights + bf16 autocast) trained `--steps` steps from the same seed; the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import Bencher, bench_config, commit_id
+from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import commit_id
+from moelab.train.bench import commit_id
 from moelab.model import fp8
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu, swiglu
 

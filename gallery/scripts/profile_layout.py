@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moelab.bench import Bencher, bench_config, commit_id
+from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.train.trainer import Trainer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moelab.live.compare import compare
-from moelab.session import Session
+from moelab.run.session import Session
 
 GALLERY = Path(__file__).resolve().parents[1]
 # name -> overrides on top of the shared base (no balancing at all, a skewed selection bias)

@@ -27,7 +27,7 @@ from moelab.config import load_config
 from moelab.parallel.env import DistEnv
 from moelab.launch.local import run_local_processes
 from moelab.planner.plan import plan
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 GALLERY = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import warnings
 
 from moelab.cli import jobs, tools
 from moelab.config import ConfigError
-from moelab.run.folder import FolderLocked
+from moelab.contract.folder import FolderLocked
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +77,7 @@ def one_line_error(e: BaseException) -> str | None:
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A MetricsWarning (a damaged metrics line, ...) as one line; other warnings as Python shows them."""
-    from moelab.train.metrics import MetricsWarning
+    from moelab.contract.stream import MetricsWarning
 
     if not issubclass(category, MetricsWarning):
         return _one_line_warning.default(message, category, filename, lineno, file, line)

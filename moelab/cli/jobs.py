@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moelab.cli.tools import config_args, load_args
 from moelab.config import parse_override
-from moelab.run.folder import RunFolder
+from moelab.contract.folder import RunFolder
 from moelab.run.run import TERMINAL, Run
 from moelab.run.sweep import Sweep, runs
 
@@ -26,7 +26,7 @@ from moelab.run.sweep import Sweep, runs
 def cmd_run(args) -> int:
     """Through Session.submit, like a notebook: the same run.json, folder rules and executors. Without
     --executor: in this process for one rank, on the local executor for --nproc N."""
-    from moelab.session import Session
+    from moelab.run.session import Session
 
     executor = args.executor or ("inline" if args.nproc == 1 else "local")
     options = dict(parse_override(item) for item in args.cluster)
@@ -37,7 +37,7 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     from moelab.launch.resume import resume
     from moelab.train.checkpoint import CheckpointError
-    from moelab.train.metrics import MetricsError
+    from moelab.contract.stream import MetricsError
 
     options = dict(parse_override(item) for item in args.cluster)
     try:
@@ -158,7 +158,7 @@ def cmd_cancel(args) -> int:
 def cmd_unlock(args) -> int:
     """Remove a run folder's writer lock whose owner is gone or cannot be checked from here (another host, no
     SLURM job to ask); refused (FolderLocked) while the owner is known to run."""
-    from moelab.run.folder import break_lock
+    from moelab.contract.folder import break_lock
 
     owner = break_lock(args.folder)
     if not owner:

@@ -25,7 +25,7 @@ def config_args(p: argparse.ArgumentParser) -> None:
 def load_args(args):
     """The Config that `config` and `--set` (and `--steps`, where the command has it) name."""
     from moelab.config import load_config
-    from moelab.session import SOURCE_READERS
+    from moelab.run.session import SOURCE_READERS
 
     overrides = list(args.overrides)
     if getattr(args, "steps", None) is not None:
@@ -82,21 +82,21 @@ def cmd_export(args) -> int:
         raise ConfigError(f"export: output folders {given}: give the output folder once")
     out = given[0] if given else None
     if to == "hf":
-        from moelab.train.export_hf import export_hf
+        from moelab.export.hf import export_hf
 
         if not out:
             raise ConfigError("export --to hf: OUT is required (moelab export RUN --to hf OUT)")
         print(export_hf(args.folder, out, dtype=args.dtype, max_shard_size=args.max_shard_size, lora=args.lora,
                         force=args.force, base=args.base))
         return 0
-    from moelab.train.export import export_run
+    from moelab.loggers.mirror import export_run
 
     print(export_run(args.folder, to=to, out=out, wandb_mode=args.wandb_mode))
     return 0
 
 
 def cmd_bench(args) -> int:
-    from moelab.bench import bench, format_result, write_result
+    from moelab.train.bench import bench, format_result, write_result
     from moelab.config import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -56,7 +56,7 @@ class GptOssAdapter(FamilyAdapter):
                 and moe.activation == "gpt_oss") or m.num_dense_layers or m.attention == "mla":
             return ("GPT-OSS needs GQA with sinks, router and expert biases, softmax_topk routing, the gpt_oss "
                     "activation and no dense layers")
-        from moelab.planner.shapes import layer_windows
+        from moelab.layout.shapes import layer_windows
 
         hf.update(num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, num_local_experts=moe.num_experts,
                   intermediate_size=moe.expert_ffn_size, sliding_window=m.sliding_window or 128,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, ConfigError
-from moelab.config_lora import resolve_lora_targets
+from moelab.config.lora import resolve_lora_targets
 from moelab.hf import ADAPTERS, family_of
 from moelab.model.lora import is_adapter
 

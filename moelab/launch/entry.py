@@ -1,7 +1,7 @@
 """The per-rank entry point: every launcher (moelab's local processes, submitit's tasks, srun, torchrun) ends here.
 
     python -m moelab.launch.entry RUN_DIR                              # train RUN_DIR/config.yaml
-    python -m moelab.launch.entry RUN_DIR --bench STEPS WARMUP CMD     # time it (moelab.bench); rank 0 writes
+    python -m moelab.launch.entry RUN_DIR --bench STEPS WARMUP CMD     # time it (moelab.train.bench); rank 0 writes
                                                                        # RUN_DIR/bench.json (the gallery's runs)
 
 Rank and world come from the environment (moelab.parallel.env.DistEnv): torchrun's RANK / WORLD_SIZE /
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import load_config
-from moelab.run.folder import RunFolder, lock_folder
+from moelab.contract.folder import RunFolder, lock_folder
 
 BENCH_FILE = "bench.json"
 
@@ -35,7 +35,7 @@ def train_rank(run_dir: "str | Path", progress: bool = False) -> dict:
     folder = RunFolder(run_dir)
     lock = None
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # srun tasks: SLURM's rank
-    if int(rank) == 0:  # the one writer of the folder (moelab.run.folder.FolderLock)
+    if int(rank) == 0:  # the one writer of the folder (moelab.contract.folder.FolderLock)
         lock = lock_folder(folder.path, "rank 0", wait_s=120.0)
     try:
         return Trainer(load_config(folder.config), folder.path, progress=progress).run()
@@ -45,8 +45,8 @@ def train_rank(run_dir: "str | Path", progress: bool = False) -> dict:
 
 
 def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> dict:
-    """Time this rank's steps of RUN_DIR/config.yaml (moelab.bench.bench); rank 0 writes RUN_DIR/bench.json."""
-    from moelab.bench import bench
+    """Time this rank's steps of RUN_DIR/config.yaml (moelab.train.bench.bench); rank 0 writes RUN_DIR/bench.json."""
+    from moelab.train.bench import bench
 
     folder = RunFolder(run_dir)
     record = dict(bench(load_config(folder.config), steps=steps, warmup=warmup, command=command))

@@ -9,7 +9,7 @@
     job.wait().summary() # block until it ends; the run's summary.json
 
 Like submitit's one Job class per executor (its LocalJob and SlurmJob), each class holds what its executor
-knows: the scheduler's state combined with the run's own stream (moelab.train.metrics), which tells how the
+knows: the scheduler's state combined with the run's own stream (moelab.contract.stream), which tells how the
 trainer ended. A Run (moelab.run) holds one and asks it; the Run never branches on the executor's name.
 
 Owner liveness (is the process or job that owns the folder still there?) is `state()` not being terminal.
@@ -23,8 +23,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from moelab.run.folder import RunFolder, owner_gone
-from moelab.train.metrics import read_events
+from moelab.contract.folder import RunFolder, owner_gone
+from moelab.contract.stream import read_events
 
 # PREEMPTED: stopped by a signal after saving a checkpoint, and not requeued (a SLURM job that requeues itself
 # goes back to PENDING and RUNNING under the same job id); run.resume() continues it.

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from moelab.config import Config, save_config
-from moelab.parallel.dims import ParallelDims
-from moelab.run.folder import RunFolder, lock_folder
-from moelab.train.metrics import MetricsError, read_events
+from moelab.layout.dims import ParallelDims
+from moelab.contract.folder import RunFolder, lock_folder
+from moelab.contract.stream import MetricsError, read_events
 
 
 class RankFailed(RuntimeError):

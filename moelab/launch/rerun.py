@@ -13,12 +13,12 @@ rank starts, changes nothing in it.
 from __future__ import annotations
 
 from moelab.config import ConfigError, flatten, load_config
-from moelab.run.folder import RunFolder
+from moelab.contract.folder import RunFolder
 
 
 def reached_step(folder: RunFolder) -> int:
     """The last step the folder's stream recorded (0 before the first)."""
-    from moelab.train.metrics import MetricsError, read_events
+    from moelab.contract.stream import MetricsError, read_events
 
     try:
         steps = [e["step"] for e in read_events(folder.metrics, live=True) if e["event"] == "step"]

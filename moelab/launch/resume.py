@@ -17,8 +17,8 @@ from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.jobs import Job, job_for
-from moelab.run.folder import RunFolder, lock_folder
-from moelab.train.metrics import MetricsError, read_events
+from moelab.contract.folder import RunFolder, lock_folder
+from moelab.contract.stream import MetricsError, read_events
 
 
 def resume_config(run_dir: "str | Path", steps: int | None = None):

@@ -5,7 +5,7 @@
 
 Each folder already holds its config.yaml (prepare_folder). This module writes run.json (what a Run needs to
 find the job again from another kernel) and logs/ links to every rank's stdout and stderr, through
-moelab.run.folder. The layout of every config is checked by the one validator before anything is submitted.
+moelab.contract.folder. The layout of every config is checked by the one validator before anything is submitted.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.executors import (TrainJob, check_options, make_executor, parse_time_s, resolve_executor,
                                      world_size)
 from moelab.launch.jobs import InlineJob, Job, job_for
-from moelab.parallel.dims import check_layout
-from moelab.run.folder import RunFolder
+from moelab.layout.dims import check_layout
+from moelab.contract.folder import RunFolder
 
 
 def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[str, int]:
@@ -43,7 +43,7 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
         except ConfigError as e:
             raise ConfigError(f"{e} (config {cfg.name!r} on {world} rank(s) = executor={kind!r}, nproc/nodes/"
                               f"gpus_per_node as given)") from None
-    from moelab.train.data import check_data
+    from moelab.data.batches import check_data
 
     for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
         check_data(cfg, progress=False)

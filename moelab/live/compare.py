@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 
 from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
-from moelab.run.folder import RunFolder, read_json
+from moelab.contract.folder import RunFolder, read_json
 from moelab.run.run import Run
 from moelab.train.summary import demand_LE, step_balance
 

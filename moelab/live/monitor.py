@@ -20,7 +20,7 @@ import threading
 import time
 
 from moelab.live.state import DashState, is_terminal, run_folder
-from moelab.train.metrics import JsonlTail
+from moelab.contract.stream import JsonlTail
 
 
 def in_notebook() -> bool:

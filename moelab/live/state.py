@@ -1,7 +1,7 @@
 """Dashboard state: the metrics stream of one run folded into plain Python (no widgets, no threads).
 
 Every view (widget, text, static plots) reads a `DashState`; only `apply()` knows the event schema
-(moelab/train/metrics.py), so a view never parses events itself.
+(moelab/contract/stream.py), so a view never parses events itself.
 
     state = DashState()
     for event in JsonlTail("runs/tiny/metrics.jsonl").poll():
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.train.metrics import JsonlTail
+from moelab.contract.stream import JsonlTail
 from moelab.train.summary import BALANCE_KEYS, balance, balance_L, demand_LE, mean_balance, step_balance, timed_steps
 
 # Run statuses after which nothing more will be written (SLURM's names, submitit's, the trainer's).
@@ -126,7 +126,7 @@ class DashState:
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: dict) -> None:
-        """Fold one event of the stream (schema in moelab/train/metrics.py) into the state."""
+        """Fold one event of the stream (schema in moelab/contract/stream.py) into the state."""
         kind = event.get("event")
         t = event.get("time") or 0.0
         self.first_time = self.first_time or t

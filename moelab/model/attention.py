@@ -25,7 +25,7 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     backend "sdpa" (plain causal and packed documents; windows and sinks fall to eager), "flex" (FlexAttention;
     `block_mask` from `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults
     to 1/sqrt(Dh).
-    v may have a different head dim than q and k (MLA). `documents_BL` (packed sequences, moelab.train.sft):
+    v may have a different head dim than q and k (MLA). `documents_BL` (packed sequences, moelab.data.sft):
     each token's document number; a token attends only within its document (sdpa and eager: a block-diagonal
     causal mask; flex: a document mask_mod)."""
     H, G = q_BHLD.shape[1], k_BGLD.shape[1]

@@ -83,7 +83,7 @@ class GroupedExperts(nn.Module):
         if getattr(self, "lora_rank", 0):  # grouped LoRA (moelab.model.lora), on the torch paths only
             lora = expert_adapters(self, x_ND.dtype)
         if self.fp8:
-            if lora is not None:  # refused by moelab.config_lora before a run starts
+            if lora is not None:  # refused by moelab.config.lora before a run starts
                 raise ValueError("train.fp8 experts have no LoRA path; set train.fp8=off")
             from moelab.model.fp8 import fp8_experts
 
@@ -94,7 +94,7 @@ class GroupedExperts(nn.Module):
         if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
             from moelab.backends import experts_kernel
 
-            if lora is not None:  # refused by moelab.config_lora before a run starts
+            if lora is not None:  # refused by moelab.config.lora before a run starts
                 raise ValueError(f"backend.experts={impl!r} has no LoRA path; use auto, grouped_mm or loop")
             return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.config import Config, ConfigError
-from moelab.config_lora import resolve_lora_targets
+from moelab.config.lora import resolve_lora_targets
 from moelab.model.experts import EXPERT_ADAPTERS, ExpertAdapters, GroupedExperts, expert_adapters  # noqa: F401
 
 ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")

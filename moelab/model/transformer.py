@@ -19,7 +19,7 @@ from moelab.model.attention import GQAttention
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.lora import lora_init_std
 from moelab.model.moe import MoE
-from moelab.planner.shapes import layer_window
+from moelab.layout.shapes import layer_window
 
 
 def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:
@@ -74,7 +74,7 @@ class MoETransformer(nn.Module):
     def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head).
         `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard; packed
-        sequences (moelab.train.sft) pass [B, L], restarting at each document."""
+        sequences (moelab.data.sft) pass [B, L], restarting at each document."""
         h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)

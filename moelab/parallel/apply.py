@@ -9,14 +9,14 @@ from __future__ import annotations
 from torch import nn
 
 from moelab.config import Config
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 from moelab.parallel.env import DistEnv
 from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
 
 
 def parallelize(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, loss_fn=None) -> Parallelized:
     """Place `model` (built on the meta device) for this rank, initialise it, and return the Parallelized.
-    `dims`: the validated layout (moelab.parallel.dims); `loss_fn(logits_BLV, targets_BL)`: the loss a
+    `dims`: the validated layout (moelab.layout.dims); `loss_fn(logits_BLV, targets_BL)`: the loss a
     pipeline schedule calls on the last stage (the trainer's own)."""
     from moelab.backends import apply_backends
 

@@ -31,7 +31,7 @@ from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)
 from moelab.parallel.fsdp import apply_fsdp
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 from moelab.parallel.mesh import Meshes, build_meshes
 from moelab.parallel.replicate import REPLICAS
 

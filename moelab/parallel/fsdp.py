@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from moelab.config import Config
-from moelab.parallel.dims import fsdp_wraps, reshard_after_forward
+from moelab.layout.dims import fsdp_wraps, reshard_after_forward
 
 
 def mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
@@ -46,7 +46,7 @@ def mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
 
 
 def wraps(mesh, cfg: Config) -> bool:
-    """Whether FSDP2 wraps a unit on `mesh` (moelab.parallel.dims.fsdp_wraps)."""
+    """Whether FSDP2 wraps a unit on `mesh` (moelab.layout.dims.fsdp_wraps)."""
     return fsdp_wraps(mesh.size(), cfg)
 
 

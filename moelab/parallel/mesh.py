@@ -5,7 +5,7 @@
     meshes.ep_group   # the process group of this rank's EP peers (None when ep == 1)
     meshes.efsdp      # 1-D, the (dp*cp)/ep ranks that hold the same experts: FSDP2 shards experts over it
 
-The shapes and the rank order come from the layout validator (moelab.parallel.dims.ParallelDims); this module
+The shapes and the rank order come from the layout validator (moelab.layout.dims.ParallelDims); this module
 turns them into DeviceMeshes.
 
 Every mesh is a plain torch DeviceMesh built from an explicit rank tensor, so every rank must build all of
@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from moelab.config import ParallelConfig
-from moelab.parallel.dims import Coords, ParallelDims
+from moelab.layout.dims import Coords, ParallelDims
 
 
 @dataclass

@@ -85,7 +85,7 @@ class PipelineRunner:
         pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
                        for m, s in zip(stages, stage_ids)]
         kind = cfg.parallel.pp_schedule
-        if len(pipe_stages) > 1:  # vp > 1: interleaved 1F1B (moelab.parallel.dims.ParallelDims)
+        if len(pipe_stages) > 1:  # vp > 1: interleaved 1F1B (moelab.layout.dims.ParallelDims)
             self.schedule = ScheduleInterleaved1F1B(pipe_stages, n_microbatches, loss_fn=self.loss_fn,
                                                     scale_grads=False)
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moelab.planner.shapes import layer_windows
+from moelab.layout.shapes import layer_windows
 
 FLOPS_CONVENTION = ("6 x activated params (attention, dense FFN, router, shared + top-k experts, LM head; "
                     "no embedding) + causal attention 3 x 2 x ctx x heads x (d_qk + d_v) / 2 per layer")

@@ -3,7 +3,7 @@
 
     gathered_params(pieces, [True, True], first=True, last=True, cfg=cfg, p=layout, shard=2, efsdp=1, a=2)
 
-- Units on one-rank meshes are not wrapped unless FSDP2 casts them to bf16 (moelab.parallel.dims.fsdp_wraps):
+- Units on one-rank meshes are not wrapped unless FSDP2 casts them to bf16 (moelab.layout.dims.fsdp_wraps):
   nothing is gathered for a plain one.
 - Wrapped units: the biggest one twice in the compute dtype (the one computing and the one prefetched) and once
   in fp32 (its unsharded gradient before the reduce-scatter), as before; plus every further block kept gathered
@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from moelab.config import Config
-from moelab.parallel.dims import fsdp_wraps, reshard_after_forward
+from moelab.layout.dims import fsdp_wraps, reshard_after_forward
 
 
 def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg: Config, p, shard: int,

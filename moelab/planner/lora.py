@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moelab.config_lora import resolve_lora_targets
+from moelab.config.lora import resolve_lora_targets
 
 
 @dataclass

@@ -37,13 +37,13 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
-from moelab.planner.shapes import layer_window
+from moelab.layout.shapes import layer_window
 from moelab.planner.stages import split_layers
 from moelab.planner.units import GiB, _bytes, _flop, _num
 

@@ -1,10 +1,10 @@
 """Runs: the run folder (the contract every writer and reader shares), Run and Sweep (handles on folders).
 
     from moelab.run import Run, Sweep, runs     # the public nouns (also moelab.Run, moelab.Sweep, moelab.runs)
-    from moelab.run.folder import RunFolder     # file names, atomic JSON, run.json
+    from moelab.contract.folder import RunFolder     # file names, atomic JSON, run.json
 
 The nouns load when first asked for, so that the trainer and the launcher, which write run folders, can stand
-on moelab.run.folder without importing Run (which stands on them).
+on moelab.contract.folder without importing Run (which stands on them).
 """
 __all__ = ["Run", "STATES", "TERMINAL", "Sweep", "runs"]
 

@@ -8,8 +8,8 @@
     run.error             # the failing rank's traceback
     Run.load("runs/tiny-20261130-101500")   # the same run, from another kernel
 
-Everything a Run knows is in its folder (moelab.run.folder names the files): config.yaml, metrics.jsonl (the
-stream the trainer writes; see moelab.train.metrics), summary.json, run.json (executor, job id and submitit
+Everything a Run knows is in its folder (moelab.contract.folder names the files): config.yaml, metrics.jsonl (the
+stream the trainer writes; see moelab.contract.stream), summary.json, run.json (executor, job id and submitit
 folder, written at submission), logs/ (each rank's stdout and stderr). A Run only reads; the state comes from
 its Job (moelab.launch.jobs: the scheduler combined with the stream and submitit's result files).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.launch.jobs import STATES, TERMINAL, Job, job_for
-from moelab.run.folder import RunFolder
+from moelab.contract.folder import RunFolder
 
 __all__ = ["Run", "STATES", "TERMINAL"]
 _POLL_S = 1.0  # a scheduler is asked at most this often per Run
@@ -141,8 +141,8 @@ class Run:
     # ------------------------------------------------------------------ what the run wrote
     @property
     def events(self) -> list[dict]:
-        """All events of metrics.jsonl so far (see moelab.train.metrics for the schema)."""
-        from moelab.train.metrics import read_events
+        """All events of metrics.jsonl so far (see moelab.contract.stream for the schema)."""
+        from moelab.contract.stream import read_events
 
         return read_events(self.run_folder.metrics, live=True)
 
@@ -240,12 +240,12 @@ class Run:
         return out + (("\n" if out and not out.endswith("\n") else "") + err if err else "")
 
     def export_hf(self, out: "str | Path", **options) -> Path:
-        """Write the newest intact checkpoint in transformers' layout (moelab.train.export_hf: dtype,
+        """Write the newest intact checkpoint in transformers' layout (moelab.export.hf: dtype,
         max_shard_size, lora, force, base); returns the folder.
 
             run.export_hf("out/tiny-hf"); AutoModelForCausalLM.from_pretrained("out/tiny-hf")
         """
-        from moelab.train.export_hf import export_hf
+        from moelab.export.hf import export_hf
 
         return export_hf(self.folder, out, **options)
 

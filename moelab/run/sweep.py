@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moelab.run.folder import INFO, METRICS, SWEEP, RunFolder, read_json
+from moelab.contract.folder import INFO, METRICS, SWEEP, RunFolder, read_json
 from moelab.run.run import Run
 
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from moelab.config import Config, ConfigError
 from moelab.train import diskspace
 from moelab.train.checkpoint_experts import copy_back, global_experts
-from moelab.train.metrics import rewind_metrics, write_durably
+from moelab.contract.stream import rewind_metrics, write_durably
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")

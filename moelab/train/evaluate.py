@@ -1,7 +1,7 @@
 """Held-out evaluation (train.eval_every): the mean next-token loss on train.eval_batches global batches of the
 validation data, and its perplexity, as an ``eval`` event.
 
-The evaluation batches are fixed (moelab.train.data.eval_batch) and split over the data-parallel ranks exactly
+The evaluation batches are fixed (moelab.data.batches.eval_batch) and split over the data-parallel ranks exactly
 as training batches are, and the losses are summed through the same weighting as the training loss: the same
 number on every layout. The forward runs without gradient and in eval mode (no router losses); the routing
 statistics it leaves in the routers are discarded, so the next training step reports only its own routing.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from moelab.train.data import eval_batch, make_eval_dataset
+from moelab.data.batches import eval_batch, make_eval_dataset
 from moelab.train.loss import cross_entropy
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.train.data import micro_batch
+from moelab.data.batches import micro_batch
 from moelab.train.evaluate import inspect_forward, inspecting, rank_micro_batches
 
 FILE = "expert_tokens.jsonl"
@@ -121,7 +121,7 @@ def run_tokenizer(run_dir: "str | Path"):
         return None
     if cfg.data.kind not in ("text", "hf"):
         return None
-    from moelab.train.tokenizer import ByteTokenizer, HFTokenizer
+    from moelab.data.tokenizer import ByteTokenizer, HFTokenizer
 
     if cfg.data.tokenizer == "bytes":
         return ByteTokenizer()

@@ -18,8 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-
-IGNORE_INDEX = -100  # targets left out of the loss (transformers' and torch's convention)
+from moelab.data.sft import IGNORE_INDEX  # targets left out of the loss
 
 
 def loss_mask(targets_BL: torch.Tensor, pad_token_id: int = -1) -> torch.Tensor | None:

@@ -25,18 +25,18 @@ from moelab.config import Config, ConfigError, save_config
 from moelab.model.attention import set_documents
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 from moelab.parallel.env import DistEnv
-from moelab.run.folder import RunFolder
+from moelab.contract.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer, list_checkpoints
-from moelab.train.data import make_dataset, micro_batch
+from moelab.data.batches import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
-from moelab.train.export import StreamMirror, check_export
+from moelab.loggers.mirror import StreamMirror, check_export
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.train.loss import cross_entropy, loss_mask
-from moelab.train.metrics import MetricsWriter, append_event, read_events
+from moelab.contract.stream import MetricsWriter, append_event, read_events
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
@@ -68,7 +68,7 @@ class Trainer:
         self.stop = StopSignals()  # SIGTERM/SIGUSR1/SIGUSR2 -> checkpoint at the next step boundary, PREEMPTED
         self.stop_requested = False  # agreed by all ranks through the step's one all-reduce
         self.health = ExpertHealth(cfg.model.moe)
-        self.mirror: StreamMirror | None = None  # TensorBoard / W&B, reading the stream (moelab.train.export)
+        self.mirror: StreamMirror | None = None  # TensorBoard / W&B, reading the stream (moelab.loggers.mirror)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -169,7 +169,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
             first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
-            if self.cfg.data.kind == "sft":  # chats: loss masks, packed documents (moelab.train.sft_batches)
+            if self.cfg.data.kind == "sft":  # chats: loss masks, packed documents (moelab.data.sft_batches)
                 sft = self.dataset.micro_batch(step, first, t.micro_batch_size).to(self.env.device)
                 inputs, targets, positions, mask = sft.inputs_BL, sft.targets_BL, sft.positions_BL, sft.valid_BL
                 set_documents(self.model, sft.documents_BL)  # attention within each packed example
@@ -193,7 +193,7 @@ class Trainer:
         return loss_sum
 
     def train_step(self, step: int, metrics: bool = True) -> dict:
-        """One optimizer step. metrics=False (moelab.bench's metrics-overhead variant) makes the same updates
+        """One optimizer step. metrics=False (moelab.train.bench's metrics-overhead variant) makes the same updates
         (optimizer, expert learning rates, router bias, capacity) without collecting metrics: only the routing
         counts those updates need are summed over ranks, on the device; nothing is read on the host, so there
         is no non-finite check either. Returns {"step", "lr"} then."""

@@ -5,7 +5,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "moelab"
 # modules under concurrent rewrite on other branches; their classes get examples there
 NOT_YET = {"live/text.py", "live/monitor.py", "live/plots.py", "live/widget.py", "train/checkpoint.py",
-           "train/data.py", "train/metrics.py", "live/state.py", "bench.py", "hf.py"}
+           "data/batches.py", "contract/stream.py", "live/state.py"}
 
 
 def public_classes():

@@ -1,12 +1,13 @@
-"""The package's imports point one way: every module's imports (read with ast, the ones inside functions
-included) form no cycle, and none points up the layers
+"""The package's folders are its layers, and imports point one way: every module's imports (read with ast, the
+ones inside functions included) form no cycle, and none points up the layers
 
-    contract (run/folder.py, presets/) -> config -> layout (parallel/dims.py) -> planner -> model, backends
-    -> parallel, hf/ -> train, bench -> launch -> run, session -> live, cli, gallery, the package's face
+    contract -> config (+ presets) -> layout -> planner -> data, loggers -> model, backends -> parallel -> hf
+    -> train -> export -> launch -> run -> views (live, cli, gallery, the package's face)
 
-A module may import its own layer and any layer below it. A package face (an __init__.py that lower layers
-pass through when they import one of its modules) imports nothing at module level, so that passing through it
-loads nothing from a higher layer.
+A layer is a folder (a few top-level files belong to the views: the package's face, `python -m moelab`, the
+gallery and the old compare entry). A module may import its own layer and any layer below it. A package face (an
+__init__.py that lower layers pass through when they import one of its modules) imports nothing at module level
+from a layer above its lowest member, and no package face takes part in an import cycle.
 """
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "moelab"
-# (layer name, path prefixes relative to moelab/), lowest first; the longest matching prefix wins
+# (layer name, folders (or the views' few top-level files) relative to moelab/), lowest first
 LAYERS = [
-    ("contract", ["run/folder.py", "presets/"]),
-    ("config", ["config.py", "config_rules.py", "config_lora.py", "yaml_loader.py"]),
-    ("layout", ["parallel/dims.py"]),
+    ("contract", ["contract/"]),
+    ("config", ["config/", "presets/"]),
+    ("layout", ["layout/"]),
     ("planner", ["planner/"]),
+    ("data", ["data/", "loggers/"]),
     ("model", ["model/", "backends/"]),
-    ("parallel", ["parallel/", "hf/"]),
-    ("train", ["train/", "bench.py"]),
+    ("parallel", ["parallel/"]),
+    ("hf", ["hf/"]),
+    ("train", ["train/"]),
+    ("export", ["export/"]),
     ("launch", ["launch/"]),
-    ("run", ["run/", "session.py"]),
+    ("run", ["run/"]),
     ("views", ["live/", "cli/", "gallery.py", "compare.py", "__init__.py", "__main__.py"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
@@ -122,7 +126,7 @@ def test_no_import_cycle():
 
 
 def test_package_faces_that_lower_layers_pass_through_load_nothing():
-    """Importing moelab.run.folder runs moelab/run/__init__.py first: it must not load Run (a higher layer)."""
+    """Importing moelab.contract.folder runs moelab/run/__init__.py first: it must not load Run (a higher layer)."""
     known = modules()
     for name, path in known.items():
         if path.name != "__init__.py" or name == "moelab":

@@ -31,7 +31,7 @@ def test_bench_tiny_cli(tmp_path):
 
 
 def test_bench_api_without_variants():
-    from moelab.bench import bench
+    from moelab.train.bench import bench
     from moelab.config import load_config
 
     rec = bench(load_config("tiny"), steps=1, warmup=0, real_router=False, metrics_overhead=False, command="t")
@@ -45,7 +45,7 @@ def test_step_without_metrics_makes_the_same_updates(tmp_path):
     router bias (aux-loss-free balancing), dynamic capacity and per-expert learning rates after the same steps."""
     import torch
 
-    from moelab.bench import step_without_metrics
+    from moelab.train.bench import step_without_metrics
     from moelab.config import load_config
     from moelab.train.trainer import Trainer
 
@@ -79,7 +79,7 @@ def test_bench_puts_the_signal_handlers_back():
     default action (a test process was killed that way)."""
     import signal
 
-    from moelab.bench import bench
+    from moelab.train.bench import bench
     from moelab.config import load_config
 
     before = signal.getsignal(signal.SIGTERM)

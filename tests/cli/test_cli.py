@@ -2,7 +2,7 @@
 import subprocess
 import sys
 
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 
 
 def moelab(*args, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moelab import Run, Session
-from moelab.run.folder import FolderLocked, pid_alive
+from moelab.contract.folder import FolderLocked, pid_alive
 
 from support import SMALL_CLI as SMALL
 from support import moelab_cli as moelab

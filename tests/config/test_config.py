@@ -2,7 +2,7 @@
 import pytest
 
 from moelab.config import ConfigError, load_config, save_config
-from moelab.parallel.dims import check_layout
+from moelab.layout.dims import check_layout
 
 
 def test_yaml_round_trip_is_equal(tmp_path):

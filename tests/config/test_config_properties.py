@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from moelab.config import Config, ConfigError, load_config, parse_override
-from moelab.parallel.dims import check_layout
+from moelab.layout.dims import check_layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -50,14 +50,14 @@ def test_train_steps_below_one_gets_one_message(steps):
 def test_base_hf_reads_the_checkpoint_config_and_records_the_folder(tmp_path, monkeypatch):
     """`base: hf:PATH` builds the model from the checkpoint's config.json (moelab.hf's mapping) and sets
     train.init_from to the folder's absolute path; the YAML's own keys still win. The config layer alone has
-    no reader for hf: (moelab.session.SOURCE_READERS is the one Session and the CLI pass)."""
+    no reader for hf: (moelab.run.session.SOURCE_READERS is the one Session and the CLI pass)."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
     from moelab.hf import config_to_hf
-    from moelab.session import SOURCE_READERS
+    from moelab.run.session import SOURCE_READERS
 
     ck = tmp_path / "ck"
     ck.mkdir()

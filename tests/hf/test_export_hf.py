@@ -11,7 +11,7 @@ import torch
 
 from moelab.config import ConfigError, load_config
 from moelab.parallel.env import DistEnv
-from moelab.train.export_hf import export_hf
+from moelab.export.hf import export_hf
 from moelab.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -164,7 +164,7 @@ def test_a_run_from_an_hf_checkpoint_with_lr_0_exports_that_checkpoint(qwen_run,
     """`moelab run hf:BASE` records BASE (train.init_from): the export keeps BASE's config.json fields without
     being told, and with learning rate 0 gives BASE's logits."""
     from moelab.cli import main
-    from moelab.train.export_hf import base_of
+    from moelab.export.hf import base_of
 
     cfg, run = qwen_run
     base = export_hf(run, tmp_path / "base")

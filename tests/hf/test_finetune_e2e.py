@@ -15,7 +15,7 @@ from moelab.hf.example_checkpoint import make_qwen3_checkpoint, write_chats
 from moelab.hf.source import load_config
 from moelab.model.lora import is_adapter
 from moelab.parallel.env import DistEnv
-from moelab.train.sft import load_examples
+from moelab.data.sft import load_examples
 from moelab.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -143,7 +143,7 @@ def test_lora_sft_from_hf_on_ep2_gives_the_one_process_losses(ckpt, tmp_path):
     """EP=2 on gloo: each rank reads its experts from the checkpoint and trains their adapters; the losses are
     the one-process run's."""
     from moelab.launch.local import run_local_processes
-    from moelab.train.metrics import read_events
+    from moelab.contract.stream import read_events
 
     base, data = ckpt
     over = {**SFT, "data.path": str(data), "train.steps": 4, "train.checkpoint_every": 0,
@@ -158,7 +158,7 @@ def test_lora_sft_from_hf_on_ep2_gives_the_one_process_losses(ckpt, tmp_path):
 
 
 def test_sft_from_hf_without_tokenizer_files_is_refused_naming_data_tokenizer(tmp_path):
-    from moelab.train.data import check_data
+    from moelab.data.batches import check_data
 
     base = make_qwen3_checkpoint(tmp_path / "bare", tokenizer=False)["folder"]
     data = write_chats(tmp_path / "chats.jsonl", 4)

@@ -30,7 +30,7 @@ def test_finetune_notebook(tmp_path, monkeypatch):
     nbformat.write(nb, str(tmp_path / NOTEBOOK.name))  # kept for a look when the test fails
     assert "hf:" + str(tmp_path / "finetune" / "base") in cell_text(nb, "session = Session(")
     assert cell_text(nb, "run = session.submit(").startswith("COMPLETED")
-    table = cell_text(nb, "from moelab.train.sft import load_examples")
+    table = cell_text(nb, "from moelab.data.sft import load_examples")
     base, tuned = (float(re.search(rf"\| {name} \| ([0-9.]+) \|", table).group(1)) for name in ("base", "tuned"))
     assert tuned < 0.75 * base, table
     assert "model.safetensors" in cell_text(nb, "import transformers")

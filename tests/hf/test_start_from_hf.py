@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from moelab import Session, load_hf  # noqa: E402
 from moelab.config import ConfigError  # noqa: E402
-from moelab.train.metrics import read_events  # noqa: E402
+from moelab.contract.stream import read_events  # noqa: E402
 
 RUN = {"steps": 2, "lr": 0.0, "warmup_steps": 1, "seq_len": 16, "global_batch_size": 4, "micro_batch_size": 1,
        "device": "cpu"}

@@ -11,7 +11,7 @@ from moelab import Run
 from moelab.config import ConfigError, load_config
 from moelab.launch.rerun import checkpoint_step, reached_step, rerun_refusal
 from moelab.launch.resume import resume
-from moelab.run.folder import RunFolder
+from moelab.contract.folder import RunFolder
 
 
 @pytest.fixture(scope="module")

@@ -182,7 +182,7 @@ def lagging_sacct(tmp_path, monkeypatch):
 
 def _external_run(folder, job: str, end: "str | None"):
     """A run folder as slurm/moelab.sbatch leaves it: a start event naming the SLURM job, maybe an end."""
-    from moelab.train.metrics import MetricsWriter
+    from moelab.contract.stream import MetricsWriter
 
     folder.mkdir()
     w = MetricsWriter(folder / "metrics.jsonl")

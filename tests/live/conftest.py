@@ -14,7 +14,7 @@ def _event(name: str, t: float, /, **fields) -> dict:
 
 
 def _step(step: int, t: float, counts_LE: list, mem_R: list, loss: float | None = None) -> dict:
-    """A step event shaped like the trainer's (moelab/train/metrics.py), on CPU (allocator reports 0)."""
+    """A step event shaped like the trainer's (moelab/contract/stream.py), on CPU (allocator reports 0)."""
     per_rank = [{"rank": r, "peak_allocated_gb": 0.0, "peak_reserved_gb": 0.0, "rss_gb": m}
                 for r, m in enumerate(mem_R)]
     return _event("step", t, step=step, loss=5.0 - 0.1 * step if loss is None else loss, aux_loss=0.01,

@@ -7,8 +7,8 @@ from matplotlib.figure import Figure
 from moelab.live import compare as compare_mod
 from moelab.live.compare import compare
 from moelab.run import Run
-from moelab.session import Session
-from moelab.train.metrics import read_events
+from moelab.run.session import Session
+from moelab.contract.stream import read_events
 
 FAST = {"train": {"steps": 4, "seq_len": 16, "warmup_steps": 1}, "model": {"moe": {"aux_loss_coeff": 0.0}}}
 

@@ -2,7 +2,7 @@
 import pytest
 
 from moelab.live.state import ROUTING_WINDOW, DashState, load_state
-from moelab.train.metrics import JsonlTail
+from moelab.contract.stream import JsonlTail
 from moelab.train.summary import balance
 
 

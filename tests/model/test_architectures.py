@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moelab.config import load_config
-from moelab.parallel.dims import check_layout
+from moelab.layout.dims import check_layout
 from moelab.planner.flops import count_params
 from moelab.model import build_model
 from moelab.model.experts import gpt_oss_glu, grouped_mm_swiglu, loop_swiglu

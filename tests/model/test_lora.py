@@ -11,7 +11,7 @@ from moelab.config import ConfigError, load_config
 from moelab.model import MoETransformer, build_model
 from moelab.model.experts import GroupedExperts, swiglu
 from moelab.model.lora import ExpertAdapters, apply_lora, is_adapter, merge_lora_state
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from support import run_one_thread
 
 ALL_GQA = "attention,dense_mlp,experts"

@@ -9,7 +9,7 @@ import torch
 
 from moelab.config import load_config
 from moelab.launch.local import run_local_processes
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from support import run_one_thread
 
 HERE = Path(__file__).parent

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 import torch
 
 from moelab.config import ConfigError, load_config

@@ -1,4 +1,4 @@
-"""The one layout validator (moelab.parallel.dims.ParallelDims): torch-free, and asked by the planner,
+"""The one layout validator (moelab.layout.dims.ParallelDims): torch-free, and asked by the planner,
 Session.submit, the `moelab` command and the trainer, so a layout the ranks cannot run is refused before
 anything is submitted, with the field, the value and the fix."""
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 from moelab import Session
 from moelab.config import ConfigError, load_config
-from moelab.parallel.dims import ParallelDims, coords_of
+from moelab.layout.dims import ParallelDims, coords_of
 from moelab.planner.plan import plan
 
 # layouts the ranks reject (torch's schedules, the CP/PP composition), each with the field its error names
@@ -20,7 +20,7 @@ RANK_REJECTED = {
 
 
 def test_importable_without_torch():
-    code = ("import sys; import moelab.parallel.dims, moelab.planner.plan; "
+    code = ("import sys; import moelab.layout.dims, moelab.planner.plan; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -2,9 +2,9 @@
 and the per-expert token counts of one process, on real text (the stdlib demo corpus, bytes)."""
 import pytest
 
-from moelab.train.data import check_data
+from moelab.data.batches import check_data
 from moelab.train.expert_tokens import read_expert_tokens
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 
 pytestmark = pytest.mark.slow
 

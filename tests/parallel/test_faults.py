@@ -6,7 +6,7 @@ import time
 import pytest
 
 from moelab.launch.local import RankFailed
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 
 pytestmark = pytest.mark.slow
 

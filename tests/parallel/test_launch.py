@@ -6,7 +6,7 @@ import torch
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.launch.local import run_local_processes
-from moelab.parallel.dims import check_layout, coords_of
+from moelab.layout.dims import check_layout, coords_of
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, load_config
-from moelab.parallel.dims import fsdp_wraps, reshard_after_forward
+from moelab.layout.dims import fsdp_wraps, reshard_after_forward
 from moelab.planner.plan import plan
 
 

@@ -39,7 +39,7 @@ import sys, torch
 from moelab.config import load_config
 from moelab.model import MoETransformer
 from moelab.parallel.apply import parallelize
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 from moelab.parallel.distributed import full_state_dict
 from moelab.parallel.env import DistEnv
 

@@ -1,7 +1,7 @@
 """Per-layer facts from a ModelConfig: sliding windows and the pipeline's cost-balanced stage split."""
 from moelab.config import load_config
 from moelab.planner.flops import attention_params
-from moelab.planner.shapes import layer_windows
+from moelab.layout.shapes import layer_windows
 from moelab.planner.stages import layer_costs, stage_layers
 
 

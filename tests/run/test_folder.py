@@ -1,4 +1,4 @@
-"""The run folder contract (moelab.run.folder) and the Job a folder's run.json selects (moelab.launch.jobs):
+"""The run folder contract (moelab.contract.folder) and the Job a folder's run.json selects (moelab.launch.jobs):
 the launcher writes through RunFolder, Run reads through it, and Run asks its Job instead of branching on the
 executor's name."""
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from moelab import Run
 from moelab.launch.jobs import ExternalJob, InlineJob, LocalJob, SlurmJob, job_for
-from moelab.run.folder import RunFolder, read_json, write_json
+from moelab.contract.folder import RunFolder, read_json, write_json
 
 
 def test_names_and_info_round_trip(tmp_path):

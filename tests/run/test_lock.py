@@ -1,4 +1,4 @@
-"""The run folder's writer lock (moelab.run.folder.FolderLock), with real processes: a second writer is refused
+"""The run folder's writer lock (moelab.contract.folder.FolderLock), with real processes: a second writer is refused
 naming the owner, the lock of a killed owner is taken over, and re-entry in one process is allowed."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from moelab.run.folder import FolderLocked, lock_folder, read_owner
+from moelab.contract.folder import FolderLocked, lock_folder, read_owner
 
-HOLD = ("import sys, time\nfrom moelab.run.folder import lock_folder\nlock_folder(sys.argv[1], 'test holder')\n"
+HOLD = ("import sys, time\nfrom moelab.contract.folder import lock_folder\nlock_folder(sys.argv[1], 'test holder')\n"
         "print('held', flush=True)\ntime.sleep(600)\n")
 
 
@@ -47,7 +47,7 @@ def test_second_writer_is_refused_naming_the_owner_and_a_dead_owner_is_taken_ove
 
 def test_a_submitter_lock_is_waited_for_by_the_job_it_submitted(tmp_path):
     """A submitted job that starts before its submitter has written run.json waits for it, not refuses."""
-    code = ("import sys, time\nfrom moelab.run.folder import lock_folder\nl = lock_folder(sys.argv[1], 'submit')\n"
+    code = ("import sys, time\nfrom moelab.contract.folder import lock_folder\nl = lock_folder(sys.argv[1], 'submit')\n"
             "print('held', flush=True)\nsys.stdin.readline()\nl.release()\nprint('released', flush=True)\n"
             "time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -111,11 +111,11 @@ def test_a_lock_of_a_slurm_job_is_held_while_the_job_runs_and_stale_once_it_ends
                                                                                   monkeypatch):
     """A real job on the local cluster takes the lock and ends without releasing it (os._exit, as a killed job
     does). Seen from another host (the lock's host renamed: this cluster has one node), SLURM decides."""
-    from moelab.run.folder import SLURM_ENDED, break_lock, slurm_job_state
+    from moelab.contract.folder import SLURM_ENDED, break_lock, slurm_job_state
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     run, stop = tmp_path / "run", tmp_path / "stop"
-    code = ("import os, sys, time\nfrom pathlib import Path\nfrom moelab.run.folder import lock_folder\n"
+    code = ("import os, sys, time\nfrom pathlib import Path\nfrom moelab.contract.folder import lock_folder\n"
             "lock_folder(sys.argv[1], 'rank 0')\nwhile not Path(sys.argv[2]).exists(): time.sleep(0.2)\n"
             "os._exit(0)\n")
     (tmp_path / "hold.py").write_text(code)

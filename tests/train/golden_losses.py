@@ -1,6 +1,8 @@
 """Records (or recomputes) the golden training figures of the tiny preset: the loss and routing counts of every
 step, on 1 process and on 2 gloo processes with EP=2. The fixture golden_losses.json was written by this script
-from the code before the architecture move (main at 85d8729); test_golden_losses.py recomputes the figures with
+from the code before the second architecture move (main at 932bbce, which computed the first move's fixture's
+losses and routing to the bit; its gradient norms and aux losses differed in the last bits there, with another
+processor's MKL reductions); test_golden_losses.py recomputes the figures with
 today's code and asserts they are bit-identical.
 
     python tests/train/golden_losses.py            # print today's figures as JSON
@@ -9,7 +11,10 @@ today's code and asserts they are bit-identical.
 Only two stable surfaces are used, so the same script runs against the old and the new layout of the package:
 moelab.config (load_config, save_config) and the rank entry point `python -m moelab.launch.entry RUN_DIR`, started
 with torchrun's environment. Every rank runs on one CPU thread (OMP_NUM_THREADS=1), so the figures do not depend
-on the machine's core count.
+on the machine's core count, and on the same kernels whatever the processor (ATEN_CPU_CAPABILITY=default: ATen's
+portable kernels rather than its AVX2 / AVX512 ones; MKL_CBWR=COMPATIBLE: MKL's reproducible code path), so they do
+not depend on its vector width either (an AMD EPYC with AVX512 computed other last bits than the machine that wrote
+the fixture until these were set).
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ def run_layout(name: str, run_dir: Path) -> dict:
     save_config(load_config("tiny", OVERRIDES + layout), run_dir / "config.yaml")
     port, procs = _free_port(), []
     for rank in range(nproc):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
         if nproc > 1:
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

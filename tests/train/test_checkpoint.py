@@ -20,7 +20,7 @@ from moelab.config import ConfigError, load_config
 from moelab.launch.resume import resume
 from moelab.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, read_metadata,
                                      rewind_metrics, verify)
-from moelab.train.metrics import JsonlTail, read_events
+from moelab.contract.stream import JsonlTail, read_events
 from moelab.train.trainer import Trainer
 
 STEPS = 8
@@ -284,7 +284,7 @@ def test_resume_of_a_folder_without_a_run_is_a_config_error(tmp_path):
 
 # ---------------------------------------------------------------------- the stream on resume
 def test_rewind_drops_steps_after_the_checkpoint_and_a_cut_last_line(tmp_path):
-    from moelab.train.metrics import MetricsWriter
+    from moelab.contract.stream import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
     w = MetricsWriter(path)

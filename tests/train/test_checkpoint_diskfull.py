@@ -15,7 +15,7 @@ from moelab.config import load_config
 from moelab.launch.resume import resume
 from moelab.train import diskspace
 from moelab.train.checkpoint import DiskFullError, list_checkpoints, verify
-from moelab.train.metrics import read_events, write_durably
+from moelab.contract.stream import read_events, write_durably
 from moelab.train.trainer import Trainer
 
 # ~3.75 MB per checkpoint (1.17 MB of weights, twice that of AdamW moments)

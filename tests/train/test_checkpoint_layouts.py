@@ -11,7 +11,7 @@ from moelab.config import load_config, save_config
 from moelab.parallel.env import DistEnv
 from moelab.launch.resume import resume
 from moelab.train.checkpoint import list_checkpoints, read_metadata
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resume_continues(tm
     import time
 
     from moelab.launch.local import run_local_processes
-    from moelab.train.metrics import JsonlTail
+    from moelab.contract.stream import JsonlTail
 
     cfg = load_config("tiny", {**OVERRIDES, "train.steps": 8, "train.checkpoint_every": 0})
     run = tmp_path / "run"

@@ -2,7 +2,7 @@
 import torch
 
 from moelab.config import load_config
-from moelab.train.data import SyntheticData, sample_seed
+from moelab.data.batches import SyntheticData, sample_seed
 
 
 def _loop_sample(data: SyntheticData, step: int, index: int) -> torch.Tensor:

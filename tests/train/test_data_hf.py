@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, load_config
-from moelab.train.data import TextData, check_data
+from moelab.data.batches import TextData, check_data
 
 datasets = pytest.importorskip("datasets")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, load_config
-from moelab.train.corpus import corpus_files, held_out, prepare_corpus
-from moelab.train.data import TextData, TokenFileData, check_data, eval_batch, make_dataset, make_eval_dataset
-from moelab.train.tokenizer import ByteTokenizer, HFTokenizer
+from moelab.data.corpus import corpus_files, held_out, prepare_corpus
+from moelab.data.batches import TextData, TokenFileData, check_data, eval_batch, make_dataset, make_eval_dataset
+from moelab.data.tokenizer import ByteTokenizer, HFTokenizer
 
 DOCS = {"a.md": "# Routing\nexperts specialise on real text.\n", "b/c.py": "def f(x):\n    return x * 2\n",
         "b/d.txt": "the quick brown fox jumps over the lazy dog\n" * 3, "e.jsonl": None}

@@ -10,7 +10,7 @@ from moelab.config import load_config
 from moelab.run import Run
 from moelab.train.checkpoint import latest_checkpoint
 from moelab.train.expert_tokens import expert_token_table, plot_expert_tokens, read_expert_tokens
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 SMALL = {"model.num_layers": 2, "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,

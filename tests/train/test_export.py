@@ -6,8 +6,8 @@ import pytest
 
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
-from moelab.train.export import check_export, scalars
-from moelab.train.metrics import read_events
+from moelab.loggers.mirror import check_export, scalars
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 FAST = ["train.steps=4", "train.seq_len=16", "train.warmup_steps=1", "train.eval_every=2", "train.eval_batches=1"]

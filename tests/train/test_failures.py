@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from moelab.config import ConfigError, load_config
 from moelab.run import Run
 from moelab.train.checkpoint import list_checkpoints
-from moelab.train.metrics import JsonlTail, MetricsError, MetricsWriter, read_events
+from moelab.contract.stream import JsonlTail, MetricsError, MetricsWriter, read_events
 from moelab.train.trainer import NonFiniteLoss, Trainer
 
 SMALL = {"model.num_layers": 2, "train.seq_len": 16, "train.global_batch_size": 2, "train.micro_batch_size": 1,

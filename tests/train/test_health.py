@@ -6,7 +6,7 @@ from moelab.config import BackendConfig, MoEConfig, load_config
 from moelab.model.moe import MoE
 from moelab.train.expert_lr import ExpertLR, expert_lr_scales
 from moelab.train.health import ExpertHealth, load_shares
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 

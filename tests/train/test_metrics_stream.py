@@ -4,7 +4,7 @@ import json
 import pytest
 
 from moelab.config import load_config
-from moelab.train.metrics import JsonlTail, MetricsError, MetricsWriter, read_events
+from moelab.contract.stream import JsonlTail, MetricsError, MetricsWriter, read_events
 from moelab.train.trainer import Trainer
 
 STEP_FIELDS = {"step", "loss", "aux_loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s",
@@ -102,7 +102,7 @@ def test_every_reader_skips_a_damaged_line_and_reports_it_once(tiny_run, tmp_pat
 
     from moelab import Run
     from moelab.live.state import load_state
-    from moelab.train.metrics import MetricsWarning
+    from moelab.contract.stream import MetricsWarning
     from moelab.train.summary import summarize
 
     import shutil
@@ -180,7 +180,7 @@ def _append(path, *items) -> None:
 
 
 def test_a_tail_reports_a_damaged_line_once_across_a_rewind(tmp_path):
-    from moelab.train.metrics import rewind_metrics
+    from moelab.contract.stream import rewind_metrics
 
     path = tmp_path / "metrics.jsonl"
     _append(path, {"event": "start", "total_steps": 4}, {"event": "step", "step": 1, "loss": 1.0}, b"not json\n",
@@ -207,7 +207,7 @@ def test_a_torn_last_line_stays_silent_until_it_is_completed(tmp_path):
 
 
 def test_a_rewind_keeps_a_damaged_line_and_names_where_it_now_is(tmp_path):
-    from moelab.train.metrics import rewind_metrics
+    from moelab.contract.stream import rewind_metrics
 
     path = tmp_path / "metrics.jsonl"
     _append(path, {"event": "start"}, *({"event": "step", "step": s, "loss": 1.0} for s in (1, 2, 3, 4)),

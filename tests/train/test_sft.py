@@ -16,11 +16,11 @@ from moelab.launch.local import run_local_processes
 from moelab.model import MoETransformer
 from moelab.model.attention import set_documents
 from moelab.parallel.env import DistEnv
-from moelab.train.data import check_data
+from moelab.data.batches import check_data
 from moelab.train.loss import IGNORE_INDEX
-from moelab.train.metrics import read_events
-from moelab.train.sft import load_chat_tokenizer, render
-from moelab.train.sft_batches import SFTData
+from moelab.contract.stream import read_events
+from moelab.data.sft import load_chat_tokenizer, render
+from moelab.data.sft_batches import SFTData
 from moelab.train.trainer import Trainer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from moelab.parallel.dims import ParallelDims
+from moelab.layout.dims import ParallelDims
 import torch
 
 from moelab.config import ConfigError, load_config
-from moelab.parallel.dims import ParallelDims
-from moelab.train.data import make_dataset, micro_batch
-from moelab.train.metrics import read_events
+from moelab.layout.dims import ParallelDims
+from moelab.data.batches import make_dataset, micro_batch
+from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 
 OVERRIDES = {"train.steps": 4, "model.num_layers": 2, "train.seq_len": 16, "train.global_batch_size": 4,

@@ -2,7 +2,7 @@
 import pytest
 
 from moelab.config import load_config
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.trainer import NonFiniteLoss, Trainer
 
 

@@ -179,7 +179,7 @@ def torchrun(args: list[str], log: Path, timeout: int = 400) -> int:
 def train_pair(preset: str, steps: int, extra: list[str], work: Path) -> dict:
     """The same EP=2 bf16 run with each dispatcher, under torchrun through moelab's rank entry point."""
     from moelab.config import load_config, save_config
-    from moelab.train.metrics import read_events
+    from moelab.contract.stream import read_events
 
     runs = {}
     for dispatcher in ("all_to_all", "deepep"):
@@ -224,7 +224,7 @@ def main() -> int:
     if a.worker == "unit":
         unit_worker(a.out)
         return 0
-    from moelab.bench import commit_id
+    from moelab.train.bench import commit_id
 
     record = {"check": "backend.dispatcher=deepep against all_to_all (issue 23, item 3)", "commit": commit_id(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,

@@ -10,7 +10,7 @@ experts: TEGroupedExperts (TE's grouped-tensor path where it runs, else its per-
     per-expert loop, then forward + backward time at the Qwen3-30B-A3B proxy's expert shapes against
     torch._grouped_mm (moelab's default).
 model: the Qwen3-30B-A3B proxy (learned router, seq 4096, micro batch 2, global batch 2, bf16 parameters) with
-    `--layers` layers, through moelab.bench: SDPA vs TE attention, eager and compiled, and TE's FP8 recipes.
+    `--layers` layers, through moelab.train.bench: SDPA vs TE attention, eager and compiled, and TE's FP8 recipes.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.bench import bench, commit_id
+from moelab.train.bench import bench, commit_id
 from moelab.config import load_config
 from moelab.model.attention import causal_attention
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu

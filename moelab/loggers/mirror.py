@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from moelab.config import Config, ConfigError
-from moelab.train.metrics import JsonlTail, read_events
+from moelab.contract.stream import JsonlTail, read_events
 
 STEP_SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "z_loss": "train/z_loss", "lr": "train/lr",
                 "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",

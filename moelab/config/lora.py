@@ -1,5 +1,5 @@
 """The train.lora section of a config: its dataclass (LoRAConfig, moelab.config's TrainConfig.lora) and its
-rules (check_lora, called by Config.validate after moelab.config_rules.check): target names, and what LoRA runs with.
+rules (check_lora, called by Config.validate after moelab.config.rules.check): target names, and what LoRA runs with.
 
     load_config("tiny", {"train.lora.rank": 8, "train.lora.targets": "attention,experts"}).train.lora
     resolve_lora_targets(cfg.model, "attention")      # ['q_proj', 'k_proj', 'v_proj', 'o_proj'] on GQA
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moelab.config_rules import _fail
+from moelab.config.rules import _fail
 
 
 @dataclass

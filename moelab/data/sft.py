@@ -14,7 +14,7 @@ files); its chat template renders every record (``data.chat_template``, a jinja 
 none, or replaces it). There is no fallback template: a tokenizer without one is a ConfigError.
 Every assistant turn is a response: its tokens, from the end of the generation prompt to the end of the turn
 (the end-of-turn token the template writes included), are the targets that count; prompt tokens and padding
-get target -100 (moelab.train.loss.IGNORE_INDEX), which cross_entropy leaves out.
+get target -100 (IGNORE_INDEX below), which cross_entropy leaves out.
 
 How a token is found to be a response token: the template renders the conversation up to each assistant turn
 with ``add_generation_prompt=True`` and through the end of that turn; the characters between the two are the
@@ -28,7 +28,7 @@ rendering does not hold is refused.
 Bad input is a ConfigError naming the field, before any step runs (check_data): a missing file, a line that is
 not JSON or not a record (its line number), a record without an assistant message or response, an example
 longer than ``train.seq_len`` (refused, not truncated: a truncated response would teach an unfinished answer),
-no chat template, a tokenizer larger than ``model.vocab_size``. Batching: moelab.train.sft_batches.
+no chat template, a tokenizer larger than ``model.vocab_size``. Batching: moelab.data.sft_batches.
 
     examples = load_examples(load_config("tiny", ["data.kind=sft", "data.path=chats.jsonl",
                                                   "data.tokenizer=my_tokenizer/"]))
@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import Config, ConfigError
+
+IGNORE_INDEX = -100  # targets left out of the loss (transformers' and torch's convention)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Iterator
 import numpy as np
 
 from moelab.config import Config, ConfigError
-from moelab.train.tokenizer import bpe_vocab_size, check_vocab, load_tokenizer
+from moelab.data.tokenizer import bpe_vocab_size, check_vocab, load_tokenizer
 
 FORMAT = 1  # bump when the cached files' layout changes
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".parquet", ".c", ".h", ".cpp", ".rs", ".go", ".js",

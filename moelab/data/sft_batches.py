@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from moelab.config import Config
-from moelab.train.loss import IGNORE_INDEX
+from moelab.data.sft import IGNORE_INDEX
 
 PAD_MULTIPLE = 16  # a micro batch's length is a multiple of this (fewer distinct shapes), or train.seq_len
 BUCKET_MICRO_BATCHES = 64  # examples are sorted by length within chunks of this many micro batches
@@ -78,7 +78,7 @@ class SFTData:
     """
 
     def __init__(self, cfg: Config):
-        from moelab.train.sft import load_chat_tokenizer, load_examples
+        from moelab.data.sft import load_chat_tokenizer, load_examples
 
         self.chat_tokenizer = load_chat_tokenizer(cfg)
         self.examples = load_examples(cfg, self.chat_tokenizer)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIG = "config.yaml"       # the config the run trains (written before any rank starts)
-METRICS = "metrics.jsonl"    # the event stream (moelab.train.metrics)
+METRICS = "metrics.jsonl"    # the event stream (moelab.contract.stream)
 SUMMARY = "summary.json"     # written by rank 0 at the end
 INFO = "run.json"            # executor, job id, submitit folder, options, final status (written by launch)
 SWEEP = "sweep.json"         # a sweep folder's grid and runs

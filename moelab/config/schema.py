@@ -5,7 +5,7 @@
     save_config(cfg, "run/config.yaml"); load_config("run/config.yaml") == cfg   # True
 
 Every value is checked when a Config is built (``Config.validate``), and every error names the field, the
-value and the fix (`ConfigError`); layout checks that need the world size: moelab.parallel.dims.ParallelDims.
+value and the fix (`ConfigError`); layout checks that need the world size: moelab.layout.dims.ParallelDims.
 Nothing here touches torch or hardware: a config can be built and planned on any machine.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from moelab.config_rules import ConfigError, _fail, check  # noqa: F401 (ConfigError: moelab.config's name)
-from moelab.config_lora import LoRAConfig, check_lora
-from moelab.yaml_loader import load_yaml
+from moelab.config.rules import ConfigError, _fail, check  # noqa: F401 (ConfigError: moelab.config's name)
+from moelab.config.lora import LoRAConfig, check_lora
+from moelab.config.yaml_io import load_yaml
 
 
 @dataclass
@@ -144,7 +144,7 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     """Layout [TP, PP, CP, EP, VP, FSDP]: world = tp * pp * cp * fsdp; ep divides fsdp * cp * tp (checked
-    against a world size by moelab.parallel.dims.ParallelDims).
+    against a world size by moelab.layout.dims.ParallelDims).
 
         load_config("tiny", {"parallel.ep": 2, "parallel.fsdp": -1}).parallel
     """
@@ -221,7 +221,7 @@ class TrainConfig:
     tensorboard: bool = False
     wandb: Literal["off", "offline", "online"] = "off"
     init_from: str = ""  # "" = random (train.seed); "hf:/abs/path": an HF checkpoint (moelab.hf.sharded_load)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA fine-tuning, off by default (moelab.config_lora)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA fine-tuning, off by default (moelab.config.lora)
 
 
 @dataclass
@@ -249,7 +249,7 @@ class DataConfig:
         load_config("tiny", ["data.kind=random"]).data
     """
     # synthetic: a learnable Markov chain; random: uniform tokens; tokens: a token file; text: text files
-    # (moelab.train.corpus); hf: a Hugging Face dataset; sft: chats, loss on the responses (moelab.train.sft)
+    # (moelab.data.corpus); hf: a Hugging Face dataset; sft: chats, loss on the responses (moelab.data.sft)
     kind: Literal["synthetic", "random", "tokens", "text", "hf", "sft"] = "synthetic"
     # tokens: a flat file of token ids; text: a file, folder, glob or "stdlib" (the demo corpus, no download);
     # hf: a dataset folder (save_to_disk) or a hub name; sft: a JSON lines file
@@ -306,7 +306,7 @@ class Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config_rules)."""
+        """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config.rules)."""
         check(self)
         check_lora(self)
 
@@ -417,7 +417,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(source: "str | Path | Config | dict", overrides: "list[str] | dict | None" = None,
                 readers: "dict | None" = None) -> Config:
     """A Config from a preset name, a YAML path, a dict or a Config, with dotted overrides applied. `readers`
-    ({"hf": fn}; Session and the CLI pass moelab.session.SOURCE_READERS) reads `hf:PATH` and `base: hf:PATH`.
+    ({"hf": fn}; Session and the CLI pass moelab.run.session.SOURCE_READERS) reads `hf:PATH` and `base: hf:PATH`.
 
         load_config("tiny", ["train.steps=20"])
         load_config("my.yaml", {"parallel.ep": 2})
@@ -440,7 +440,7 @@ def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) 
     if source.startswith("hf:"):
         if "hf" not in (readers or {}):
             raise ConfigError(f"{source!r}: hf: checkpoints are read by moelab.Session, `moelab run` and "
-                              f"moelab.hf.source.load_config; pass readers=moelab.session.SOURCE_READERS")
+                              f"moelab.hf.source.load_config; pass readers=moelab.run.session.SOURCE_READERS")
         return readers["hf"](source)
     path = Path(source)
     if source in preset_names():

@@ -74,7 +74,7 @@ class Session:
         from moelab.launch.submit import prepare_folder, submit_folders, validate
         from moelab.run.run import Run
 
-        from moelab.run.folder import lock_folder
+        from moelab.contract.folder import lock_folder
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
         path = Path(folder) if folder else _default_folder(self._config.name)
@@ -97,7 +97,7 @@ class Session:
             s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3], "model.moe.top_k": [1, 2]})   # 4 runs
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
-        from moelab.run.folder import RunFolder, lock_folder, write_json
+        from moelab.contract.folder import RunFolder, lock_folder, write_json
         from moelab.run.run import Run
         from moelab.run.sweep import Sweep
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import yaml
 
-from moelab.config_rules import ConfigError
+from moelab.config.rules import ConfigError
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):

@@ -1,5 +1,5 @@
 """The rules a Config obeys, checked when one is built (Config.validate): each error names the field, the value
-and the fix. Layout rules that need the world size are moelab.parallel.dims (ParallelDims).
+and the fix. Layout rules that need the world size are moelab.layout.dims (ParallelDims).
 
     check(load_config("tiny"))                        # passes
     Session("tiny", train={"steps": 0})               # ConfigError: train.steps=0: must be >= 1
@@ -191,7 +191,7 @@ def check(cfg) -> None:
 
 
 def _validate_data(cfg: "Config") -> None:
-    """The data and evaluation fields (the files themselves are checked by moelab.train.data.check_data)."""
+    """The data and evaluation fields (the files themselves are checked by moelab.data.batches.check_data)."""
     d, t = cfg.data, cfg.train
     if d.kind in ("text", "hf") and not d.path:
         _fail("data.path", d.path, f"data.kind={d.kind!r} needs data.path: "
@@ -223,7 +223,7 @@ def _validate_data(cfg: "Config") -> None:
 
 
 def _validate_sft(cfg: "Config") -> None:
-    """Instruction data (moelab.train.sft; the file and the tokenizer are checked by check_data)."""
+    """Instruction data (moelab.data.sft; the file and the tokenizer are checked by check_data)."""
     d, t, p = cfg.data, cfg.train, cfg.parallel
     if not d.path:
         _fail("data.path", d.path, "data.kind='sft' needs data.path: a JSON lines file of {\"messages\": [...]} "

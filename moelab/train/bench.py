@@ -11,7 +11,7 @@ Beside the headline figure, on the same model:
     metrics_overhead  the step without the metrics synchronisation (Trainer.train_step(metrics=False): the same
                       updates, no stats packing, no host read), to show what collecting metrics costs.
 
-    from moelab.bench import bench
+    from moelab.train.bench import bench
     r = bench(load_config("tiny"), steps=3, warmup=1)
     r["tokens_per_s_per_gpu"], r["tflops_per_gpu"], r["peak_memory_gb"]
 
@@ -55,7 +55,10 @@ def commit_id() -> str:
 
 class StepTimer:
     """Times trainer steps: CUDA events on a GPU (no extra synchronisation inside the timed region), the host
-    clock on CPU. `time(fn, n)` runs fn(i) n times and returns each call's milliseconds."""
+    clock on CPU. `time(fn, n)` runs fn(i) n times and returns each call's milliseconds.
+
+        ms = StepTimer("cuda").time(lambda i: trainer.train_step(i + 1), n=10)   # ten step times
+    """
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
@@ -84,7 +87,11 @@ def step_without_metrics(trainer, step: int) -> None:
 
 
 class Bencher:
-    """A set-up Trainer plus the timing of its steps; variants (router, micro batches) change the same model."""
+    """A set-up Trainer plus the timing of its steps; variants (router, micro batches) change the same model.
+
+        b = Bencher(Trainer(cfg, DistEnv(device="cuda")))
+        step_ms = b.run(20)                       # twenty timed steps, metrics on
+    """
 
     def __init__(self, trainer, peak: float | None = None):
         self.tr = trainer

@@ -124,14 +124,14 @@ class TokenFileData(TokenWindows):
 
 
 class TextData(TokenWindows):
-    """Text (data.kind 'text' or 'hf') tokenised into the cache (moelab.train.corpus); `split` 'train' or 'val'.
+    """Text (data.kind 'text' or 'hf') tokenised into the cache (moelab.data.corpus); `split` 'train' or 'val'.
 
         data = TextData(load_config("tiny", ["data.kind=text", "data.path=stdlib"]))
         data.tokenizer.decode(data.sample(1, 0)[:20].tolist())
     """
 
     def __init__(self, cfg: Config, split: str = "train", progress: bool = True):
-        from moelab.train.corpus import prepare_corpus
+        from moelab.data.corpus import prepare_corpus
 
         prepared = prepare_corpus(cfg, progress=progress)
         self.tokenizer, self.folder = prepared.tokenizer, prepared.folder
@@ -180,7 +180,7 @@ def make_dataset(cfg: Config, progress: bool = True):
     if cfg.data.kind in ("text", "hf"):
         return TextData(cfg, progress=progress)
     if cfg.data.kind == "sft":  # chats, loss on the responses: micro batches of their own
-        from moelab.train.sft_batches import SFTData
+        from moelab.data.sft_batches import SFTData
 
         return SFTData(cfg)
     kinds = {"synthetic": SyntheticData, "random": RandomData, "tokens": TokenFileData}
@@ -203,7 +203,7 @@ def check_data(cfg: Config, progress: bool = True) -> None:
     corpus, an unreadable file, a tokenizer larger than model.vocab_size, an empty validation split, a token
     file with ids out of range, or train.tensorboard / train.wandb without their package is a ConfigError
     before any process starts."""
-    from moelab.train.export import check_export
+    from moelab.loggers.mirror import check_export
 
     check_export(cfg)
     train = make_dataset(cfg, progress=progress)
