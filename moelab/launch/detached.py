@@ -16,6 +16,8 @@ import sys
 import submitit
 from submitit.local.local import LocalJob
 
+from moelab.launch import warm
+
 
 class DetachedLocalJob(LocalJob):
     """submitit's LocalJob, quiet at interpreter exit: its ``__del__`` tidies submitit's table of live processes
@@ -37,6 +39,8 @@ class DetachedLocalExecutor(submitit.LocalExecutor):
     """
 
     def _submit_command(self, command: str) -> LocalJob:
+        warm.start()  # a rank forked from a process that already imported torch and moelab (moelab.launch.warm)
+        command = warm.client_command(command)
         ntasks = self.parameters.get("tasks_per_node", 1)
         n_gpus = self.parameters.get("gpus_per_node", 0)
         visible = self.parameters.get("visible_gpus", ())

@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, ConfigError, flatten, load_config
+from moelab.launch import warm
 
 
 def _hf_source(spec: str) -> dict:
@@ -43,6 +45,8 @@ class Session:
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
         self._config = load_config(source, flatten(sections), readers=SOURCE_READERS)
+        if "ipykernel" in sys.modules:  # in a notebook, have a warm rank process ready for the first local submit
+            warm.start()
 
     @property
     def config(self) -> Config:
