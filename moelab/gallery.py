@@ -322,6 +322,9 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     lines = _published_section(entries, results, by_name) + _peers_section(results)
     memory_lines, mem_rows = _memory_section(results, by_name)
     lines += memory_lines
+    from moelab.gallery_speed import speed_section
+
+    lines += speed_section(entries, results)
     if plots:
         lines += _plots(root, entries, results, mem_rows)
     text = "\n".join(lines) + "\n"

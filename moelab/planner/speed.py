@@ -21,8 +21,9 @@ How (every rate comes from this project's measurements on one H200, H200_MEASURE
   innermost dimension) laid over 8-GPU nodes, so a share (min(ep, 8) - 1) / (ep - 1) of the other ranks is on
   the same node (NVLink) and the rest on others (InfiniBand); the two run at once (the slower counts), plus a
   fixed cost per exchange (the split sizes' all-to-all and device-to-host copy).
-- FSDP all-gather / reduce-scatter: the plan's bytes, on NVLink when the stage's fsdp x cp ranks fit in a node,
-  else on InfiniBand; under pp > 1 once per step (torch.distributed.pipelining's stages keep the blocks gathered
+- FSDP all-gather / reduce-scatter: the plan's bytes, on NVLink when the stage's fsdp x cp ranks fit in a node;
+  across nodes NCCL runs one ring per NIC, so the node's 8 InfiniBand links carry them together (at most
+  NVLink's rate: min(NVLink, 8 x InfiniBand) per GPU); under pp > 1 once per step (torch.distributed.pipelining's stages keep the blocks gathered
   and sync gradients only after the last micro batch), so the plan's per-micro-batch bytes count once; plus
   FSDP2's copy-in / copy-out of the same bytes at HBM speed. DDP and replicated-expert gradients likewise.
 - Pipeline: the slowest stage's micro batch time t sets the pace: step = m t + bubble, bubble = the plan's
@@ -175,7 +176,8 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     eager = 1.0 if t.compile else EAGER_FACTOR
     ew = {k: x * r.mem for k, (x, _) in H200_MEASURED.items() if k in ("elementwise_s", "permute_s", "loss_s")}
     frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    bw = lambda span: r.nvlink if span <= g or p.gpus <= g else r.ib  # noqa: E731
+    # a ring collective spanning nodes runs one ring per NIC: each rank's bytes cross nodes on 1/g of the hops
+    bw = lambda span: r.nvlink if span <= g or p.gpus <= g else min(r.nvlink, g * r.ib)  # noqa: E731
 
     # the expert all-to-all: a share of each rank's bytes stays on its node
     ep = L["ep"]
