@@ -324,7 +324,7 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     lines += memory_lines
     from moelab.gallery_speed import speed_section
 
-    lines += speed_section(entries, results)
+    lines += speed_section(entries, results, _planned_for_result, _REBUILD_KEYS)
     if plots:
         lines += _plots(root, entries, results, mem_rows)
     text = "\n".join(lines) + "\n"

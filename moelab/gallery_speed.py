@@ -2,7 +2,7 @@
 in gallery/results/ and against the reference table's published rows, rendered into gallery/README.md by
 ``moelab gallery report`` (moelab.gallery.render_report calls speed_section).
 
-    lines = speed_section(load_entries(), load_results())     # markdown lines
+    lines = speed_section(load_entries(), load_results(), _planned_for_result, _REBUILD_KEYS)   # markdown
 """
 from __future__ import annotations
 
@@ -51,23 +51,33 @@ def suspect(speed, ratio: float, fp8: bool = False, record: bool = True) -> str:
             "at the Qwen3 proxy's shapes")
 
 
-def _measured_rows(entries: list, results: list) -> list[str]:
-    from moelab.gallery import _planned_for_result
+def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
+    from moelab.config import ConfigError
+    from moelab.presets import preset_names
+    from moelab.planner.gpus import gpu_kind
 
     by_name = {e.name: e for e in entries}
     rows, hits = [], []
     for r in results:
         if r.get("system") != "moelab" or not r.get("tokens_per_s_per_gpu") or r.get("gpus") not in (1, 2):
             continue
+        try:
+            kind = gpu_kind(r.get("gpu_name"))
+        except ConfigError:  # not a GPU the model knows (a CPU run)
+            continue
         rec = dict(r)
         if rec.get("gpus") == 1 and not rec.get("layout"):
             rec["layout"] = _ONE_GPU_LAYOUT  # a one-GPU run of a preset: its layout is one GPU
-        p = _planned_for_result(rec, by_name, gpu=r.get("gpu_name") or "h200")
+        p = planned(rec, by_name, gpu=kind)
         head = f"| {r['_file'].removesuffix('.json')} | {r['gpus']} x {r.get('gpu_name', '-')} | "
         measured = r["tokens_per_s_per_gpu"]
         if p is None:
-            rows.append(head + f"{measured:,.0f} | - | - | - | not predicted: the record lacks batch, dtypes or "
-                               "layout, or names no preset |")
+            missing = [k for k in rebuild_keys if rec.get(k) is None]
+            why = (f"it names neither an entry nor a preset ({r['workload']})" if r["workload"] not in by_name
+                   and r.get("preset", r["workload"]) not in preset_names() else
+                   f"the record lacks {', '.join(missing)}" if missing and r["workload"] not in by_name
+                   else "its config does not plan")
+            rows.append(head + f"{measured:,.0f} | - | - | - | not predicted: {why} |")
             continue
         s = p.speed
         ratio = s.tokens_per_s_per_gpu / measured
@@ -112,8 +122,10 @@ def _published_rows(entries: list) -> list[str]:
     return rows
 
 
-def speed_section(entries: list, results: list) -> list[str]:
-    """Markdown: predicted against measured (1- and 2-GPU records) and against published (the reference rows)."""
+def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
+    """Markdown: predicted against measured (1- and 2-GPU records) and against published (the reference rows).
+    `planned(record, entries_by_name, gpu=)`: the plan of the config a record ran, or None (moelab.gallery's
+    _planned_for_result); `rebuild_keys`: the record fields that rebuilding a preset's config needs."""
     return [
         "## Predicted vs measured throughput", "",
         "`moelab.planner.speed` (`moelab plan CONFIG --gpu h200`) for the config each moelab record ran, on its GPU "
@@ -122,7 +134,7 @@ def speed_section(entries: list, results: list) -> list[str]:
         "records it is calibrated on are marked. Target: within 10%; a miss names the term most likely wrong.", "",
         "| record | GPUs | measured tokens/s/GPU | predicted | predicted / measured | largest term | note |",
         "|---|---|---:|---:|---:|---|---|",
-        *_measured_rows(entries, results), "",
+        *_measured_rows(entries, results, planned, rebuild_keys), "",
         "## Predicted vs published throughput (reference table, H100)", "",
         "Each gallery entry with published figures, planned as the entry is written (its layout, batch and "
         "overrides; the published runs used Transformer Engine and DeepEP) on the entry's GPU kind. Target: "

@@ -123,7 +123,10 @@ def _secs(s: float) -> str:
 
 @dataclass(frozen=True)
 class Rates:
-    """H200_MEASURED carried to `kind` (module docstring: which ratio scales which rate)."""
+    """H200_MEASURED carried to `kind` (module docstring: which ratio scales which rate).
+
+        rates(gpu_kind("h100"), balanced=True).dense / 1e12     # 761.5: H100 and H200 share the BF16 peak
+    """
     dense: float  # FLOP/s
     grouped: float
     attention: float

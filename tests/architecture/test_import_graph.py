@@ -26,7 +26,7 @@ LAYERS = [
     ("train", ["train/", "bench.py"]),
     ("launch", ["launch/"]),
     ("run", ["run/", "session.py"]),
-    ("views", ["live/", "cli/", "gallery.py", "compare.py", "__init__.py", "__main__.py"]),
+    ("views", ["live/", "cli/", "gallery.py", "gallery_speed.py", "compare.py", "__init__.py", "__main__.py"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),
