@@ -26,7 +26,8 @@ _OVERCOUNTED = {  # what the model charges that a faster run may not pay, by ter
 
 
 def suspect(speed, ratio: float, fp8: bool = False, record: bool = True) -> str:
-    """The term most likely wrong when predicted / measured = `ratio` misses: FP8 (not modelled); a record several
+    """The term most likely wrong when predicted / measured = `ratio` misses: FP8 or another path the model times
+    as something else (Speed.unmodelled); a record several
     times slower than any term explains (another code path); predicted too fast with communication in the step
     (FSDP2's copy-in/out and the exchange's host syncs, only partly counted); predicted too slow: the largest
     term (what it charges that the run did not pay); else the largest term (its rate was measured at other
@@ -38,14 +39,17 @@ def suspect(speed, ratio: float, fp8: bool = False, record: bool = True) -> str:
     share = f"{PART_LABELS[big]} ({100 * parts[big] / speed.step_s:.0f}% of the step)"
     if fp8:
         return "FP8 GEMMs and quantisation (train.fp8 is not modelled: predicted as bf16)"
+    also = "; not modelled: " + "; ".join(speed.unmodelled) if speed.unmodelled else ""
     if record and (ratio > 2 or ratio < 0.5):
         return "none alone: the run took a code path the model does not describe (see the record's command)"
+    if ratio < 1:
+        return share + ": " + _OVERCOUNTED.get(big, "its rate, measured at the Qwen3 proxy's shapes") + also
+    if speed.unmodelled:
+        return also[2:]
     comm = [k for k in _COMM if parts.get(k, 0) > 0]
-    if ratio > 1 and comm:
+    if comm:
         return (f"communication ({', '.join(PART_LABELS[k] for k in comm)}): FSDP2 copy-in/out and the exchange's "
                 "host syncs are only partly counted")
-    if ratio < 1:
-        return share + ": " + _OVERCOUNTED.get(big, "its rate, measured at the Qwen3 proxy's shapes")
     compute = max((k for k in parts if k not in _COMM), key=parts.get)
     return (f"{PART_LABELS[compute]} ({100 * parts[compute] / speed.step_s:.0f}% of the step): its rate, measured "
             "at the Qwen3 proxy's shapes")

@@ -107,6 +107,7 @@ class Speed:
     bottleneck: str
     gpu_hours_per_billion_tokens: float
     assumptions: list = field(default_factory=list)
+    unmodelled: list = field(default_factory=list)  # what this config runs that the model times as something else
 
     def line(self) -> str:
         return (f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPs/GPU, MFU "
@@ -232,7 +233,25 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     tflops = tokens * p.flops_per_token / 1e12
     return Speed(gpu=kind.name, gpus=p.gpus, step_s=step, parts_s=parts, tokens_per_s_per_gpu=tokens,
                  tflops_per_gpu=tflops, mfu=tflops / kind.bf16_tflops, bottleneck=max(parts, key=parts.get),
-                 gpu_hours_per_billion_tokens=1e9 / tokens / 3600, assumptions=_assumptions(cfg, kind, ep, intra))
+                 gpu_hours_per_billion_tokens=1e9 / tokens / 3600, assumptions=_assumptions(cfg, kind, ep, intra),
+                 unmodelled=unmodelled(cfg))
+
+
+def unmodelled(cfg) -> list[str]:
+    """What `cfg` runs that the model times as something else (its rates are torch's grouped GEMM, SDPA, bf16)."""
+    m, b, out = cfg.model, cfg.backend, []
+    if cfg.train.fp8 != "off":
+        out.append(f"train.fp8={cfg.train.fp8}: FP8 GEMMs and their quantisation, timed as bf16")
+    if b.attention == "eager" or (b.attention != "flex" and (m.sliding_window or m.attention_sinks)):
+        out.append("attention: sliding windows / sinks run moelab's eager attention (scores materialised), timed "
+                   "at SDPA's rate")
+    elif b.attention != "sdpa":
+        out.append(f"backend.attention={b.attention}: timed at SDPA's rate")
+    if b.experts in ("loop", "grouped_gemm", "te"):
+        out.append(f"backend.experts={b.experts}: timed at torch's grouped GEMM rate")
+    if b.dispatcher == "deepep":
+        out.append("backend.dispatcher=deepep: its kernels timed as NCCL's all-to-all of the same bytes")
+    return out
 
 
 def _assumptions(cfg, kind: GPUKind, ep: int, intra: float) -> list[str]:
@@ -246,6 +265,4 @@ def _assumptions(cfg, kind: GPUKind, ep: int, intra: float) -> list[str]:
     if ep > 1:
         out.append(f"speed: EP group of {ep} consecutive ranks over {kind.gpus_per_node}-GPU nodes: "
                    f"{100 * intra:.0f}% of its all-to-all partners on the same node")
-    if cfg.train.fp8 != "off":
-        out.append(f"speed: train.fp8={cfg.train.fp8} is not modelled; predicted as bf16")
-    return out
+    return out + [f"speed, not modelled: {text}" for text in unmodelled(cfg)]

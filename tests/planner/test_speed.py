@@ -154,3 +154,12 @@ def test_fsdp_syncs_every_micro_batch_but_once_per_step_under_pp():
     piped = [speed(PROXY, gpus=4, **{"parallel.pp": 2, "parallel.fsdp": 2, "train.global_batch_size": g})
              for g in (8, 16)]
     assert piped[1].parts_s["fsdp"] == pytest.approx(piped[0].parts_s["fsdp"]) and piped[0].parts_s["fsdp"] > 0
+
+
+def test_what_the_model_times_as_something_else_is_said():
+    assert speed(PROXY).unmodelled == []
+    fp8 = speed(PROXY, **{"train.fp8": "rowwise"})
+    assert fp8.unmodelled and "train.fp8=rowwise" in fp8.unmodelled[0]
+    assert any("not modelled: train.fp8=rowwise" in a for a in fp8.assumptions)
+    windows = speed("gpt-oss-20b-proxy", **{"backend.attention": "eager"})
+    assert any("eager attention" in u for u in windows.unmodelled)
