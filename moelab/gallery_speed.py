@@ -141,8 +141,9 @@ def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) ->
         *_measured_rows(entries, results, planned, rebuild_keys), "",
         "## Predicted vs published throughput (reference table, H100)", "",
         "Each gallery entry with published figures, planned as the entry is written (its layout, batch and "
-        "overrides; the published runs used Transformer Engine and DeepEP) on the entry's GPU kind. Target: "
-        "within 20%.", "",
+        "overrides; the published runs used Transformer Engine and DeepEP) on the entry's GPU kind. InfiniBand was "
+        "not measured here: the model takes its datasheet rate times the efficiency NVLink reached on the H200s "
+        "(moelab.planner.speed). Target: within 20%.", "",
         "| entry | GPUs | layout | published tokens/s/GPU | predicted | predicted / published | largest term | "
         "note |",
         "|---|---:|---|---:|---:|---:|---|---|",

@@ -240,6 +240,8 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
 def unmodelled(cfg) -> list[str]:
     """What `cfg` runs that the model times as something else (its rates are torch's grouped GEMM, SDPA, bf16)."""
     m, b, out = cfg.model, cfg.backend, []
+    if cfg.train.dtype != "bfloat16":
+        out.append(f"train.dtype={cfg.train.dtype}: fp32 matmuls, timed at the bf16 rates")
     if cfg.train.fp8 != "off":
         out.append(f"train.fp8={cfg.train.fp8}: FP8 GEMMs and their quantisation, timed as bf16")
     if b.attention == "eager" or (b.attention != "flex" and (m.sliding_window or m.attention_sinks)):
