@@ -179,7 +179,6 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     recompute = {"none": (1.0, 1.0), "selective": (1.0, 4 / 3), "full": (4 / 3, 4 / 3)}[t.activation_checkpointing]
     eager = 1.0 if t.compile else EAGER_FACTOR
     ew = {k: x * r.mem for k, (x, _) in H200_MEASURED.items() if k in ("elementwise_s", "permute_s", "loss_s")}
-    frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     # a ring collective spanning nodes runs one ring per NIC: each rank's bytes cross nodes on 1/g of the hops
     bw = lambda span: r.nvlink if span <= g or p.gpus <= g else min(r.nvlink, g * r.ib)  # noqa: E731
 
@@ -211,7 +210,9 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
             "idle": len(layers) * r.idle_s_per_layer,
             "all_to_all": a2a,
             "cp": p.comm["cp_bytes_per_step"] / m / bw(L["cp"]),
-            "pipeline_send": p.comm["pipeline_send_bytes_per_step"] / m / bw(L["pp"] * shard),
+            # stage neighbours are `shard` ranks apart: one NVLink or one InfiniBand link between them
+            "pipeline_send": p.comm["pipeline_send_bytes_per_step"] / m
+            / (r.nvlink if L["pp"] * shard <= g or p.gpus <= g else r.ib),
         }
         per_rank.append(parts)
     slowest = max(per_rank, key=lambda x: sum(x.values()))
