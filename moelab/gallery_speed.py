@@ -18,7 +18,9 @@ _COMM = ("all_to_all", "fsdp", "cp", "pipeline_send", "bubble")
 
 _OVERCOUNTED = {  # what the model charges that a faster run may not pay, by term
     "all_to_all": "no overlap and one row per routed expert assumed (DeepEP dispatches once per node and overlaps)",
-    "fsdp": "moelab overlaps none of FSDP's collectives; a run that prefetches hides them behind compute",
+    "fsdp": ("moelab overlaps none of FSDP's collectives and, without pp, gathers every block twice and "
+             "reduce-scatters at every micro batch; a run that overlaps them, keeps weights gathered or syncs "
+             "gradients once per step pays far less"),
     "elementwise": "eager elementwise cost (TE's fused kernels or train.compile remove most of it)",
     "bubble": "the bubble of an interleaved schedule at this many micro batches",
     "optimizer": "the fused AdamW's measured bandwidth",
@@ -116,13 +118,19 @@ def _published_rows(entries: list) -> list[str]:
             continue
         try:
             s = plan(e.config(), gpus=e.gpus, gpu=e.hardware or "h100").speed
+            # as the published runs ran: fused elementwise work (compiled here) and communication overlapped
+            bound = plan(e.config().replace(**{"train.compile": True}), gpus=e.gpus,
+                         gpu=e.hardware or "h100").speed.comm_hidden_tokens_per_s_per_gpu
         except ConfigError as err:
-            rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | - | - | - | not planned: {err} |")
+            rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | - | - | - | - | not planned: {err} |")
             continue
         ratio = s.tokens_per_s_per_gpu / pub
         note = "within 20%" if abs(ratio - 1) <= PUBLISHED_TARGET else suspect(s, ratio, record=False)
+        if abs(ratio - 1) > PUBLISHED_TARGET and abs(bound / pub - 1) <= PUBLISHED_TARGET:
+            note += (". Compiled with every communication hidden it is within 20%: the miss is the schedule "
+                     "(overlap, fusion), not the kernel rates")
         rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | {s.tokens_per_s_per_gpu:,.0f} | "
-                    f"{ratio:.2f} | {_largest(s)} | {note} |")
+                    f"{ratio:.2f} | {bound:,.0f} ({bound / pub:.2f}) | {_largest(s)} | {note} |")
     return rows
 
 
@@ -143,9 +151,11 @@ def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) ->
         "Each gallery entry with published figures, planned as the entry is written (its layout, batch and "
         "overrides; the published runs used Transformer Engine and DeepEP) on the entry's GPU kind. InfiniBand was "
         "not measured here: the model takes its datasheet rate times the efficiency NVLink reached on the H200s "
-        "(moelab.planner.speed). Target: within 20%.", "",
-        "| entry | GPUs | layout | published tokens/s/GPU | predicted | predicted / published | largest term | "
-        "note |",
-        "|---|---:|---|---:|---:|---:|---|---|",
+        "(moelab.planner.speed). Target: within 20%. The bound column plans the entry with `train.compile=true` "
+        "and every communication term hidden behind compute (Speed.comm_hidden_tokens_per_s_per_gpu): what "
+        "the same kernel rates give when the schedule overlaps as the published runs' may.", "",
+        "| entry | GPUs | layout | published tokens/s/GPU | predicted | predicted / published | bound: compiled, "
+        "communication hidden (/ published) | largest term | note |",
+        "|---|---:|---|---:|---:|---:|---:|---|---|",
         *_published_rows(entries), "",
     ]

@@ -32,6 +32,8 @@ How (every rate comes from this project's measurements on one H200, H200_MEASURE
   NCCL kernels in line with compute (55.6 ms of NCCL for a step 42 ms longer than one GPU's), so every
   communication term adds to the step; parallel.ep_overlap hides at most half of the all-to-all behind the
   routed experts' matmuls (its chunk 0 dispatch and chunk 1 combine have nothing to hide behind).
+- comm_hidden_tokens_per_s_per_gpu: the same step if every communication term hid behind the compute (the
+  pipeline bubble left as it is): the bound a schedule that overlaps fully would reach with these rates.
 - Another GPU kind: matmul and attention rates scale by the dense BF16 peak ratio, memory-bound terms by the
   HBM bandwidth ratio, NVLink by the NVLink ratio; InfiniBand (not measured here) at its datasheet rate times
   the efficiency NVLink reached here (measured / datasheet). Idle gaps (host-side) do not scale.
@@ -83,6 +85,8 @@ H200_MEASURED = {
 EAGER_FACTOR = 1 + (195.3 - 137.3) / (11.785 + 1.245 + 5.958)
 H200 = GPU_KINDS["h200"]
 
+COMM_PARTS = ("all_to_all", "cp", "pipeline_send", "fsdp")
+COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise")
 PART_LABELS = {"dense_matmul": "dense matmuls", "expert_matmul": "expert matmuls", "attention": "attention",
                "elementwise": "elementwise/permute/loss", "idle": "launch gaps", "all_to_all": "all-to-all",
                "cp": "CP K/V exchange", "pipeline_send": "pipeline send/recv", "bubble": "pipeline bubble",
@@ -108,6 +112,8 @@ class Speed:
     gpu_hours_per_billion_tokens: float
     assumptions: list = field(default_factory=list)
     unmodelled: list = field(default_factory=list)  # what this config runs that the model times as something else
+    # the same step if the schedule hid every communication term behind the compute (a bound, not moelab today)
+    comm_hidden_tokens_per_s_per_gpu: float = 0.0
 
     def line(self) -> str:
         return (f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPs/GPU, MFU "
@@ -115,7 +121,8 @@ class Speed:
                 f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion tokens")
 
     def breakdown(self) -> str:
-        return ", ".join(f"{PART_LABELS[k]} {_secs(v)}" for k, v in self.parts_s.items() if v > 0)
+        return (", ".join(f"{PART_LABELS[k]} {_secs(v)}" for k, v in self.parts_s.items() if v > 0)
+                + f"; with all communication hidden {self.comm_hidden_tokens_per_s_per_gpu:,.0f} tokens/s/GPU")
 
 
 def _secs(s: float) -> str:
@@ -230,12 +237,14 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     parts.update({"bubble": m * mb_s * f / (1 - f), "fsdp": fsdp, "optimizer": trained * 8 * pb / r.optimizer,
                   "casts": m * local * (pb + a) / r.copy if a < pb else 0.0})
     step = sum(parts.values())
+    comm, compute = (sum(parts[k] for k in keys) for keys in (COMM_PARTS, COMPUTE_PARTS))
+    hidden_step = step - comm + max(0.0, comm - compute)
     tokens = t.global_batch_size * t.seq_len / p.gpus / step
     tflops = tokens * p.flops_per_token / 1e12
     return Speed(gpu=kind.name, gpus=p.gpus, step_s=step, parts_s=parts, tokens_per_s_per_gpu=tokens,
                  tflops_per_gpu=tflops, mfu=tflops / kind.bf16_tflops, bottleneck=max(parts, key=parts.get),
                  gpu_hours_per_billion_tokens=1e9 / tokens / 3600, assumptions=_assumptions(cfg, kind, ep, intra),
-                 unmodelled=unmodelled(cfg))
+                 unmodelled=unmodelled(cfg), comm_hidden_tokens_per_s_per_gpu=tokens * step / hidden_step)
 
 
 def unmodelled(cfg) -> list[str]:

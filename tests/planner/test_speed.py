@@ -163,3 +163,14 @@ def test_what_the_model_times_as_something_else_is_said():
     assert any("not modelled: train.fp8=rowwise" in a for a in fp8.assumptions)
     windows = speed("gpt-oss-20b-proxy", **{"backend.attention": "eager"})
     assert any("eager attention" in u for u in windows.unmodelled)
+
+
+def test_hiding_communication_bounds_the_step_from_above():
+    one = speed(PROXY)  # one GPU: nothing to hide
+    assert one.comm_hidden_tokens_per_s_per_gpu == pytest.approx(one.tokens_per_s_per_gpu)
+    s = plan(load_config("deepseek-v3"), gpus=256, gpu="h100").speed
+    comm = sum(s.parts_s[k] for k in ("all_to_all", "cp", "pipeline_send", "fsdp"))
+    compute = sum(s.parts_s[k] for k in ("dense_matmul", "expert_matmul", "attention", "elementwise"))
+    hidden_step = s.step_s - comm + max(0.0, comm - compute)
+    assert s.comm_hidden_tokens_per_s_per_gpu == pytest.approx(s.tokens_per_s_per_gpu * s.step_s / hidden_step)
+    assert s.comm_hidden_tokens_per_s_per_gpu > s.tokens_per_s_per_gpu
