@@ -58,8 +58,9 @@ class Session:
         return Session(load_config(self._config, overrides))
 
     def plan(self, gpus: int | None = None, **kwargs: Any):
-        """Parameters, activated parameters, FLOPs per token and memory per GPU for this config
-        (moelab.planner.plan.plan, which takes the keywords; an HTML table in a notebook, text elsewhere)."""
+        """Parameters, activated parameters, FLOPs per token and memory per GPU for this config, and with
+        gpu="h100" | "h200" the predicted step time (moelab.planner.plan.plan, which takes the keywords; an HTML
+        table in a notebook, text elsewhere)."""
         from moelab.planner.plan import plan
 
         return plan(self._config, gpus=gpus, **kwargs)
