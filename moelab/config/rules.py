@@ -183,6 +183,9 @@ def check(cfg) -> None:
               "(supported: ep, fsdp, pp with vp)")
     if b.fake_gate_noise < 0:
         _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
+    if b.fake_gate_noise > 0 and not b.fake_balanced_gate:
+        _fail("backend.fake_gate_noise", b.fake_gate_noise, "only shifts the fake balanced gate's round-robin "
+              "routing; set backend.fake_balanced_gate=true as well, or leave the noise at 0 for the learned router")
     if cfg.data.kind == "tokens" and not cfg.data.path:
         _fail("data.path", cfg.data.path, "data.kind='tokens' needs data.path to a token file")
     _validate_data(cfg)

@@ -240,6 +240,15 @@ class BackendConfig:
     # scaling) or block (1x128 / 128x128 block scaling). moelab's own FP8 path is train.fp8.
     te_fp8: Literal["off", "current", "block"] = "off"
 
+    @property
+    def router_kind(self) -> str:
+        """How tokens are routed, as benchmark records and gallery rows state it: "learned" (the trained router),
+        "fake_balanced" (round-robin, fake_balanced_gate) or "fake_noise=<x>" (round-robin shifted by
+        fake_gate_noise). load_config("tiny", ["backend.fake_balanced_gate=true"]).backend.router_kind"""
+        if not self.fake_balanced_gate:
+            return "learned"
+        return f"fake_noise={self.fake_gate_noise:g}" if self.fake_gate_noise > 0 else "fake_balanced"
+
 
 @dataclass
 class DataConfig:

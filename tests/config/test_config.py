@@ -84,3 +84,15 @@ def test_off_in_yaml_and_overrides_is_the_choice_not_a_boolean(tmp_path):
     path.write_text("base: tiny\nbackend:\n  te_fp8: off\ntrain:\n  fp8: off\n")
     cfg = load_config(str(path))
     assert (cfg.train.fp8, cfg.backend.te_fp8) == ("off", "off")
+
+
+def test_router_kind_names_how_tokens_are_routed_and_an_ignored_noise_is_refused():
+    assert load_config("tiny").backend.router_kind == "learned"
+    assert load_config("tiny", ["backend.fake_balanced_gate=true"]).backend.router_kind == "fake_balanced"
+    cfg = load_config("tiny", ["backend.fake_balanced_gate=true", "backend.fake_gate_noise=0.5"])
+    assert cfg.backend.router_kind == "fake_noise=0.5"
+    assert load_config("tiny", ["backend.fake_balanced_gate=true", "backend.fake_gate_noise=0"]).backend.router_kind \
+        == "fake_balanced"
+    # the learned router ignores the noise: refused, not silently dropped
+    with pytest.raises(ConfigError, match="backend.fake_gate_noise.*fake_balanced_gate=true"):
+        load_config("tiny", ["backend.fake_gate_noise=0.1"])
