@@ -22,6 +22,8 @@ from pathlib import Path
 import yaml
 
 from moelab.config import Config, ConfigError, load_config
+from moelab.gallery_records import (fmt as _fmt, peers_section, router_of, router_sweep_section,
+                                   stale_note)
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vp", "fsdp")
 RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu",
@@ -228,12 +230,6 @@ def run_entry(name: str, steps: int = 20, warmup: int = 5, out: "str | Path | No
 
 
 # ---------------------------------------------------------------------- the report
-def _fmt(v, digits: int = 0) -> str:
-    if v is None:
-        return "-"
-    return f"{v:,.{digits}f}"
-
-
 def _planned(entry: Entry, gpu_memory_gb: float | None = None):
     """The planner's answer for an entry, or the reason there is none (a preset not there yet)."""
     from moelab.planner.plan import plan
@@ -247,7 +243,7 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
 _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
                      "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
                      "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
-                     "fake_balanced_gate": "backend.fake_balanced_gate"}
+                     "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise"}
 _REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
 
 
@@ -284,7 +280,8 @@ def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
 
 def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
     """The latest moelab result of `entry`: one named after it, else a run of its preset on the same number of
-    GPUs whose recorded settings (batch, sequence, dtypes, checkpointing, compile, gate, EP) equal the entry's."""
+    GPUs whose recorded settings (batch, sequence, dtypes, checkpointing, compile, router kind, EP) equal the
+    entry's."""
     mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.name]
     if not mine:
         try:
@@ -296,10 +293,10 @@ def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
         t = cfg.train
         want = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
                 "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype,
-                "activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
-                "fake_balanced_gate": cfg.backend.fake_balanced_gate}
+                "activation_checkpointing": t.activation_checkpointing, "compile": t.compile}
         mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.preset
                 and r.get("gpus") == entry.gpus and all(r.get(k, v) == v for k, v in want.items())
+                and router_of(r).kind in (cfg.backend.router_kind, "unknown")
                 and (r.get("layout") or {}).get("ep", entry.layout["ep"]) == entry.layout["ep"]]
     return max(mine, key=lambda r: str(r.get("date", ""))) if mine else None
 
@@ -319,12 +316,13 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     root = Path(root) if root else default_root()
     entries, results = load_entries(root), load_results(root)
     by_name = {e.name: e for e in entries}
-    lines = _published_section(entries, results, by_name) + _peers_section(results)
-    memory_lines, mem_rows = _memory_section(results, by_name)
-    lines += memory_lines
     from moelab.gallery_speed import speed_section
 
+    lines = _published_section(entries, results, by_name) + peers_section(results, by_name)
+    memory_lines, mem_rows = _memory_section(results, by_name)
+    lines += memory_lines
     lines += speed_section(entries, results, _planned_for_result, _REBUILD_KEYS)
+    lines += router_sweep_section(results)
     if plots:
         lines += _plots(root, entries, results, mem_rows)
     text = "\n".join(lines) + "\n"
@@ -342,8 +340,8 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
              "## Published vs measured here", "",
              "| entry | model | GPUs | layout [TP,PP,CP,EP,VP,FSDP] | global batch | optimisations | published "
              "TFLOPs/GPU | published tokens/s/GPU | measured TFLOPs/GPU | measured tokens/s/GPU | measured on | "
-             "planned memory/GPU | status |",
-             "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---:|---|"]
+             "router | planned memory/GPU | status |",
+             "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---|---:|---|"]
     for e in entries:
         r = _moelab_result(results, e)
         pub = e.published or {}
@@ -355,11 +353,15 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
         model = e.title + (f" (proxy of {by_name[e.proxy_of].title})" if e.proxy_of in by_name else "")
         if r:
             status = f"measured {str(r.get('date', ''))[:10]}, commit {str(r.get('commit', '?'))[:12]}, {r['_file']}"
+            try:
+                status += stale_note(r, e.config(), by_name)
+            except ConfigError:
+                pass
             measured = [_fmt(r.get("tflops_per_gpu"), 1), _fmt(r.get("tokens_per_s_per_gpu")),
-                        f"{r.get('gpus')} x {r.get('gpu_name')}"]
+                        f"{r.get('gpus')} x {r.get('gpu_name')}", str(router_of(r, by_name))]
         else:
             status = "not run here: " + (hardware_need(e))
-            measured = ["-", "-", "-"]
+            measured = ["-", "-", "-", "-"]
         lines.append(f"| {e.name} | {model} | {e.gpus} | {e.layout_text} | {gbs} | "
                      f"{e.optimizations or '-'} | {_fmt(pub.get('tflops_per_gpu'))} | "
                      f"{_fmt(pub.get('tokens_per_s_per_gpu'))} | {' | '.join(measured)} | {planned} | {status} |")
@@ -369,35 +371,16 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
                     "the router that the published convention leaves out.", ""]
 
 
-def _peers_section(results: list) -> list[str]:
-    """Every workload that has a result from a system other than moelab."""
-    peer_workloads = sorted({r["workload"] for r in results if r.get("system") != "moelab"})
-    lines = ["## Peers on the same workload and GPU", ""]
-    if not peer_workloads:
-        lines += ["No peer results yet (result files with a `system` other than \"moelab\").", ""]
-    for w in peer_workloads:
-        lines += [f"### {w}", "", "| system | variant | GPUs | GPU | tokens/s/GPU | TFLOPs/GPU | peak memory GiB | "
-                  "torch | commit | command |", "|---|---|---:|---|---:|---:|---:|---|---|---|"]
-        rows = sorted((r for r in results if r["workload"] == w),
-                      key=lambda r: (r["system"] != "moelab", r["system"], str(r.get("variant", ""))))
-        for r in rows:
-            lines.append(f"| {r['system']} | {r.get('variant', '-')} | {r.get('gpus', '-')} | "
-                         f"{r.get('gpu_name', '-')} | {_fmt(r.get('tokens_per_s_per_gpu'))} | "
-                         f"{_fmt(r.get('tflops_per_gpu'), 1)} | {_fmt(r.get('peak_memory_gb'), 1)} | {r.get('torch_version', '-')} | "
-                         f"{str(r.get('commit', '-'))[:12]} | `{r.get('command', '-')}` |")
-        lines.append("")
-    return lines
-
-
 def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
     """Planned against measured memory per GPU; also the (name, planned GiB, measured GiB) rows for the plot."""
     lines = ["## Planned vs measured memory per GPU", "",
              "Every moelab result with a measured peak (allocator peak, GiB) whose config can be rebuilt: a gallery "
              "entry, or a preset with the batch, dtypes and layout the result records (`moelab bench` records "
              "them; script variants that patch the model in place are left out).", "",
-             "| workload (result file) | GPUs | planned GiB | measured peak GiB | measured / planned | "
+             "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | "
              "planner's biggest term |",
-             "|---|---|---:|---:|---:|---|"]
+             "|---|---|---|---:|---:|---:|---|"]
+
     mem_rows = []
     for r in results:
         if r.get("system") != "moelab" or not r.get("peak_memory_gb"):
@@ -408,10 +391,10 @@ def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
         planned = p.memory_per_gpu_bytes / 2**30
         label = f"{r['workload']} ({r['_file']})"
         mem_rows.append((r["_file"].removesuffix(".json"), planned, r["peak_memory_gb"]))
-        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {planned:,.2f} | "
+        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {router_of(r, by_name)} | {planned:,.2f} | "
                      f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {p.biggest_term} |")
     if not mem_rows:
-        lines.append("| (no result with a measured peak memory yet) | | | | | |")
+        lines.append("| (no result with a measured peak memory yet) | | | | | | |")
     else:
         ratios = [m / p for _, p, m in mem_rows]
         lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}."]

@@ -60,6 +60,7 @@ def suspect(speed, ratio: float, fp8: bool = False, record: bool = True) -> str:
 def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
     from moelab.config import ConfigError
     from moelab.presets import preset_names
+    from moelab.gallery_records import router_of
     from moelab.planner.gpus import gpu_kind
 
     by_name = {e.name: e for e in entries}
@@ -75,7 +76,7 @@ def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -
         if rec.get("gpus") == 1 and not rec.get("layout"):
             rec["layout"] = _ONE_GPU_LAYOUT  # a one-GPU run of a preset: its layout is one GPU
         p = planned(rec, by_name, gpu=kind)
-        head = f"| {r['_file'].removesuffix('.json')} | {r['gpus']} x {r.get('gpu_name', '-')} | "
+        head = f"| {r['_file'].removesuffix('.json')} | {r['gpus']} x {r.get('gpu_name', '-')} | {router_of(r, by_name)} | "
         measured = r["tokens_per_s_per_gpu"]
         if p is None:
             missing = [k for k in rebuild_keys if rec.get(k) is None]
@@ -144,8 +145,8 @@ def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) ->
         "kind, against the tokens/s/GPU it measured. The model's kernel rates come from the compiled profile "
         "record and the kernel checks (`moelab.planner.speed.H200_MEASURED`), not from these throughputs; the "
         "records it is calibrated on are marked. Target: within 10%; a miss names the term most likely wrong.", "",
-        "| record | GPUs | measured tokens/s/GPU | predicted | predicted / measured | largest term | note |",
-        "|---|---|---:|---:|---:|---|---|",
+        "| record | GPUs | router | measured tokens/s/GPU | predicted | predicted / measured | largest term | note |",
+        "|---|---|---|---:|---:|---:|---|---|",
         *_measured_rows(entries, results, planned, rebuild_keys), "",
         "## Predicted vs published throughput (reference table, H100)", "",
         "Each gallery entry with published figures, planned as the entry is written (its layout, batch and "

@@ -97,9 +97,9 @@ def test_report_renders_from_results_and_marks_missing(gallery):
 def test_report_without_results_invents_nothing(gallery):
     text = render_report(gallery, plots=False)
     table = text.split("## Peers")[0]
-    measured_cols = [line.split(" | ")[8:11] for line in table.splitlines() if line.startswith("| ") and
+    measured_cols = [line.split(" | ")[8:12] for line in table.splitlines() if line.startswith("| ") and
                      not line.startswith("| entry") and not line.startswith("|---")]
-    assert measured_cols and all(cols == ["-", "-", "-"] for cols in measured_cols)
+    assert measured_cols and all(cols == ["-", "-", "-", "-"] for cols in measured_cols)
     assert "No peer results yet" in text
 
 
@@ -163,7 +163,7 @@ def test_a_bench_run_of_the_same_config_counts_for_its_entry(gallery):
     same = dict(global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
                 seq_len=cfg.train.seq_len, dtype=cfg.train.dtype, param_dtype=cfg.train.param_dtype,
                 activation_checkpointing=cfg.train.activation_checkpointing, compile=cfg.train.compile,
-                fake_balanced_gate=True, layout={"ep": 1})
+                router="learned", layout={"ep": 1})
     (gallery / "results" / "other.json").write_text(json.dumps(_result(
         "moelab", "qwen3-moe-30b-a3b-proxy", **{**same, "global_batch_size": 16}, tokens_per_s_per_gpu=99999.0)))
     text = render_report(gallery, plots=False)
@@ -194,7 +194,8 @@ def test_speed_tables_render_from_the_result_files(gallery):
     row = [x for x in measured.splitlines() if x.startswith("| s |")][0].split(" | ")
     predicted = plan_of(load_config("qwen3-moe-30b-a3b-proxy", {"train.compile": True, "train.param_dtype": "bfloat16"}),
                         gpus=1, gpu="h200").speed.tokens_per_s_per_gpu
-    assert row[2] == "40,000" and row[3] == f"{predicted:,.0f}" and row[4] == f"{predicted / 40000:.2f}"
+    assert row[3] == "40,000" and row[4] == f"{predicted:,.0f}" and row[5] == f"{predicted / 40000:.2f}"
+    assert row[2] == "learned (inferred)"  # the record predates the router field: its preset's default
     assert "not predicted: the record lacks" in [x for x in measured.splitlines() if x.startswith("| bare |")][0]
     assert "| cpu |" not in measured  # a CPU run is no GPU record
     rows = [x for x in published.splitlines() if x.startswith("| ") and not x.startswith("| entry")]

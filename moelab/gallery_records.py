@@ -1,0 +1,215 @@
+"""Which benchmark records the gallery's tables show, and how a row says what it measured.
+
+Every record states its router kind (``router``: "learned", "fake_balanced" or "fake_noise=<x>", from
+``BackendConfig.router_kind`` of the config that ran); a record written before that field existed gets it inferred
+from what it recorded (its fake_balanced_gate / fake_gate_noise fields, its ``--set`` overrides, its gallery entry,
+its preset's default), and the row says "(inferred)". The peers table keeps one record per system and workload
+(``current_best``): records made before a fix or superseded by a newer one drop out; gallery/perf-notes.md keeps
+the history. A fake_gate_noise sweep (gallery/scripts/router_sweep.py) renders as "what imbalance costs".
+
+    router_of(record, entries)            # RouterOf(kind="fake_balanced", inferred=True); str() -> "... (inferred)"
+    best, left_out = current_best(records)   # {(system, workload, gpus, batch, micro, seq, router): record}
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from moelab.config import BackendConfig, ConfigError, load_config
+
+SWEEP = "router"  # the `sweep` field of router_sweep.py's records
+
+
+@dataclass(frozen=True)
+class RouterOf:
+    """A record's router kind and whether it had to be inferred (the record predates the `router` field).
+
+        str(RouterOf("learned", inferred=True))     # 'learned (inferred)'
+    """
+    kind: str
+    inferred: bool
+
+    def __str__(self) -> str:
+        return self.kind + (" (inferred)" if self.inferred else "")
+
+
+def _recorded_overrides(r: dict) -> dict:
+    """The dotted overrides a record names: its `overrides` list and the `--set k=v` of its command."""
+    items = [str(x) for x in r.get("overrides") or [] if "=" in str(x)]
+    try:
+        words = shlex.split(str(r.get("command") or ""))
+    except ValueError:
+        words = []
+    items += [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set" and "=" in words[i + 1]]
+    return dict(x.split("=", 1) for x in items)
+
+
+def router_of(r: dict, entries: "dict | None" = None) -> RouterOf:
+    """The router kind of a result record: its `router` field, else inferred from (in order) its recorded
+    fake_balanced_gate / fake_gate_noise, its recorded overrides, its gallery entry's config, or the default of
+    the preset or `moelab` command it ran; "unknown" where none of these says."""
+    if r.get("router"):
+        return RouterOf(str(r["router"]), inferred=False)
+    over = _recorded_overrides(r)
+    gate, noise = r.get("fake_balanced_gate"), r.get("fake_gate_noise")
+    if gate is None and "backend.fake_balanced_gate" in over:
+        gate = over["backend.fake_balanced_gate"].lower() in ("true", "1", "yes")
+    if noise is None and "backend.fake_gate_noise" in over:
+        noise = float(over["backend.fake_gate_noise"])
+    if gate is None and entries and r.get("workload") in entries:
+        try:
+            return RouterOf(entries[r["workload"]].config().backend.router_kind, inferred=True)
+        except ConfigError:
+            pass
+    if gate is None:
+        try:
+            base = load_config(r.get("preset", r.get("workload"))).backend
+        except (ConfigError, KeyError, TypeError, ValueError, OSError):
+            base = BackendConfig() if (over or str(r.get("command", "")).startswith("moelab ")) else None
+        if base is None:
+            return RouterOf("unknown", inferred=True)
+        gate = base.fake_balanced_gate
+        noise = base.fake_gate_noise if noise is None else noise
+    return RouterOf(BackendConfig(fake_balanced_gate=bool(gate), fake_gate_noise=float(noise or 0)).router_kind,
+                    inferred=True)
+
+
+# ---------------------------------------------------------------------- what a table keeps
+_BEFORE_FIX = re.compile(r"before[\s_-]+(?:[\w-]+\s+){0,3}fix", re.IGNORECASE)
+
+
+def before_fix(r: dict) -> bool:
+    """A record measured before a bug was fixed: its file name or variant says so ("...-before-fix",
+    "before the autocast fix")."""
+    return bool(_BEFORE_FIX.search(f"{r.get('_file', '')} {r.get('variant', '')}"))
+
+
+def _stem(name: str) -> str:
+    return str(name).removesuffix(".json")
+
+
+def _commit(r: dict) -> str:
+    return str(r.get("commit") or "?").removesuffix("-dirty")[:7]
+
+
+def settings_key(r: dict, entries: "dict | None" = None) -> tuple:
+    """What a row compares like with like on: workload, GPUs, global and micro batch, sequence, router kind."""
+    return (r.get("workload"), r.get("gpus"), r.get("global_batch_size"), r.get("micro_batch_size"),
+            r.get("seq_len"), router_of(r, entries).kind)
+
+
+def mode_of(r: dict) -> tuple:
+    """A system's way of running a workload: compiled or not, and its FP8 recipe."""
+    return bool(r.get("compile")), str(r.get("fp8") or "off")
+
+
+def current_best(records: list, entries: "dict | None" = None) -> tuple[dict, list]:
+    """One record per system x settings (settings_key): the fastest of the current records. A record is not
+    current when it failed or measured no throughput, was made before a fix (before_fix), is named in a newer
+    record's `supersedes` list, or an equal mode (mode_of) of the same system and settings was measured at a
+    newer commit (commits ordered by their records' dates). Returns ({(system, *settings): record}, the records
+    left out)."""
+    named = {_stem(n) for r in records for n in (r.get("supersedes") or [])}
+    ok = [r for r in records if r.get("tokens_per_s_per_gpu") and "error" not in r and not before_fix(r)
+          and _stem(r.get("_file", "")) not in named]
+    commit_date: dict = {}
+    for r in ok:
+        commit_date[_commit(r)] = max(commit_date.get(_commit(r), ""), str(r.get("date", "")))
+    newest: dict = {}  # (system, settings, mode) -> the newest commit measuring it
+    for r in ok:
+        k = (r["system"], settings_key(r, entries), mode_of(r))
+        if k not in newest or commit_date[_commit(r)] > commit_date[newest[k]]:
+            newest[k] = _commit(r)
+    best: dict = {}
+    for r in ok:
+        s = settings_key(r, entries)
+        if newest[(r["system"], s, mode_of(r))] != _commit(r):
+            continue
+        k = (r["system"], *s)
+        if k not in best or r["tokens_per_s_per_gpu"] > best[k]["tokens_per_s_per_gpu"]:
+            best[k] = r
+    kept = {id(r) for r in best.values()}
+    return best, [r for r in records if id(r) not in kept]
+
+
+def fmt(v, digits: int = 0) -> str:
+    """A figure with thousands separators, '-' for None."""
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def peers_section(results: list, entries: "dict | None" = None) -> list[str]:
+    """Markdown: per workload with a peer's record, the current best record (current_best) of each system at
+    each settings a peer ran."""
+    best, _ = current_best(results, entries)
+    peer_settings = {k[1:] for k in best if k[0] != "moelab"}
+    workloads = sorted({s[0] for s in peer_settings})
+    lines = ["## Peers on the same workload and GPU", "",
+             "Each system's current best record per workload, GPUs, batch, sequence and router kind: the fastest "
+             "mode (compiled or not, FP8 recipe) at the newest commit that measured that mode. Failed runs, "
+             "records made before a fix and records a newer one `supersedes` are left out "
+             "(moelab.gallery_records.current_best); gallery/perf-notes.md keeps every record.", ""]
+    if not workloads:
+        return lines + ["No peer results yet (result files with a `system` other than \"moelab\").", ""]
+    for w in workloads:
+        lines += [f"### {w}", "", "| system | variant | GPUs | global batch | router | GPU | tokens/s/GPU | "
+                  "TFLOPs/GPU | peak memory GiB | torch | commit | record | command |",
+                  "|---|---|---:|---:|---|---|---:|---:|---:|---|---|---|---|"]
+        keys = sorted((k for k in best if k[1:] in peer_settings and k[1] == w),
+                      key=lambda k: (*(x or 0 for x in k[2:6]), k[6], k[0] != "moelab", k[0]))
+        for k in keys:
+            r = best[k]
+            lines.append(f"| {r['system']} | {r.get('variant', '-')} | {r.get('gpus', '-')} | "
+                         f"{r.get('global_batch_size', '-')} | {router_of(r, entries)} | {r.get('gpu_name', '-')} | "
+                         f"{fmt(r.get('tokens_per_s_per_gpu'))} | {fmt(r.get('tflops_per_gpu'), 1)} | "
+                         f"{fmt(r.get('peak_memory_gb'), 1)} | {r.get('torch_version', '-')} | "
+                         f"{_commit(r)} | {r.get('_file', '-')} | `{r.get('command', '-')}` |")
+        left = [r for r in results if r.get("workload") == w and id(r) not in {id(best[k]) for k in keys}]
+        lines += ["", f"{len(left)} other records of {w} are not current or not comparable with a peer "
+                  "(history: gallery/perf-notes.md).", ""]
+    return lines
+
+
+def stale_note(r: dict, cfg, entries: "dict | None" = None) -> str:
+    """What differs between the settings a record ran and an entry's config now (compile, parameter dtype,
+    router kind); "" when nothing that this checks does."""
+    now = {"compile": cfg.train.compile, "param_dtype": cfg.train.param_dtype, "router": cfg.backend.router_kind}
+    then = {"compile": r.get("compile"), "param_dtype": r.get("param_dtype"), "router": router_of(r, entries).kind}
+    diff = [k for k in now if then[k] is not None and then[k] != "unknown" and then[k] != now[k]]
+    if not diff:
+        return ""
+    return ("; recorded with " + ", ".join(f"{k}={then[k]}" for k in diff) + ", the entry now asks "
+            + ", ".join(f"{k}={now[k]}" for k in diff) + ": re-run to replace it")
+
+
+def router_sweep_section(results: list) -> list[str]:
+    """Markdown: the newest router sweep (router_sweep.py) of each workload and global batch: throughput with
+    the learned router and with fake_gate_noise 0, 0.1, 0.5, 1.0, each against the learned one."""
+    lines = ["## What imbalance costs: learned router against fake_gate_noise", "",
+             "One model, one process (gallery/scripts/router_sweep.py; `PARTS=router-sweep bash "
+             "gallery/scripts/gpu_run.sh`): the learned router, then the fake balanced gate (round-robin, noise 0) "
+             "and with backend.fake_gate_noise shifting it; load max/mean is the busiest expert over the mean "
+             "load, averaged over the MoE layers of one step after the timed ones.", ""]
+    sweeps: dict = {}
+    for r in results:
+        if r.get("sweep") == SWEEP and r.get("tokens_per_s_per_gpu") and "error" not in r:
+            sweeps.setdefault((r["workload"], r.get("global_batch_size")), {}).setdefault(
+                (_commit(r), str(r.get("sweep_id", ""))), []).append(r)
+    if not sweeps:
+        return lines + ["No router sweep records yet.", ""]
+    for (w, gbs), runs in sorted(sweeps.items(), key=lambda x: str(x[0])):
+        rows = max(runs.values(), key=lambda rs: max(str(r.get("date", "")) for r in rs))
+        learned = next((r for r in rows if r.get("router") == "learned"), None)
+        lines += [f"### {w}, global batch {gbs}, {rows[0].get('gpus')} x {rows[0].get('gpu_name')}, commit "
+                  f"{_commit(rows[0])}", "",
+                  "| router | tokens/s/GPU | vs learned | TFLOPs/GPU | step ms | load max/mean | peak GiB | record |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in sorted(rows, key=lambda r: (r.get("router") != "learned", float(r.get("fake_gate_noise") or 0),
+                                             r.get("router") != "fake_balanced")):
+            vs = f"{r['tokens_per_s_per_gpu'] / learned['tokens_per_s_per_gpu']:.3f}" if learned else "-"
+            lines.append(f"| {r.get('router')} | {fmt(r['tokens_per_s_per_gpu'])} | {vs} | "
+                         f"{fmt(r.get('tflops_per_gpu'), 1)} | {fmt(r.get('step_time_ms'), 1)} | "
+                         f"{fmt(r.get('load_max_over_mean'), 2)} | {fmt(r.get('peak_memory_gb'), 1)} | "
+                         f"{r.get('_file', '-')} |")
+        lines.append("")
+    return lines
