@@ -170,11 +170,25 @@ def peers_section(results: list, entries: "dict | None" = None) -> list[str]:
     return lines
 
 
+def by_router(r: dict, entries: "dict | None" = None) -> dict:
+    """A record's throughput figures by router kind: its headline, and what was timed beside it on the same model
+    (`fake_router` from moelab bench; `real_router`, the learned router, in records before the headline was the
+    learned one)."""
+    out = {router_of(r, entries).kind: r}
+    if isinstance(r.get("fake_router"), dict):
+        out[r["fake_router"]["router"]] = r["fake_router"]
+    if isinstance(r.get("real_router"), dict):
+        out["learned"] = r["real_router"]
+    return out
+
+
 def stale_note(r: dict, cfg, entries: "dict | None" = None) -> str:
     """What differs between the settings a record ran and an entry's config now (compile, parameter dtype,
-    router kind); "" when nothing that this checks does."""
+    router kind: one timed beside the headline counts); "" when nothing that this checks does."""
     now = {"compile": cfg.train.compile, "param_dtype": cfg.train.param_dtype, "router": cfg.backend.router_kind}
-    then = {"compile": r.get("compile"), "param_dtype": r.get("param_dtype"), "router": router_of(r, entries).kind}
+    kind = router_of(r, entries).kind
+    then = {"compile": r.get("compile"), "param_dtype": r.get("param_dtype"),
+            "router": now["router"] if now["router"] in by_router(r, entries) else kind}
     diff = [k for k in now if then[k] is not None and then[k] != "unknown" and then[k] != now[k]]
     if not diff:
         return ""

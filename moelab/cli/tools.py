@@ -164,7 +164,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", help="write the result record to this JSON file")
     p.add_argument("--peak-tflops", type=float, help="peak for MFU (default: the GPU's datasheet bf16 peak)")
     p.add_argument("--no-real-router", action="store_true",
-                   help="with backend.fake_balanced_gate=true, skip timing the learned router beside it")
+                   help="with backend.fake_balanced_gate=true, time only the fake gate (then the headline; the "
+                        "default times the learned router as the headline and the fake gate beside it)")
     p.add_argument("--no-metrics-overhead", action="store_true", help="skip timing steps without metrics")
     p.set_defaults(func=cmd_bench)
 

@@ -5,9 +5,12 @@ synchronisation that reads the step's metrics, the optimizer) is timed with CUDA
 the median step time gives tokens/s per GPU, TFLOPs per GPU (moelab.flops convention, stated in the result) and
 MFU against a given or datasheet peak. On several ranks (torchrun) the slowest rank's time counts.
 
-Beside the headline figure, on the same model:
-    real_router       with backend.fake_balanced_gate=true (as reference tables benchmark), the same step with
-                      the learned router, so the cost of real (imbalanced) routing is visible;
+The headline is the learned router. Every record states its router kind (`router`: learned, fake_balanced or
+fake_noise=<x>, BackendConfig.router_kind). Beside the headline, on the same model:
+    fake_router       with backend.fake_balanced_gate=true (as reference tables benchmark): the headline is timed
+                      with the learned router and the config's fake gate beside it, labelled with its kind, so
+                      the cost of real (imbalanced) routing is visible (real_router=False: the fake gate alone,
+                      as the headline, and the record says so);
     metrics_overhead  the step without the metrics synchronisation (Trainer.train_step(metrics=False): the same
                       updates, no stats packing, no host read), to show what collecting metrics costs.
 
@@ -142,9 +145,11 @@ class Bencher:
             moe.loss_scale = 1.0 / per_rank
         self.tokens_per_step = gbs * t.seq_len
 
-    def set_fake_gate(self, on: bool) -> None:
+    def set_fake_gate(self, on: bool, noise: float = 0.0) -> None:
+        """Route with the fake balanced gate (shifted by `noise`, as backend.fake_gate_noise) or, off, the learned
+        router, on the same model."""
         for moe in self.tr.par.moe_layers:
-            moe.router.fake_balanced_gate = on
+            moe.router.fake_balanced_gate, moe.router.fake_gate_noise = on, (noise if on else 0.0)
 
     def peak_memory_gb(self) -> float:
         """Peak allocated GiB, the maximum over ranks (0 on CPU, where the allocator keeps no peak)."""
@@ -166,7 +171,8 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
     """Time `steps` training steps after `warmup`; returns one result record (see the module docstring)."""
     from moelab.train.trainer import Trainer
 
-    variants = (real_router and cfg.backend.fake_balanced_gate) + metrics_overhead
+    fake = cfg.backend.router_kind if real_router and cfg.backend.fake_balanced_gate else None  # timed beside
+    variants = (fake is not None) + metrics_overhead
     cfg = bench_config(cfg, steps, warmup, extra_steps=variants * (steps + warmup))
     with tempfile.TemporaryDirectory(prefix="moelab-bench-") as run_dir:
         tr = Trainer(cfg, run_dir)
@@ -175,18 +181,19 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
         setup_s = time.perf_counter() - t0
         b = Bencher(tr, peak_tflops)
         try:
+            if fake:
+                b.set_fake_gate(False)  # the headline: the learned router
             result = b.measure(steps, warmup)
             if metrics_overhead:
                 off = b.measure(steps, max(1, warmup // 2), metrics=False)
                 on_ms, off_ms = result["step_time_ms"], off["step_time_ms"]
                 result["metrics_overhead"] = {"step_time_ms_on": on_ms, "step_time_ms_off": off_ms,
                                               "fraction": (on_ms - off_ms) / on_ms}
-            if real_router and cfg.backend.fake_balanced_gate:
-                b.set_fake_gate(False)
-                rr = b.measure(steps, max(1, warmup // 2))
-                result["real_router"] = {k: rr[k] for k in ("step_time_ms", "tokens_per_s_per_gpu",
-                                                            "tflops_per_gpu", "mfu")}
-                b.set_fake_gate(True)
+            if fake:
+                b.set_fake_gate(True, cfg.backend.fake_gate_noise)
+                fr = b.measure(steps, max(1, warmup // 2))
+                result["fake_router"] = {"router": fake, **{k: fr[k] for k in (
+                    "step_time_ms", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")}}
             result["peak_memory_gb"] = b.peak_memory_gb()
         finally:
             tr.stop.restore()  # the signal handlers setup() installed: a later signal must not reach this bench
@@ -194,12 +201,14 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
             if tr.writer:
                 tr.writer.close()
     t = cfg.train
+    headline = cfg.replace(**{"backend.fake_balanced_gate": False, "backend.fake_gate_noise": 0.0}) if fake else cfg
     return {"system": "moelab", "workload": cfg.name, "gpus": tr.env.world_size, "gpu_name": tr.gpu_name,
             **result, "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
             "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
             "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
             "activation_checkpointing": t.activation_checkpointing,
-            "fake_balanced_gate": cfg.backend.fake_balanced_gate,
+            "router": headline.backend.router_kind, "fake_balanced_gate": headline.backend.fake_balanced_gate,
+            "fake_gate_noise": headline.backend.fake_gate_noise,
             "backends": getattr(tr.model, "backends", None),
             "layout": {k: getattr(tr.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
             "steps": steps, "warmup": warmup, "setup_s": setup_s,
@@ -211,11 +220,13 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
 def format_result(r: dict) -> str:
     lines = [f"{r['workload']} on {r['gpus']} x {r['gpu_name']}: {r['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
              f"{r['tflops_per_gpu']:.1f} TFLOPs/GPU" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
-             + f", step {r['step_time_ms']:.1f} ms, peak memory {r['peak_memory_gb']:.1f} GiB"]
-    if "real_router" in r:
-        rr = r["real_router"]
-        lines.append(f"  real router: {rr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {rr['tflops_per_gpu']:.1f} "
-                     f"TFLOPs/GPU, step {rr['step_time_ms']:.1f} ms")
+             + f", step {r['step_time_ms']:.1f} ms, peak memory {r['peak_memory_gb']:.1f} GiB, "
+             f"router: {r.get('router', '?')}"]
+    if "fake_router" in r:
+        fr = r["fake_router"]
+        lines.append(f"  {fr['router']} (fake gate: round-robin routing, a benchmark convention, not training): "
+                     f"{fr['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {fr['tflops_per_gpu']:.1f} TFLOPs/GPU, "
+                     f"step {fr['step_time_ms']:.1f} ms")
     if "metrics_overhead" in r:
         m = r["metrics_overhead"]
         lines.append(f"  metrics: step {m['step_time_ms_on']:.2f} ms with, {m['step_time_ms_off']:.2f} ms without "

@@ -15,7 +15,10 @@ def test_bench_tiny_cli(tmp_path):
                         "--set", "backend.fake_balanced_gate=true", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "tokens/s/GPU" in r.stdout and "real router:" in r.stdout and "FLOPs convention" in r.stdout
+    assert "tokens/s/GPU" in r.stdout and "FLOPs convention" in r.stdout
+    # the learned router is the headline, the fake gate labelled beside it
+    headline, beside = r.stdout.splitlines()[0], r.stdout.splitlines()[1]
+    assert headline.endswith("router: learned") and beside.strip().startswith("fake_balanced (fake gate")
     rec = json.loads(out.read_text())
     assert all(k in rec for k in REQUIRED)
     assert rec["system"] == "moelab" and rec["workload"] == "tiny" and rec["gpus"] == 1
@@ -24,7 +27,8 @@ def test_bench_tiny_cli(tmp_path):
     assert rec["tflops_per_gpu"] > 0 and rec["flops_per_token"] > 0
     # the throughput follows from the step time: global batch 8 x seq 64 tokens per step
     assert abs(rec["tokens_per_s_per_gpu"] - 8 * 64 / (rec["step_time_ms"] / 1e3)) < 1e-6 * rec["tokens_per_s_per_gpu"]
-    assert rec["real_router"]["tokens_per_s_per_gpu"] > 0 and rec["fake_balanced_gate"] is True
+    assert rec["router"] == "learned" and rec["fake_balanced_gate"] is False and "real_router" not in rec
+    assert rec["fake_router"]["router"] == "fake_balanced" and rec["fake_router"]["tokens_per_s_per_gpu"] > 0
     m = rec["metrics_overhead"]
     assert m["step_time_ms_on"] > 0 and m["step_time_ms_off"] > 0
     assert abs(m["fraction"] - (m["step_time_ms_on"] - m["step_time_ms_off"]) / m["step_time_ms_on"]) < 1e-9
@@ -35,7 +39,8 @@ def test_bench_api_without_variants():
     from moelab.config import load_config
 
     rec = bench(load_config("tiny"), steps=1, warmup=0, real_router=False, metrics_overhead=False, command="t")
-    assert "real_router" not in rec and "metrics_overhead" not in rec and rec["command"] == "t"
+    assert "fake_router" not in rec and "metrics_overhead" not in rec and rec["command"] == "t"
+    assert rec["router"] == "learned"
     assert rec["steps"] == 1 and rec["param_dtype"] == "float32"
     assert rec["compile"] is False and rec["fp8"] == "off"  # every record says how it was computed
 
@@ -86,3 +91,17 @@ def test_bench_puts_the_signal_handlers_back():
     bench(load_config("tiny", {"model.num_layers": 1, "train.seq_len": 16, "train.global_batch_size": 2,
                                "train.micro_batch_size": 2}), steps=1, warmup=0, metrics_overhead=False)
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_bench_of_a_fake_gate_alone_says_so():
+    """real_router=False times only the config's fake gate: the headline is then the fake figure and the record's
+    router kind names it, noise included."""
+    from moelab.train.bench import bench
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", {"model.num_layers": 1, "train.seq_len": 16, "train.global_batch_size": 2,
+                               "train.micro_batch_size": 2, "backend.fake_balanced_gate": True,
+                               "backend.fake_gate_noise": 0.5})
+    rec = bench(cfg, steps=1, warmup=0, real_router=False, metrics_overhead=False)
+    assert rec["router"] == "fake_noise=0.5" and rec["fake_gate_noise"] == 0.5 and rec["fake_balanced_gate"] is True
+    assert "fake_router" not in rec
