@@ -11,7 +11,12 @@
 #   variants             the fast-path variants with profiles (bench_variants.py; SKIP= names to leave out)
 #   build                the optional backends built from .whl/sdist (build_backends.sh), then checked
 #   check | check:L1,L2  the two-GPU equivalence check of tiny against one GPU (check_two_gpu.sh; LAYOUTS)
-#   gallery:ENTRY        `moelab gallery run ENTRY` (STEPS, WARMUP)
+#   gallery:ENTRY        `moelab gallery run ENTRY` (STEPS, WARMUP; GALLERY_TIMEOUT s, default 300: the 1-GPU
+#                        proxies compile). The four families' 1-GPU proxies, compiled, learned router:
+#                        PARTS="gallery:qwen3-moe-30b-a3b-proxy-1gpu gallery:deepseek-v3-proxy-1gpu
+#                        gallery:kimi-k2-proxy-1gpu gallery:gpt-oss-20b-proxy-1gpu gallery:gpt-oss-120b-proxy-1gpu"
+#   router-sweep[:GBS]   the Qwen3 proxy, compiled, learned router against fake_gate_noise 0, 0.1, 0.5, 1.0 on one
+#                        model (router_sweep.py; GBS comma-separated, default 2)
 #   tiny:pp | tiny:cp    `moelab run tiny --nproc 2` with parallel.pp=2 or parallel.cp=2 on CUDA
 #   compile-ep2          EP=2 and one GPU, both compiled (`moelab bench`), the proxy at global batch 4
 #   profile:ep2 | profile:cp2   one step of the proxy on two GPUs under torch.profiler (profile_layout.py)
@@ -23,8 +28,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DIS
 STEPS=${STEPS:-8}; WARMUP=${WARMUP:-3}; PARTS=${PARTS:-machine}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 report() { echo "[$(el)s] $2: rc=$1"; }
-PROXY=(qwen3-moe-30b-a3b-proxy --set backend.fake_balanced_gate=true --set data.kind=random
-       --set train.dtype=bfloat16 --set train.param_dtype=bfloat16)
+PROXY=(qwen3-moe-30b-a3b-proxy --set data.kind=random --set train.dtype=bfloat16 --set train.param_dtype=bfloat16)
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   .whl/*.whl > $L/pip.log 2>&1
 [ -d /tmp/gal ] || { cp -r gallery /tmp/gal; rm -f /tmp/gal/results/*.json; }
@@ -53,9 +57,11 @@ for part in $PARTS; do
          report $? check_two_gpu; tail -4 $L/check.log
          cp /tmp/c2/check_two_gpu.json $OUT/check-two-gpu-${arg:+${arg//,/-}-}tiny.json 2>/dev/null
          for f in /tmp/c2/*.log; do grep -q Traceback $f && cp $f $L/; done ;;
-  gallery) timeout 150 python3 -m moelab gallery run $arg --steps $STEPS --warmup $WARMUP --dir /tmp/gal \
+  gallery) timeout ${GALLERY_TIMEOUT:-300} python3 -m moelab gallery run $arg --steps $STEPS --warmup $WARMUP --dir /tmp/gal \
              --out /tmp/runs/$arg > $L/gallery-$arg.log 2>&1; report $? "gallery $arg"
            cp /tmp/gal/results/$arg--moelab.json $OUT/ 2>/dev/null; cp /tmp/runs/$arg/logs/* $L/ 2>/dev/null ;;
+  router-sweep) timeout 560 python3 gallery/scripts/router_sweep.py --out $OUT --gbs ${arg:-2} --steps $STEPS \
+                  --warmup $WARMUP --deadline-s 480 > $L/router-sweep.log 2>&1; report $? router-sweep ;;
   tiny) timeout 120 python3 -m moelab run tiny --steps 20 --nproc 2 --set parallel.$arg=2 --set train.device=cuda \
           --out /tmp/runs/tiny-$arg-2 > $L/tiny-$arg-2.log 2>&1; report $? "tiny $arg=2"
         cp /tmp/runs/tiny-$arg-2/summary.json $OUT/tiny-$arg-2-summary.json 2>/dev/null ;;

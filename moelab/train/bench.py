@@ -200,20 +200,28 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
             tr.env.shutdown()
             if tr.writer:
                 tr.writer.close()
-    t = cfg.train
     headline = cfg.replace(**{"backend.fake_balanced_gate": False, "backend.fake_gate_noise": 0.0}) if fake else cfg
+    return {**describe(tr, b, headline), **result, "steps": steps, "warmup": warmup, "setup_s": setup_s,
+            "command": command or " ".join(["moelab"] + sys.argv[1:])}
+
+
+def describe(tr, b: Bencher, cfg: Config) -> dict:
+    """What a record says besides its figures: the system and workload, the GPUs, the FLOPs convention, the
+    batch, dtypes and router kind of `cfg` (the config as timed), the layout and the code version.
+
+        record = {**describe(trainer, bencher, cfg), **bencher.measure(10, 3)}
+    """
+    t = cfg.train
     return {"system": "moelab", "workload": cfg.name, "gpus": tr.env.world_size, "gpu_name": tr.gpu_name,
-            **result, "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
+            "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
             "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
             "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
             "activation_checkpointing": t.activation_checkpointing,
-            "router": headline.backend.router_kind, "fake_balanced_gate": headline.backend.fake_balanced_gate,
-            "fake_gate_noise": headline.backend.fake_gate_noise,
+            "router": cfg.backend.router_kind, "fake_balanced_gate": cfg.backend.fake_balanced_gate,
+            "fake_gate_noise": cfg.backend.fake_gate_noise,
             "backends": getattr(tr.model, "backends", None),
             "layout": {k: getattr(tr.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
-            "steps": steps, "warmup": warmup, "setup_s": setup_s,
-            "command": command or " ".join(["moelab"] + sys.argv[1:]), "commit": commit_id(),
-            "torch_version": torch.__version__, "python": platform.python_version(),
+            "commit": commit_id(), "torch_version": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
