@@ -184,11 +184,9 @@ def by_router(r: dict, entries: "dict | None" = None) -> dict:
 
 def stale_note(r: dict, cfg, entries: "dict | None" = None) -> str:
     """What differs between the settings a record ran and an entry's config now (compile, parameter dtype,
-    router kind: one timed beside the headline counts); "" when nothing that this checks does."""
+    router kind of the figure shown); "" when nothing that this checks does."""
     now = {"compile": cfg.train.compile, "param_dtype": cfg.train.param_dtype, "router": cfg.backend.router_kind}
-    kind = router_of(r, entries).kind
-    then = {"compile": r.get("compile"), "param_dtype": r.get("param_dtype"),
-            "router": now["router"] if now["router"] in by_router(r, entries) else kind}
+    then = {"compile": r.get("compile"), "param_dtype": r.get("param_dtype"), "router": router_of(r, entries).kind}
     diff = [k for k in now if then[k] is not None and then[k] != "unknown" and then[k] != now[k]]
     if not diff:
         return ""

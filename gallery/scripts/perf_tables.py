@@ -8,6 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
+from moelab.gallery_records import by_router, router_of
+
 GALLERY = Path(__file__).resolve().parents[1]
 R = GALLERY / "results"
 W = "qwen3-moe-30b-a3b-proxy"
@@ -20,12 +22,12 @@ def load(name: str) -> dict:
 
 def row(name: str, label: str) -> str:
     r = load(name)
-    return (f"| {label} | {r['global_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | "
+    return (f"| {label} | {r['global_batch_size']} | {router_of(r)} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | "
             f"{r['step_time_ms']:.1f} | {r['peak_memory_gb']:.1f} | {r['device_call'].split(' ')[0]} | `{name}.json` |")
 
 
-HEAD = ("| system / variant | global batch | tokens/s/GPU | TFLOPs/GPU | step ms | peak GiB | call | result file |\n"
-        "|---|---:|---:|---:|---:|---:|---|---|")
+HEAD = ("| system / variant | global batch | router | tokens/s/GPU | TFLOPs/GPU | step ms | peak GiB | call | "
+        "result file |\n|---|---:|---|---:|---:|---:|---:|---|---|")
 
 
 def maybe(name: str) -> dict | None:
@@ -38,7 +40,7 @@ def row_or_missing(name: str, label: str, gbs: int) -> str:
     r = maybe(name)
     if r is None or "error" in r:
         why = "not measured yet" if r is None else f"error: {r['error'][:60]}"
-        return f"| {label} | {gbs} | - | - | - | - | - | `{name}.json` ({why}) |"
+        return f"| {label} | {gbs} | - | - | - | - | - | - | `{name}.json` ({why}) |"
     return row(name, label)
 
 
@@ -146,10 +148,9 @@ def tables() -> str:
                  f"{W}--moelab--fake-gate-gbs16-compile"):
         t = load(name)["tflops_per_gpu"]
         out.append(f"| TFLOPs/GPU >= 350 | `{name}` | {t:.1f} | {'yes' if t >= 350 else 'no'} |")
-    ep, one = load(f"{W}-ep2--moelab"), load(f"{W}-1gpu--moelab")
-    for key, what in ((None, "fake gate"), ("real_router", "learned router")):
-        a = ep[key]["tokens_per_s_per_gpu"] if key else ep["tokens_per_s_per_gpu"]
-        b = one[key]["tokens_per_s_per_gpu"] if key else one["tokens_per_s_per_gpu"]
+    ep, one = load(f"{W}-ep2--moelab"), load(f"{W}-1gpu--moelab--eager-fake-gate")
+    for key, what in (("fake_balanced", "fake gate"), ("learned", "learned router")):
+        a, b = by_router(ep)[key]["tokens_per_s_per_gpu"], by_router(one)[key]["tokens_per_s_per_gpu"]
         out.append(f"| EP=2 per-GPU >= 0.9 x one GPU ({what}, no compile, global batch 2 per GPU) | "
                    f"`{W}-ep2--moelab` / `{W}-1gpu--moelab` | {a / b:.2f} | {'yes' if a / b >= 0.9 else 'no'} |")
     for name, key in ((f"{W}--moelab--real-router-gbs2-compile", f"{W}--moelab--real-router-gbs2-compile-no-metrics"),
@@ -168,31 +169,33 @@ def tables() -> str:
                      ("fake-gate-gbs2-compile", "torch.compile per block + compiled loss")]:
         out.append(row(f"{W}--moelab--{v}", label))
 
-    out += ["", "### Layouts on two H200s against one (issue 10): per-GPU throughput, fake balanced gate", "",
-            "| layout | result file | tokens/s/GPU | one-GPU baseline | tokens/s | ratio | peak GiB (2 GPUs / 1) | "
-            "call |", "|---|---|---:|---|---:|---:|---|---|"]
+    out += ["", "### Layouts on two H200s against one (issue 10): per-GPU throughput", "",
+            "| layout | result file | router | tokens/s/GPU | one-GPU baseline | router | tokens/s | ratio | "
+            "peak GiB (2 GPUs / 1) | call |", "|---|---|---|---:|---|---|---:|---:|---|---|"]
     for label, two, one in [
-        ("EP=2 x FSDP=2, eager", f"{W}-ep2--moelab", f"{W}-1gpu--moelab"),
+        ("EP=2 x FSDP=2, eager", f"{W}-ep2--moelab", f"{W}-1gpu--moelab--eager-fake-gate"),
         ("EP=2 x FSDP=2, compile", f"{W}--moelab--ep2-compile", f"{W}--moelab--1gpu-compile"),
-        ("PP=2, 1F1B, 4 micro batches (global batch 8 against 2)", f"{W}-pp2--moelab", f"{W}-1gpu--moelab"),
+        ("PP=2, 1F1B, 4 micro batches (global batch 8 against 2)", f"{W}-pp2--moelab", f"{W}-1gpu--moelab--eager-fake-gate"),
         ("CP=2 (FSDP over the CP ranks), seq 8192", f"{W}-cp2--moelab", f"{W}-1gpu-seq8192--moelab"),
         ("CP=2 x EP=2, seq 8192", f"{W}-cp2-ep2--moelab", f"{W}-1gpu-seq8192--moelab")]:
         a, b = load(two), load(one)
         calls = sorted({a["device_call"].split(" ")[0], b["device_call"].split(" ")[0]})
-        out.append(f"| {label} | `{two}.json` | {a['tokens_per_s_per_gpu']:,.0f} | `{one}.json` | "
-                   f"{b['tokens_per_s_per_gpu']:,.0f} | {a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f} | "
+        out.append(f"| {label} | `{two}.json` | {router_of(a)} | {a['tokens_per_s_per_gpu']:,.0f} | `{one}.json` | "
+                   f"{router_of(b)} | {b['tokens_per_s_per_gpu']:,.0f} | {a['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f} | "
                    f"{a['peak_memory_gb']:.1f} / {b['peak_memory_gb']:.1f} | {', '.join(calls)} |")
 
-    out += ["", "### Gallery proxies (`moelab gallery run ENTRY`, steps and warm-up in each record's command; "
-            "no compile)", "",
-            "| entry | GPUs | global batch | tokens/s/GPU | TFLOPs/GPU | real router tokens/s/GPU | peak GiB | call |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
-    for p in sorted(R.glob("*--moelab.json")):
+    out += ["", "### Gallery proxies (`moelab gallery run ENTRY`, steps and warm-up in each record's command)", "",
+            "| entry | GPUs | global batch | compile | router | tokens/s/GPU | TFLOPs/GPU | learned router tokens/s/GPU | "
+            "peak GiB | commit | call |", "|---|---:|---:|---|---|---:|---:|---:|---:|---|---|"]
+    for p in sorted(R.glob("*--moelab*.json")):
         r = json.loads(p.read_text())
-        rr = r.get("real_router", {}).get("tokens_per_s_per_gpu")
-        out.append(f"| {r['workload']} | {r['gpus']} | {r['global_batch_size']} | {r['tokens_per_s_per_gpu']:,.0f} | "
-                   f"{r['tflops_per_gpu']:.1f} | {f'{rr:,.0f}' if rr else '-'} | {r['peak_memory_gb']:.1f} | "
-                   f"{r['device_call'].split(' ')[0]} |")
+        if not str(r.get("command", "")).startswith("moelab gallery run"):
+            continue
+        rr = by_router(r).get("learned", {}).get("tokens_per_s_per_gpu")
+        out.append(f"| {r['workload']} | {r['gpus']} | {r['global_batch_size']} | {r.get('compile', '-')} | "
+                   f"{router_of(r)} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.1f} | "
+                   f"{f'{rr:,.0f}' if rr else '-'} | {r['peak_memory_gb']:.1f} | {str(r.get('commit', '-'))[:7]} | "
+                   f"{str(r.get('device_call', '-')).split(' ')[0]} |")
 
     k = json.loads((R / "backends-experts-kernels.json").read_text())
     out += ["", f"### Experts kernels, forward + backward, {k['shape']} (`backends-experts-kernels.json`)", "",
@@ -220,8 +223,8 @@ README_END = "<!-- perf-highlights: end -->"
 def readme_highlights() -> str:
     """README's headline table: each system at its best from the one-call records, with its ratio to the faster
     compiled torchtitan at the same global batch (the peer to beat)."""
-    out = ["| system (one H200, Qwen3-30B-A3B proxy, seq 4096, micro batch 2, learned router) | global batch | "
-           "tokens/s/GPU | TFLOPs/GPU | vs compiled torchtitan | call |", "|---|---:|---:|---:|---:|---|"]
+    out = ["| system (one H200, Qwen3-30B-A3B proxy, seq 4096, micro batch 2) | global batch | router | "
+           "tokens/s/GPU | TFLOPs/GPU | vs compiled torchtitan | call |", "|---|---:|---|---:|---:|---:|---|"]
     rows = [("hf-transformers--grouped_mm-eager-gbs2", "HF transformers, grouped_mm experts", 2),
             ("torchtitan--eager-gbs2", "torchtitan 0.2.2, eager", 2)]
     for gbs in (2, 16):
@@ -232,11 +235,11 @@ def readme_highlights() -> str:
     for name, label, gbs in rows:
         r, peer = maybe(f"{W}--{name}"), maybe(f"{W}--{fastest_torchtitan(gbs)}")
         if r is None or "error" in r:
-            out.append(f"| {label} | {gbs} | not measured | | | |")
+            out.append(f"| {label} | {gbs} | - | not measured | | | |")
             continue
         ratio = f"{r['tokens_per_s_per_gpu'] / peer['tokens_per_s_per_gpu']:.2f}x" if peer else "-"
-        out.append(f"| {label} | {gbs} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | {ratio} | "
-                   f"{r['device_call'].split(' ')[0]} |")
+        out.append(f"| {label} | {gbs} | {router_of(r)} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops_per_gpu']:.0f} | "
+                   f"{ratio} | {r['device_call'].split(' ')[0]} |")
     return "\n".join(out)
 
 

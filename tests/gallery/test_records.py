@@ -47,8 +47,8 @@ def test_router_kind_of_a_record_stated_or_inferred():
     # a preset's default
     assert router_of({"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy"}) == RouterOf("learned", True)
     # a gallery entry's config (here one written with the fake gate)
-    assert entries["qwen3-moe-30b-a3b-proxy-ep2"].config().backend.fake_balanced_gate
-    assert router_of({"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy-ep2"}, entries) == \
+    assert entries["qwen3-moe-30b-a3b-8gpu"].config().backend.fake_balanced_gate
+    assert router_of({"system": "moelab", "workload": "qwen3-moe-30b-a3b-8gpu"}, entries) == \
         RouterOf("fake_balanced", True)
     assert router_of(old) == RouterOf("unknown", True)  # nothing says: not guessed
     assert str(RouterOf("fake_balanced", True)) == "fake_balanced (inferred)"
@@ -63,7 +63,7 @@ def test_the_repository_records_all_state_or_infer_a_router():
     kinds = {r["_file"]: router_of(r, entries) for r in results if r.get("tokens_per_s_per_gpu")}
     assert kinds and all(k.kind != "unknown" for k in kinds.values()), \
         [f for f, k in kinds.items() if k.kind == "unknown"]
-    old = next((r for r in results if r["_file"] == "qwen3-moe-30b-a3b-proxy-1gpu--moelab.json"), None)
+    old = next((r for r in results if r["_file"] == "qwen3-moe-30b-a3b-proxy-1gpu--moelab--eager-fake-gate.json"), None)
     if old is not None and "router" not in old:  # the eager fake-gate record of commit 6751221
         assert kinds[old["_file"]] == RouterOf("fake_balanced", inferred=True)
 
