@@ -97,8 +97,10 @@ def main():
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             r = b.measure(steps, warmup, metrics)
+            router = cfg.replace(**{"backend.fake_balanced_gate": extra.get("fake_balanced_gate", False)}).backend
             r.update(base, variant=name, description=desc, global_batch_size=gbs, steps=steps, warmup=warmup,
-                     peak_memory_gb=b.peak_memory_gb(), wall_s=time.perf_counter() - t0, **extra)
+                     peak_memory_gb=b.peak_memory_gb(), wall_s=time.perf_counter() - t0, router=router.router_kind,
+                     **extra)
         except Exception as e:  # one failing variant must not lose the others
             traceback.print_exc()
             r = {**base, "variant": name, "description": desc, "error": f"{type(e).__name__}: {e}"}
