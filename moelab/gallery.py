@@ -479,7 +479,7 @@ def main(args) -> int:
             width = max(len(e.name) for e in entries)
             for e in entries:
                 r = _moelab_result(results, e)
-                state = (f"measured {_fmt(r.get('tokens_per_s_per_gpu'))} tok/s/GPU" if r
+                state = (f"measured {_fmt(r.get('tokens_per_s_per_gpu'))} tok/s/GPU, router {router_of(r)}" if r
                          else hardware_need(e))
                 print(f"{e.name:{width}s} {e.gpus:4d} GPU  {e.layout_text:18s} {state}")
         elif args.gallery_command == "run":

@@ -125,7 +125,8 @@ def test_tiny_cpu_entry_runs_end_to_end(gallery, tmp_path, capsys):
     assert result["tokens_per_s_per_gpu"] > 0 and result["torch_version"] == torch.__version__
     assert result["command"].startswith("moelab gallery run tiny-cpu")
     assert main(["gallery", "list", "--dir", str(gallery)]) == 0
-    assert "measured" in capsys.readouterr().out
+    listed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("tiny-cpu ")][0]
+    assert "measured" in listed and "router learned" in listed
     assert main(["gallery", "report", "--dir", str(gallery), "--no-plots"]) == 0
     row = [l for l in (gallery / "README.md").read_text().splitlines() if l.startswith("| tiny-cpu |")][0]
     assert "not run here" not in row and f"{result['tokens_per_s_per_gpu']:,.0f}" in row
@@ -151,6 +152,8 @@ def test_two_process_entry_runs_through_the_rank_entry(gallery, tmp_path):
         "overrides: {backend.fake_balanced_gate: true}\n")
     result = run_entry("tiny-cpu-ep2", steps=2, warmup=1, out=tmp_path / "run", root=gallery)
     assert result["gpus"] == 2 and result["layout"]["ep"] == 2 and result["tokens_per_s_per_gpu"] > 0
+    # a fake-gate entry: the learned router is the headline, the fake gate timed beside it and labelled
+    assert result["router"] == "learned" and result["fake_router"]["router"] == "fake_balanced"
     assert json.loads((gallery / "results" / "tiny-cpu-ep2--moelab.json").read_text())["workload"] == "tiny-cpu-ep2"
     assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank0.err", "rank0.out", "rank1.err",
                                                                            "rank1.out"]
