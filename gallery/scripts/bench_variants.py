@@ -186,7 +186,7 @@ def main():
         b.set_fake_gate(True)
         record("fake-gate-gbs2-compile-eager-loss", "as fake-gate-gbs2 with torch.compile per block, loss uncompiled",
                args.steps, 3, fake_balanced_gate=True, compile=True, compiled_loss=False)
-        tr.cfg.train.compile = True  # the trainer's loss: moelab.train.loss.cross_entropy(compiled=True)
+        tr.cfg.train.compile = True  # the trainer's loss: moelab.backends.full_loss.cross_entropy(compiled=True)
         base["compiled_loss"] = True
         b.set_fake_gate(False)
         record("real-router-gbs2-compile", "as real-router-gbs2 with torch.compile per block", args.steps, 3,

@@ -239,6 +239,12 @@ class BackendConfig:
     # TE's FP8 recipes for the attention projections of backend.attention=te: current (per-tensor current
     # scaling) or block (1x128 / 128x128 block scaling). moelab's own FP8 path is train.fp8.
     te_fp8: Literal["off", "current", "block"] = "off"
+    # The LM head + loss (moelab.backends.loss): chunked = moelab's fused linear + cross-entropy, which never holds
+    # the whole logits; full = the logits [tokens, vocabulary] then cross entropy; liger / cce = Liger Kernel's /
+    # Apple cut-cross-entropy's fused kernels (optional packages, CUDA). loss_chunk_tokens: tokens per chunk of
+    # `chunked` (0 = auto: about 2**30 bytes of fp32 logits, moelab.planner.loss.chunk_tokens).
+    loss: Literal["chunked", "full", "liger", "cce"] = "chunked"
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
