@@ -135,11 +135,15 @@ def lm_loss(h_BLD: torch.Tensor, head: nn.Module, targets_BL: torch.Tensor, kind
     if kind == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(w_VD.to(dtype), h_TD.to(dtype), targets_T)
+        # the head's gradient accumulated in fp32 over Liger's chunks, as `chunked` does
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, accum_dtype=torch.float32)(
+            w_VD.to(dtype), h_TD.to(dtype), targets_T)
     if kind == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
-        return linear_cross_entropy(h_TD.to(dtype), w_VD.to(dtype), targets_T, ignore_index=IGNORE_INDEX)
+        # filter_eps=None: every gradient entry computed (its default skips those below a threshold)
+        return linear_cross_entropy(h_TD.to(dtype), w_VD.to(dtype), targets_T, ignore_index=IGNORE_INDEX,
+                                    filter_eps=None)
     if kind != "chunked":
         raise ValueError(f"backend.loss={kind!r}: choose one of {', '.join(KINDS)}")
     C = chunk_tokens(w_VD.shape[0], h_TD.shape[0], chunk)
