@@ -204,6 +204,7 @@ def bench_losses(tr, b, args, out: Path) -> None:
 
     first_mbs = tr.cfg.train.micro_batch_size
     for loss in args.losses.split(","):
+        set_micro_batch(tr, first_mbs)  # the config as built, for the switchboard's check
         try:
             kind = check_backends(tr.cfg.replace(**{"backend.loss": loss}), tr.env.device)["loss"]
         except Exception as e:  # noqa: BLE001 (liger / cce not installed here: recorded)
