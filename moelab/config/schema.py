@@ -200,6 +200,10 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
+    # AdamW's kernels (moelab.train.optim.build_optimizer): adamw = torch's (fused on CUDA, foreach on CPU);
+    # adamw_triton = one Triton kernel per large tensor (moelab.train.adamw_triton; same math and state dict);
+    # auto = adamw_triton on CUDA when Triton imports, else adamw.
+    optimizer: Literal["auto", "adamw", "adamw_triton"] = "auto"
     # FP8 (moelab.model.fp8): rowwise = e4m3 GEMMs scaled per row for the experts and the attention / dense
     # projections (router, norms, embedding, LM head in bf16); rowwise_lm_head adds the LM head (opt-in).
     fp8: Literal["off", "rowwise", "rowwise_lm_head"] = "off"

@@ -94,6 +94,18 @@ class PipelineRunner:
         else:
             cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
             self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+        if loss_fn is None and not self.skips_outputs:
+            raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules merge the last stage's outputs, which "
+                               "are the model's scalar losses here; moelab needs a torch whose schedule.step takes "
+                               "return_outputs (torch >= 2.11)")
+
+    @property
+    def skips_outputs(self) -> bool:
+        """Whether the schedule can skip merging the last stage's outputs (torch's `step(return_outputs=False)`);
+        the model's own loss needs it (scalar losses do not concatenate), logits merely cost memory."""
+        import inspect
+
+        return "return_outputs" in inspect.signature(self.schedule.step).parameters
 
     def infer_shapes(self, model: nn.Module, batch_size: int, seq_len: int, device) -> None:
         """Run one step on zeros and discard its effects. torch.distributed.pipelining learns the shapes passed
@@ -122,6 +134,8 @@ class PipelineRunner:
         targets_BL = targets_BL.contiguous() if self.holds_last else None
         # the model computes the loss: every stage takes the targets (only the last uses them)
         kwargs = {"targets_BL": targets_BL} if self.micro_loss is None else {}
+        if self.skips_outputs:  # the merge of the last stage's outputs: not needed, and scalars do not concatenate
+            kwargs["return_outputs"] = False
         self.schedule.step(*inputs, target=targets_BL, losses=losses, **kwargs)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
