@@ -41,6 +41,7 @@ from moelab.layout.dims import ParallelDims
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
 from moelab.layout.shapes import layer_window
@@ -352,9 +353,9 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
 
     acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
-    # per token at the loss (moelab.train.loss): eager keeps the logits, fp32 log-probabilities, and in backward
-    # their fp32 gradient and the gradient of the upcast; compiled on a GPU, logits and their gradient only
-    logit_bytes = mdl.vocab_size * (2 * a if t.compile else a + 12)
+    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
+    logits_total = logits_bytes(cfg, T, a)
+    logit_bytes = logits_total // max(T, 1)  # per token, as reported
     per_rank = []
     for r, layers in enumerate(ranks):
         n_moe = sum(is_moe[i] for i in layers)
@@ -391,7 +392,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "optimizer": trained * 2 * z.pb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
-            "logits": T * logit_bytes if r == p.pp - 1 else 0,
+            "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
         load = loading_bytes(cfg, pieces, r, p.pp, n_moe, n_dense, dense_div, expert_div, local, z.pb) \
@@ -476,8 +477,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
         f"expert-FSDP = {efsdp}",
         f"activation checkpointing: {t.activation_checkpointing}",
-        ("loss compiled (CUDA): logits and their gradient only" if t.compile else
-         "eager loss: logits, fp32 log-probabilities and fp32 gradients (compute-dtype bytes + 12 per logit)"),
+        loss_assumption(cfg),
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
