@@ -218,8 +218,8 @@ def describe(tr, b: Bencher, cfg: Config) -> dict:
             "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
             "activation_checkpointing": t.activation_checkpointing,
             "router": cfg.backend.router_kind, "fake_balanced_gate": cfg.backend.fake_balanced_gate,
-            "fake_gate_noise": cfg.backend.fake_gate_noise,
-            "backends": getattr(tr.model, "backends", None),
+            "fake_gate_noise": cfg.backend.fake_gate_noise, "loss": getattr(tr.model, "loss_kind", cfg.backend.loss),
+            "optimizer": type(tr.optimizer).__name__, "backends": getattr(tr.model, "backends", None),
             "layout": {k: getattr(tr.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
             "commit": commit_id(), "torch_version": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
