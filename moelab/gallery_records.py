@@ -49,8 +49,9 @@ def router_of(r: dict, entries: "dict | None" = None) -> RouterOf:
     """The router kind of a result record: its `router` field, else inferred from (in order) its recorded
     fake_balanced_gate / fake_gate_noise, its recorded overrides, its gallery entry's config, or the default of
     the preset or `moelab` command it ran; "unknown" where none of these says."""
-    if r.get("router"):
-        return RouterOf(str(r["router"]), inferred=False)
+    if r.get("router"):  # the spelling of gpu_perf.py's first records ("fake balanced", "fake with noise 0.5") too
+        kind = re.sub(r"^fake with noise ", "fake_noise=", str(r["router"])).replace("fake balanced", "fake_balanced")
+        return RouterOf(kind, inferred=False)
     over = _recorded_overrides(r)
     gate, noise = r.get("fake_balanced_gate"), r.get("fake_gate_noise")
     if gate is None and "backend.fake_balanced_gate" in over:

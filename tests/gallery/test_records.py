@@ -34,6 +34,8 @@ def _write(root, name, **kw):
 def test_router_kind_of_a_record_stated_or_inferred():
     entries = {e.name: e for e in load_entries()}
     assert router_of({"router": "fake_noise=0.5"}) == RouterOf("fake_noise=0.5", inferred=False)
+    assert router_of({"router": "fake with noise 0.5"}) == RouterOf("fake_noise=0.5", inferred=False)
+    assert router_of({"router": "fake balanced"}) == RouterOf("fake_balanced", inferred=False)
     old = {"system": "moelab", "workload": "x", "command": "python script.py"}
     assert router_of({**old, "fake_balanced_gate": True}) == RouterOf("fake_balanced", True)
     assert router_of({**old, "fake_balanced_gate": True, "fake_gate_noise": 0.1}) == RouterOf("fake_noise=0.1", True)
