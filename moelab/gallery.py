@@ -279,25 +279,25 @@ def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
 
 
 def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
-    """The latest moelab result of `entry`: one named after it, else a run of its preset on the same number of
-    GPUs whose recorded settings (batch, sequence, dtypes, checkpointing, compile, router kind, EP) equal the
-    entry's."""
+    """The newest moelab result of `entry`: one named after it, or a run of its preset through moelab's command
+    (not a `python` script, which may change the model in place) on the same number of GPUs whose recorded
+    settings (batch, sequence, dtypes, checkpointing, compile, FP8, router kind, EP) equal the entry's; a newer
+    run replaces an older named one."""
     mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.name]
-    if not mine:
-        try:
-            cfg = entry.config()
-        except ConfigError:
-            return None
-        if cfg.train.lora.rank:  # a preset's runs train every weight: a LoRA entry has only results of its own
-            return None
+    try:
+        cfg = entry.config()
+    except ConfigError:
+        cfg = None
+    if cfg is not None and not cfg.train.lora.rank:  # a LoRA entry has only results of its own
         t = cfg.train
         want = {"global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
                 "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype,
-                "activation_checkpointing": t.activation_checkpointing, "compile": t.compile}
-        mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.preset
-                and r.get("gpus") == entry.gpus and all(r.get(k, v) == v for k, v in want.items())
-                and router_of(r).kind in (cfg.backend.router_kind, "unknown")
-                and (r.get("layout") or {}).get("ep", entry.layout["ep"]) == entry.layout["ep"]]
+                "activation_checkpointing": t.activation_checkpointing, "compile": t.compile, "fp8": t.fp8}
+        mine += [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.preset
+                 and not str(r.get("command", "")).startswith("python") and r.get("gpus") == entry.gpus
+                 and all(r.get(k, v) == v for k, v in want.items())
+                 and router_of(r).kind in (cfg.backend.router_kind, "unknown")
+                 and (r.get("layout") or {}).get("ep", entry.layout["ep"]) == entry.layout["ep"]]
     return max(mine, key=lambda r: str(r.get("date", ""))) if mine else None
 
 

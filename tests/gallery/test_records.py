@@ -139,6 +139,16 @@ def test_an_entry_row_says_its_router_and_when_its_record_ran_other_settings(gal
            param_dtype="bfloat16", tokens_per_s_per_gpu=61002.0, commit="abcdef0", date="2026-12-02T00:00:00Z")
     r = row()
     assert r[9] == "61,002" and r[11] == "learned" and "re-run" not in r[13] and "commit abcdef0" in r[13]
+    # a newer `moelab bench` run of the entry's preset with the entry's settings replaces it; a script's does not
+    t = cfg.train
+    same = dict(workload=e.preset, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                seq_len=t.seq_len, dtype=t.dtype, param_dtype=t.param_dtype, compile=True, router="learned")
+    _write(gallery, "script", **same, command="python gallery/scripts/x.py", tokens_per_s_per_gpu=99003.0,
+           date="2026-12-04T00:00:00Z")
+    assert row()[9] == "61,002"
+    _write(gallery, "bench", **same, command="moelab bench qwen3-moe-30b-a3b-proxy --set train.compile=true",
+           tokens_per_s_per_gpu=63004.0, date="2026-12-03T00:00:00Z")
+    assert row()[9] == "63,004" and "bench.json" in row()[13]
 
 
 def test_router_sweep_table_renders_from_its_records(gallery):
