@@ -9,7 +9,8 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
 - Parameter counts and FLOPs come from moelab.planner.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
 - Training state per parameter: fp32 master weights (4 B; under FSDP2 mixed precision the sharded fp32
   parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B);
-  with train.param_dtype=bfloat16 all three are bf16 (2 + 2 + 4 B) and there is no fp32 master copy.
+  train.optimizer_state=bf16_moments keeps m and v in bf16 (4 B); with train.param_dtype=bfloat16 all three
+  are bf16 (2 + 2 + 4 B) and there is no fp32 master copy (moelab.planner.states).
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
@@ -45,6 +46,7 @@ from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
 from moelab.planner.shapes import layer_window
 from moelab.planner.stages import split_layers
+from moelab.planner.states import describe as describe_states, state_bytes
 from moelab.planner.units import GiB, _bytes, _flop, _num
 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
@@ -264,7 +266,8 @@ class _Sizes:
     efsdp: int  # ranks holding the same experts
     m: int  # micro batches per rank per step
     a: int  # compute dtype bytes
-    pb: int  # stored parameter (and state) bytes
+    pb: int  # stored parameter (and gradient) bytes
+    mb: int  # AdamW's two moments, bytes per trained parameter (moelab.planner.states)
     T: int  # tokens of one micro batch on one rank
 
 
@@ -273,7 +276,7 @@ def _sizes(cfg: Config, world: int) -> _Sizes:
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
-                  2 if t.dtype == "bfloat16" else 4, 2 if getattr(t, "param_dtype", "float32") == "bfloat16" else 4,
+                  2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
                   t.micro_batch_size * t.seq_len // p.cp)
 
 
@@ -375,7 +378,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         mem = {
             "parameters": local * z.pb,
             "gradients": trained * z.pb,
-            "optimizer": trained * 2 * z.pb,
+            "optimizer": trained * z.mb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
             "logits": T * logit_bytes if r == p.pp - 1 else 0,
@@ -444,10 +447,7 @@ def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str
 
 def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     t = cfg.train
-    if getattr(t, "param_dtype", "float32") == "bfloat16":
-        states = "per parameter: bf16 weights 2 B + bf16 gradients 2 B + AdamW m and v in bf16 4 B (no fp32 master)"
-    else:
-        states = "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B"
+    states = describe_states(t)
     if t.dtype != "bfloat16":
         compute = "compute dtype fp32"
     elif p.pp * shard > 1:  # a distributed run: FSDP2 wraps every block

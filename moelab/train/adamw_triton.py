@@ -6,7 +6,9 @@ torch's fused AdamW moved the Qwen3 proxy's 78 GB of bf16 parameters, gradients 
 and state layout (`step`, `exp_avg`, `exp_avg_sq`: checkpoints are interchangeable) and updates every CUDA
 tensor of at least MIN_NUMEL elements with one kernel that reads each of p, g, m, v once with wide loads and
 writes p, m, v once, bias corrections computed on the device from the `step` tensor (no host sync); the other
-parameters (small vectors, CPU tensors, DTensors) go through torch's own AdamW step.
+parameters (small vectors, CPU tensors, DTensors) go through torch's own AdamW step. Moments in bf16 next to
+fp32 weights (train.optimizer_state=bf16_moments, moelab.train.adamw_moments) are read and updated in fp32 by
+the kernel and stored rounded to nearest; the other parameters then take MomentsAdamW's step.
 
     opt = TritonAdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     use_triton_adamw(existing_torch_adamw)   # in place, state and hooks kept
@@ -17,6 +19,8 @@ import functools
 import math
 
 import torch
+
+from moelab.train.adamw_moments import moments_step, new_state
 
 
 @functools.cache
@@ -95,15 +99,14 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("TritonAdamW.step takes no closure")
         hidden = []
+        moments = getattr(self, "moment_dtype", None)  # MomentsAdamW's (train.optimizer_state=bf16_moments)
         for group in self.param_groups:
             params = self._kernel_params(group)
             steps = []
             for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(new_state(p, moments or p.dtype, p.device))
                 steps.append(state["step"])
             if steps:
                 torch._foreach_add_(steps, 1.0)
@@ -118,7 +121,10 @@ class TritonAdamW(torch.optim.AdamW):
         if getattr(base, "hooked", False):
             base = base.__wrapped__
         try:
-            base(self)
+            if moments is not None and moments != torch.float32:
+                moments_step(self, moments)  # the rest with low-precision moments: updated in fp32, stored back
+            else:
+                base(self)
         finally:
             for p, g in hidden:
                 p.grad = g

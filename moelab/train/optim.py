@@ -6,6 +6,8 @@ import math
 import torch
 
 from moelab.config import Config
+from moelab.planner.states import moment_dtype
+from moelab.train.adamw_moments import MomentsAdamW
 
 
 def param_kind(p: torch.Tensor) -> str:
@@ -15,7 +17,8 @@ def param_kind(p: torch.Tensor) -> str:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on vectors (norms, biases, sinks); fused kernels on CUDA.
+    """AdamW; no weight decay on vectors (norms, biases, sinks); fused kernels on CUDA; moments in the dtype
+    train.optimizer_state names (bf16_moments: moelab.train.adamw_moments.MomentsAdamW).
 
     One group per (decay, kind): plain tensors and the DTensors of each mesh apart, because fused and foreach
     AdamW refuse a group that mixes DTensor and plain parameters (a model whose one-rank meshes skip FSDP2 has
@@ -34,6 +37,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
                 out.append({"params": groups[decay, kind], "weight_decay": t.weight_decay if decay else 0.0,
                             "name": name, "lr_scale": 1.0})
     on_cuda = any(p.is_cuda for g in out for p in g["params"])
+    if moment_dtype(t) == "bfloat16" and t.param_dtype == "float32":  # train.optimizer_state=bf16_moments
+        return MomentsAdamW(out, moment_dtype=torch.bfloat16, lr=t.lr, betas=(t.beta1, t.beta2))
     return torch.optim.AdamW(out, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
 
 
