@@ -20,9 +20,10 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
 - Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
   norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
   dtype; "full" checkpointing keeps each block's input and recomputes one block at a time; "selective"
-  recomputes attention only (moelab.parallel.apply_activation_checkpointing).
+  keeps matmul outputs and the router's, recomputing the rest one block at a time (moelab.planner.recompute).
 - Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up
-  (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m.
+  (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m. What checkpointing keeps is held
+  for each of them; the recompute working set is one block's, once (one backward runs at a time).
 - The peak is the sum of every term when a rank runs several micro batches per step (full gradients sit next
   to the activations from the second one on); with one micro batch per step it is the other terms plus the
   larger of gradients and activations + logits (gradients grow in backward as activations are freed).
@@ -45,6 +46,7 @@ from moelab.planner.loading import loading_bytes
 from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
 from moelab.planner.shapes import layer_window
+from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.stages import split_layers
 from moelab.planner.states import describe as describe_states, state_bytes
 from moelab.planner.units import GiB, _bytes, _flop, _num
@@ -342,6 +344,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
 
     acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
+    fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
+    kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
     # per token at the loss (moelab.train.loss): eager keeps the logits, fp32 log-probabilities, and in backward
     # their fp32 gradient and the gradient of the upcast; compiled on a GPU, logits and their gradient only
     logit_bytes = mdl.vocab_size * (2 * a if t.compile else a + 12)
@@ -363,24 +367,19 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
                                        z.shard, z.efsdp, a)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
-        per_layer = [acts[i] for i in layers]
-        act = {
-            "none": T * sum(x["attention"] + x["ffn"] for x in per_layer),
-            "selective": T * sum(x["input"] + x["ffn"] for x in per_layer)
-            + T * max((x["attention"] for x in per_layer), default=0),
-            "full": T * sum(x["input"] for x in per_layer)
-            + T * max((x["attention"] + x["ffn"] for x in per_layer), default=0),
-        }
+        # (held per micro batch in flight, the working set of the one block recomputed at a time)
+        split = layer_activations(cfg, acts, kept, layers, T)
         if r == p.pp - 1:  # the final norm before the LM head is never checkpointed
-            for key in act:
-                act[key] += T * mdl.hidden_size * (4 + 2 * a)
+            split = {k: (held + T * mdl.hidden_size * (4 + 2 * a), work) for k, (held, work) in split.items()}
+        act = {k: held + work for k, (held, work) in split.items()}  # one micro batch
         flight = _in_flight(p, r, z.m)
+        in_flight = {k: int(flight * held + work) for k, (held, work) in split.items()}
         mem = {
             "parameters": local * z.pb,
             "gradients": trained * z.pb,
             "optimizer": trained * z.mb,
             "gathered_params": gathered,
-            "activations": int(flight * act[t.activation_checkpointing]),
+            "activations": in_flight[t.activation_checkpointing],
             "logits": T * logit_bytes if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
@@ -391,7 +390,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         replicated = (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp")
         placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if replicated and z.world > 1 else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, loading=load, placing=placing,
+                             act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load, placing=placing,
                              total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))
     return per_rank, logit_bytes
 
@@ -401,7 +400,8 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     p, a, T, m = z.p, z.a, z.T, z.m
     mdl, t = z.cfg.model, z.cfg.train
     frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
+    # dispatch+combine, fwd+bwd (+ the recompute: full and selective both rerun the dispatch in backward)
+    a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
     a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
     fsdp_dense = dense_sh * frac(p.fsdp * p.cp) if p.data_parallel == "fsdp" else 0
@@ -441,7 +441,7 @@ def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str
                f"{_bytes(usable)} is usable; the biggest term is {MEMORY_LABELS[biggest]} "
                f"({_bytes(worst['mem'][biggest])}): {_TERM_HELP[biggest]}")
     if biggest == "activations" and z.cfg.train.activation_checkpointing != "full":
-        verdict += f" (full checkpointing: activations {_bytes(int(worst['flight'] * worst['act']['full']))})"
+        verdict += f" (full checkpointing: activations {_bytes(worst['in_flight']['full'])})"
     return False, biggest, verdict
 
 
