@@ -191,7 +191,7 @@ def bench(cfg: Config, steps: int = 10, warmup: int = 3, peak_tflops: float | No
             **result, "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
             "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
             "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
-            "activation_checkpointing": t.activation_checkpointing,
+            "activation_checkpointing": t.activation_checkpointing, "optimizer_state": t.optimizer_state,
             "fake_balanced_gate": cfg.backend.fake_balanced_gate,
             "backends": getattr(tr.model, "backends", None),
             "layout": {k: getattr(tr.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},

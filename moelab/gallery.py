@@ -246,7 +246,8 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
 
 _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
                      "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
-                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile"}
+                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
+                     "optimizer_state": "train.optimizer_state"}
 _REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
 
 
@@ -264,6 +265,7 @@ def _planned_for_result(r: dict, entries: dict):
         else:
             return None
         over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
+        over.setdefault("train.optimizer_state", "auto")  # records before the field: moments in param_dtype
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
         return plan(cfg.replace(**over), gpus=int(r.get("gpus", 1)), gpu_memory_gb=_gpu_memory_of(r.get("gpu_name")))
     except (ConfigError, KeyError, TypeError, ValueError):
