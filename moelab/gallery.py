@@ -376,15 +376,17 @@ def _peers_section(results: list) -> list[str]:
     return lines
 
 
+MEMORY_TARGET = 0.07  # issue 32: the plan's peak within 7% of the measured peak
+
+
 def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
     """Planned against measured memory per GPU; also the (name, planned GiB, measured GiB) rows for the plot."""
     lines = ["## Planned vs measured memory per GPU", "",
              "Every moelab result with a measured peak (allocator peak, GiB) whose config can be rebuilt: a gallery "
              "entry, or a preset with the batch, dtypes and layout the result records (`moelab bench` records "
              "them; script variants that patch the model in place are left out).", "",
-             "| workload (result file) | GPUs | planned GiB | measured peak GiB | measured / planned | "
-             "planner's biggest term |",
-             "|---|---|---:|---:|---:|---|"]
+             "| workload (result file) | GPUs | planned GiB | measured peak GiB | measured / planned | error | "
+             f"within {MEMORY_TARGET:.0%} | planner's biggest term |", "|---|---|---:|---:|---:|---:|---|---|"]
     mem_rows = []
     for r in results:
         if r.get("system") != "moelab" or not r.get("peak_memory_gb"):
@@ -395,13 +397,17 @@ def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
         planned = p.memory_per_gpu_bytes / 2**30
         label = f"{r['workload']} ({r['_file']})"
         mem_rows.append((r["_file"].removesuffix(".json"), planned, r["peak_memory_gb"]))
-        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {planned:,.2f} | "
-                     f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {p.biggest_term} |")
+        err = r["peak_memory_gb"] / planned - 1
+        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {planned:,.2f} | {r['peak_memory_gb']:,.2f} | "
+                     f"{r['peak_memory_gb'] / planned:.2f} | {err:+.1%} | {'yes' if abs(err) <= MEMORY_TARGET else 'NO'} "
+                     f"| {p.biggest_term} |")
     if not mem_rows:
-        lines.append("| (no result with a measured peak memory yet) | | | | | |")
+        lines.append("| (no result with a measured peak memory yet) | | | | | | | |")
     else:
         ratios = [m / p for _, p, m in mem_rows]
-        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}."]
+        held = sum(abs(x - 1) <= MEMORY_TARGET for x in ratios)
+        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}; "
+                  f"{held} of {len(ratios)} within the {MEMORY_TARGET:.0%} target (error = measured / planned - 1)."]
     lines.append("")
     return lines, mem_rows
 
