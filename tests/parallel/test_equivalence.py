@@ -22,11 +22,15 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     "ep2xfsdp2overlap": (4, ["parallel.ep=2", OVERLAP], ()),
     # FSDP2 options that change no value: every block gathered through backward, explicit prefetching
     "fsdp2-lean": (2, ["parallel.reshard_after_forward=never", "parallel.fsdp_prefetch=explicit"], ()),
+    # selective recompute (moelab.model.recompute) against the one process without recompute: the all-to-all
+    # reruns in backward with the router's kept choices; pipeline stages recompute inside the schedule
+    "ep2-selective": (2, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
+    "pp2xep2-selective": (4, ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=selective"], ()),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
 # One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
 # of expert-FSDP), one rank per pipeline stage leaves everything plain; every other parameter is a DTensor.
-PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
+PLAIN = {"ep2": "experts", "ep2-selective": "experts", "pp2xep2-selective": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
          "pp2vp2": "all"}
 # Parameters after 4 AdamW steps: Adam turns rounding noise in near-zero gradients into updates of up to lr,
 # so no per-element rtol. Layouts that run the one-process kernels get a tight bound. CP computes attention per
