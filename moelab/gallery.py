@@ -260,7 +260,8 @@ def _planned_for_result(r: dict, entries: dict):
     try:
         if r["workload"] in entries:
             cfg = entries[r["workload"]].config()
-        elif r.get("preset", r["workload"]) in preset_names() and all(k in r for k in _REBUILD_KEYS):
+        elif r.get("preset", r["workload"]) in preset_names() and all(
+                k in r or (k == "layout" and r.get("gpus") == 1) for k in _REBUILD_KEYS):  # one GPU: no layout
             cfg = load_config(r.get("preset", r["workload"]))
         else:
             return None
