@@ -18,6 +18,10 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 
 
 class StateBytes(NamedTuple):
+    """Bytes of one trained parameter's stored weight, gradient and AdamW moments (m and v together).
+
+        state_bytes(load_config("tiny").train)   # StateBytes(weight=4, gradient=4, moments=8)
+    """
     weight: int  # the stored (master) weight
     gradient: int
     moments: int  # exp_avg + exp_avg_sq together
