@@ -51,13 +51,19 @@ def moments_step(optimizer: torch.optim.Optimizer, moment_dtype: torch.dtype, sk
             state["exp_avg_sq"].copy_(v)
 
 
-def _moments_to(dtype: torch.dtype):
-    def hook(optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
+def keep_moments_in(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Mark `optimizer` as keeping its moments in `dtype` (the attribute `moment_dtype`, kept when
+    use_triton_adamw swaps the class) and keep them so across load_state_dict, which casts every state tensor
+    to its parameter's dtype."""
+    optimizer.moment_dtype = dtype
+
+    def hook(opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != dtype:
                     state[key] = state[key].to(dtype)
-    return hook
+
+    optimizer.register_load_state_dict_post_hook(hook)
 
 
 class MomentsAdamW(torch.optim.AdamW):
@@ -70,9 +76,7 @@ class MomentsAdamW(torch.optim.AdamW):
     def __init__(self, params, moment_dtype: torch.dtype = torch.bfloat16, **kwargs):
         kwargs.pop("fused", None)  # torch's fused kernel needs the moments in the weights' dtype
         super().__init__(params, **kwargs)
-        self.moment_dtype = moment_dtype  # an instance attribute: kept when use_triton_adamw swaps the class
-        # torch's load_state_dict casts every state tensor to its parameter's dtype: put the moments back
-        self.register_load_state_dict_post_hook(_moments_to(moment_dtype))
+        keep_moments_in(self, moment_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):

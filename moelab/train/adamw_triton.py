@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from moelab.train.adamw_moments import moments_step, new_state
+from moelab.train.adamw_moments import keep_moments_in, moments_step, new_state
 
 
 @functools.cache
@@ -84,6 +84,15 @@ class TritonAdamW(torch.optim.AdamW):
 
     MIN_NUMEL = 1 << 20
     DEVICES = ("cuda",)  # the tests add "cpu" under TRITON_INTERPRET=1
+
+    def __init__(self, params, moment_dtype: "torch.dtype | None" = None, **kwargs):
+        """`moment_dtype`: store the moments in it (bf16 beside fp32 weights: train.optimizer_state=bf16_moments);
+        None: in the parameters' dtype, as torch does."""
+        if moment_dtype is not None:
+            kwargs.pop("fused", None)  # the tensors the kernel does not take go through MomentsAdamW's step
+        super().__init__(params, **kwargs)
+        if moment_dtype is not None:
+            keep_moments_in(self, moment_dtype)
 
     def _kernel_params(self, group) -> list:
         from torch.distributed.tensor import DTensor

@@ -89,6 +89,20 @@ MOMENTS = textwrap.dedent('''
     groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
     o_ref = MomentsAdamW(groups(ref), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95))
     o_new = use_triton_adamw(MomentsAdamW(groups(new), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95)))
+    built = [t.clone().requires_grad_() for t in (big, small)]
+    o_built = TritonAdamW(groups(built), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    for _ in range(3):
+        for a, b in zip(ref, built):
+            b.grad = a.grad = None
+        for a, b in zip(new, built):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        o_new.step()
+        o_built.step()
+    assert all(torch.equal(a, b) for a, b in zip(new, built)), "constructed with moment_dtype = swapped in place"
+    assert o_built.state[built[0]]["exp_avg"].dtype == torch.bfloat16
+    new = [t.clone().requires_grad_() for t in (big, small)]
+    o_new = use_triton_adamw(MomentsAdamW(groups(new), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95)))
     for _ in range(3):
         for a, b in zip(ref, new):
             g = torch.randn_like(a)
