@@ -243,7 +243,8 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
 _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
                      "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
                      "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
-                     "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise"}
+                     "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise",
+                     "optimizer_state": "train.optimizer_state"}
 _REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
 
 
@@ -255,11 +256,13 @@ def _config_for_result(r: dict, entries: dict) -> Config | None:
     try:
         if r["workload"] in entries:
             cfg = entries[r["workload"]].config()
-        elif r.get("preset", r["workload"]) in preset_names() and all(k in r for k in _REBUILD_KEYS):
+        elif r.get("preset", r["workload"]) in preset_names() and all(
+                k in r or (k == "layout" and r.get("gpus") == 1) for k in _REBUILD_KEYS):  # one GPU: no layout
             cfg = load_config(r.get("preset", r["workload"]))
         else:
             return None
         over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
+        over.setdefault("train.optimizer_state", "auto")  # records before the field: moments in param_dtype
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
         return cfg.replace(**over)
     except (ConfigError, KeyError, TypeError, ValueError):
@@ -371,16 +374,17 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
                     "the router that the published convention leaves out.", ""]
 
 
+MEMORY_TARGET = 0.07  # issue 32: the plan's peak within 7% of the measured peak
+
+
 def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
     """Planned against measured memory per GPU; also the (name, planned GiB, measured GiB) rows for the plot."""
     lines = ["## Planned vs measured memory per GPU", "",
              "Every moelab result with a measured peak (allocator peak, GiB) whose config can be rebuilt: a gallery "
              "entry, or a preset with the batch, dtypes and layout the result records (`moelab bench` records "
              "them; script variants that patch the model in place are left out).", "",
-             "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | "
-             "planner's biggest term |",
-             "|---|---|---|---:|---:|---:|---|"]
-
+             "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | error | "
+             f"within {MEMORY_TARGET:.0%} | planner's biggest term |", "|---|---|---|---:|---:|---:|---:|---|---|"]
     mem_rows = []
     for r in results:
         if r.get("system") != "moelab" or not r.get("peak_memory_gb"):
@@ -391,13 +395,17 @@ def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
         planned = p.memory_per_gpu_bytes / 2**30
         label = f"{r['workload']} ({r['_file']})"
         mem_rows.append((r["_file"].removesuffix(".json"), planned, r["peak_memory_gb"]))
+        err = r["peak_memory_gb"] / planned - 1
         lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {router_of(r, by_name)} | {planned:,.2f} | "
-                     f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {p.biggest_term} |")
+                     f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {err:+.1%} | "
+                     f"{'yes' if abs(err) <= MEMORY_TARGET else 'NO'} | {p.biggest_term} |")
     if not mem_rows:
-        lines.append("| (no result with a measured peak memory yet) | | | | | | |")
+        lines.append("| (no result with a measured peak memory yet) | | | | | | | | |")
     else:
         ratios = [m / p for _, p, m in mem_rows]
-        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}."]
+        held = sum(abs(x - 1) <= MEMORY_TARGET for x in ratios)
+        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}; "
+                  f"{held} of {len(ratios)} within the {MEMORY_TARGET:.0%} target (error = measured / planned - 1)."]
     lines.append("")
     return lines, mem_rows
 

@@ -159,6 +159,12 @@ def check(cfg) -> None:
         _fail("train.grad_clip", t.grad_clip, "must be >= 0 (0 = no clipping)")
     if t.param_dtype == "bfloat16" and t.dtype != "bfloat16":
         _fail("train.param_dtype", t.param_dtype, "bf16 parameters need train.dtype=bfloat16")
+    if t.optimizer_state == "bf16" and t.param_dtype != "bfloat16":
+        _fail("train.optimizer_state", t.optimizer_state, "everything in bf16 means bf16 weights: set "
+              "train.param_dtype=bfloat16 too, or train.optimizer_state=bf16_moments to keep the fp32 master")
+    if t.optimizer_state in ("fp32", "bf16_moments") and t.param_dtype == "bfloat16":
+        _fail("train.optimizer_state", t.optimizer_state, "train.param_dtype=bfloat16 keeps no fp32 master "
+              "weights: set train.optimizer_state=bf16 (or auto), or train.param_dtype=float32")
     if t.fp8 != "off" and t.dtype != "bfloat16":
         _fail("train.fp8", t.fp8, "FP8 training computes in bf16 around its FP8 GEMMs: set train.dtype=bfloat16")
     if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):

@@ -197,6 +197,10 @@ class TrainConfig:
     # Parameter (gradient, optimizer state) dtype: float32 = fp32 master weights, bf16 compute by autocast or FSDP2;
     # bfloat16 = stored in bf16 (as HF/torchtitan benchmarks run), no per-step casts; needs train.dtype=bfloat16.
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # AdamW's state (moelab.planner.states): fp32 = fp32 master + fp32 moments; bf16_moments = fp32 master + bf16
+    # moments (updated in fp32, stored rounded to nearest); bf16 = everything bf16 (needs param_dtype=bfloat16);
+    # auto = the moments in param_dtype (fp32 for float32 parameters, bf16 for bfloat16 ones).
+    optimizer_state: Literal["auto", "fp32", "bf16_moments", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False

@@ -103,9 +103,13 @@ class MoE(nn.Module):
         self.loss_scale = 1.0  # set by the trainer: 1 / micro batches per step
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        return self.routed(x_BLD, *self.router(x_BLD))
+
+    def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss) -> torch.Tensor:
+        """Everything after the router: dispatch, experts, combine, shared experts (selective recompute reruns
+        this part in backward with the router's outputs kept: moelab.model.recompute)."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
-        weights_TK, experts_TK, keep_TK, router_loss = self.router(x_BLD)
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
         y_TD = self.dispatcher.route(self.experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)

@@ -21,6 +21,7 @@ from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.lora import lora_init_std
 from moelab.model.moe import MoE
 from moelab.layout.shapes import layer_window
+from moelab.model.recompute import selective_forward
 
 
 def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:
@@ -46,8 +47,11 @@ class Block(nn.Module):
         self.is_moe = index >= cfg.num_dense_layers
         self.ffn = (MoE(cfg.hidden_size, cfg.moe, backend, cfg.hidden_act) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, cfg.hidden_act))
+        self.recompute = None  # "selective": moelab.model.recompute (set by train.activation_checkpointing)
 
     def forward(self, x_BLD, cos_LD, sin_LD):
+        if self.recompute == "selective":
+            return selective_forward(self, x_BLD, cos_LD, sin_LD)
         x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD)
         return x_BLD + self.ffn(self.ffn_norm(x_BLD))
 

@@ -140,7 +140,8 @@ def shard_start(name: str, t) -> int:
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
-    """Recompute each block in backward ("full"), or only its attention ("selective")."""
+    """Recompute each block in backward ("full"), or its cheap parts, keeping matmul outputs and the router's
+    choices ("selective": moelab.model.recompute)."""
     mode = cfg.train.activation_checkpointing
     if mode == "none":
         return
@@ -150,7 +151,7 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
         if mode == "full":
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
-            block.attention = checkpoint_wrapper(block.attention, preserve_rng_state=False)
+            block.recompute = "selective"
 
 
 def apply_compile(model: nn.Module, cfg: Config) -> None:

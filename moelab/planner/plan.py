@@ -9,7 +9,8 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
 - Parameter counts and FLOPs come from moelab.planner.flops (``count_params``, ``flops_per_token``, FLOPS_CONVENTION).
 - Training state per parameter: fp32 master weights (4 B; under FSDP2 mixed precision the sharded fp32
   parameters are the master copy), fp32 gradients (4 B; reduce dtype fp32), AdamW m and v in fp32 (8 B);
-  with train.param_dtype=bfloat16 all three are bf16 (2 + 2 + 4 B) and there is no fp32 master copy.
+  train.optimizer_state=bf16_moments keeps m and v in bf16 (4 B); with train.param_dtype=bfloat16 all three
+  are bf16 (2 + 2 + 4 B) and there is no fp32 master copy (moelab.planner.states).
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
@@ -19,9 +20,10 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
 - Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
   norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
   dtype; "full" checkpointing keeps each block's input and recomputes one block at a time; "selective"
-  recomputes attention only (moelab.parallel.apply_activation_checkpointing).
+  keeps matmul outputs and the router's, recomputing the rest one block at a time (moelab.planner.recompute).
 - Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up
-  (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m.
+  (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m. What checkpointing keeps is held
+  for each of them; the recompute working set is one block's, once (one backward runs at a time).
 - The peak is the sum of every term when a rank runs several micro batches per step (full gradients sit next
   to the activations from the second one on); with one micro batch per step it is the other terms plus the
   larger of gradients and activations + logits (gradients grow in backward as activations are freed).
@@ -47,7 +49,9 @@ from moelab.planner.gathered import gathered_params
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
+from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.stages import split_layers
+from moelab.planner.states import describe as describe_states, state_bytes
 from moelab.planner.units import GiB, _bytes, _flop, _num
 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
@@ -270,7 +274,8 @@ class _Sizes:
     efsdp: int  # ranks holding the same experts
     m: int  # micro batches per rank per step
     a: int  # compute dtype bytes
-    pb: int  # stored parameter (and state) bytes
+    pb: int  # stored parameter (and gradient) bytes
+    mb: int  # AdamW's two moments, bytes per trained parameter (moelab.planner.states)
     T: int  # tokens of one micro batch on one rank
 
 
@@ -279,7 +284,7 @@ def _sizes(cfg: Config, world: int) -> _Sizes:
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
-                  2 if t.dtype == "bfloat16" else 4, 2 if getattr(t, "param_dtype", "float32") == "bfloat16" else 4,
+                  2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
                   t.micro_batch_size * t.seq_len // p.cp)
 
 
@@ -356,6 +361,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
     logits_total = logits_bytes(cfg, T, a)
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
+    fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
+    kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
     per_rank = []
     for r, layers in enumerate(ranks):
         n_moe = sum(is_moe[i] for i in layers)
@@ -374,24 +381,19 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
                                        z.shard, z.efsdp, a)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
-        per_layer = [acts[i] for i in layers]
-        act = {
-            "none": T * sum(x["attention"] + x["ffn"] for x in per_layer),
-            "selective": T * sum(x["input"] + x["ffn"] for x in per_layer)
-            + T * max((x["attention"] for x in per_layer), default=0),
-            "full": T * sum(x["input"] for x in per_layer)
-            + T * max((x["attention"] + x["ffn"] for x in per_layer), default=0),
-        }
+        # (held per micro batch in flight, the working set of the one block recomputed at a time)
+        split = layer_activations(cfg, acts, kept, layers, T)
         if r == p.pp - 1:  # the final norm before the LM head is never checkpointed
-            for key in act:
-                act[key] += T * mdl.hidden_size * (4 + 2 * a)
+            split = {k: (held + T * mdl.hidden_size * (4 + 2 * a), work) for k, (held, work) in split.items()}
+        act = {k: held + work for k, (held, work) in split.items()}  # one micro batch
         flight = _in_flight(p, r, z.m)
+        in_flight = {k: int(flight * held + work) for k, (held, work) in split.items()}
         mem = {
             "parameters": local * z.pb,
             "gradients": trained * z.pb,
-            "optimizer": trained * 2 * z.pb,
+            "optimizer": trained * z.mb,
             "gathered_params": gathered,
-            "activations": int(flight * act[t.activation_checkpointing]),
+            "activations": in_flight[t.activation_checkpointing],
             "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
@@ -402,7 +404,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         replicated = (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp")
         placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if replicated and z.world > 1 else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, mem=mem, loading=load, placing=placing,
+                             act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load, placing=placing,
                              total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))
     return per_rank, logit_bytes
 
@@ -412,7 +414,8 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     p, a, T, m = z.p, z.a, z.T, z.m
     mdl, t = z.cfg.model, z.cfg.train
     frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    a2a_passes = 4 + (2 if t.activation_checkpointing == "full" else 0)  # dispatch+combine, fwd+bwd (+recompute)
+    # dispatch+combine, fwd+bwd (+ the recompute: full and selective both rerun the dispatch in backward)
+    a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
     a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
     fsdp_dense = dense_sh * frac(p.fsdp * p.cp) if p.data_parallel == "fsdp" else 0
@@ -452,16 +455,13 @@ def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str
                f"{_bytes(usable)} is usable; the biggest term is {MEMORY_LABELS[biggest]} "
                f"({_bytes(worst['mem'][biggest])}): {_TERM_HELP[biggest]}")
     if biggest == "activations" and z.cfg.train.activation_checkpointing != "full":
-        verdict += f" (full checkpointing: activations {_bytes(int(worst['flight'] * worst['act']['full']))})"
+        verdict += f" (full checkpointing: activations {_bytes(worst['in_flight']['full'])})"
     return False, biggest, verdict
 
 
 def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     t = cfg.train
-    if getattr(t, "param_dtype", "float32") == "bfloat16":
-        states = "per parameter: bf16 weights 2 B + bf16 gradients 2 B + AdamW m and v in bf16 4 B (no fp32 master)"
-    else:
-        states = "per parameter: fp32 master weights 4 B + fp32 gradients 4 B + AdamW m and v in fp32 8 B"
+    states = describe_states(t)
     if t.dtype != "bfloat16":
         compute = "compute dtype fp32"
     elif p.pp * shard > 1:  # a distributed run: FSDP2 wraps every block

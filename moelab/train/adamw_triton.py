@@ -8,6 +8,8 @@ tensor of at least MIN_NUMEL elements with one kernel that reads each of p, g, m
 writes p, m, v once, bias corrections computed on the device from the `step` tensor (no host sync); the other
 parameters (small vectors, CPU tensors) go through torch's own AdamW step. FSDP2's DTensors are updated through
 their local shards (the update is per element, so a shard's update is the whole tensor's, restricted).
+Moments in bf16 next to fp32 weights (train.optimizer_state=bf16_moments, moelab.train.adamw_moments) are read and
+updated in fp32 by the kernel and stored rounded to nearest; the other parameters then take MomentsAdamW's step.
 
     opt = TritonAdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     use_triton_adamw(existing_torch_adamw)   # in place, state and hooks kept
@@ -20,6 +22,8 @@ import math
 import os
 
 import torch
+
+from moelab.train.adamw_moments import keep_moments_in, moments_step, new_state
 
 
 def triton_available() -> bool:
@@ -99,6 +103,15 @@ class TritonAdamW(torch.optim.AdamW):
     MIN_NUMEL = 1 << 20
     DEVICES = kernel_devices()
 
+    def __init__(self, params, moment_dtype: "torch.dtype | None" = None, **kwargs):
+        """`moment_dtype`: store the moments in it (bf16 beside fp32 weights: train.optimizer_state=bf16_moments);
+        None: in the parameters' dtype, as torch does."""
+        if moment_dtype is not None:
+            kwargs.pop("fused", None)  # the tensors the kernel does not take go through MomentsAdamW's step
+        super().__init__(params, **kwargs)
+        if moment_dtype is not None:
+            keep_moments_in(self, moment_dtype)
+
     def _kernel_params(self, group) -> list:
         if group.get("amsgrad") or group.get("maximize") or group.get("differentiable") or group.get("capturable"):
             return []
@@ -116,15 +129,14 @@ class TritonAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("TritonAdamW.step takes no closure")
         hidden = []
+        moments = getattr(self, "moment_dtype", None)  # MomentsAdamW's (train.optimizer_state=bf16_moments)
         for group in self.param_groups:
             params = self._kernel_params(group)
             steps = []
             for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(new_state(p, moments or p.dtype, p.device))
                 steps.append(state["step"])
             if steps:
                 torch._foreach_add_(steps, 1.0)
@@ -143,7 +155,10 @@ class TritonAdamW(torch.optim.AdamW):
         if getattr(base, "hooked", False):
             base = base.__wrapped__
         try:
-            base(self)
+            if moments is not None and moments != torch.float32:
+                moments_step(self, moments)  # the rest with low-precision moments: updated in fp32, stored back
+            else:
+                base(self)
         finally:
             for p, g in hidden:
                 p.grad = g

@@ -216,7 +216,7 @@ def describe(tr, b: Bencher, cfg: Config) -> dict:
             "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION,
             "peak_tflops": b.peak, "global_batch_size": t.global_batch_size, "micro_batch_size": t.micro_batch_size,
             "seq_len": t.seq_len, "dtype": t.dtype, "param_dtype": t.param_dtype, "compile": t.compile, "fp8": t.fp8,
-            "activation_checkpointing": t.activation_checkpointing,
+            "activation_checkpointing": t.activation_checkpointing, "optimizer_state": t.optimizer_state,
             "router": cfg.backend.router_kind, "fake_balanced_gate": cfg.backend.fake_balanced_gate,
             "fake_gate_noise": cfg.backend.fake_gate_noise, "loss": getattr(tr.model, "loss_kind", cfg.backend.loss),
             "optimizer": type(tr.optimizer).__name__, "backends": getattr(tr.model, "backends", None),

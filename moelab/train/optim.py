@@ -6,6 +6,8 @@ import math
 import torch
 
 from moelab.config import Config
+from moelab.planner.states import moment_dtype
+from moelab.train.adamw_moments import MomentsAdamW
 
 
 def param_kind(p: torch.Tensor) -> str:
@@ -40,7 +42,8 @@ def optimizer_kind(setting: str, on_cuda: bool) -> str:
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; no weight decay on vectors (norms, biases, sinks); torch's fused kernels on CUDA (foreach on CPU),
     or moelab's Triton kernel per large tensor (train.optimizer, ``optimizer_kind``). Both keep torch's
-    state dict (`step`, `exp_avg`, `exp_avg_sq`), so a checkpoint of one resumes with the other.
+    state dict (`step`, `exp_avg`, `exp_avg_sq`), so a checkpoint of one resumes with the other. Moments in the dtype train.optimizer_state names
+    (bf16_moments beside fp32 weights: moelab.train.adamw_moments.MomentsAdamW, or the Triton kernel's own).
 
     One group per (decay, kind): plain tensors and the DTensors of each mesh apart, because fused and foreach
     AdamW refuse a group that mixes DTensor and plain parameters (a model whose one-rank meshes skip FSDP2 has
@@ -61,10 +64,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
                 out.append({"params": groups[decay, kind], "weight_decay": t.weight_decay if decay else 0.0,
                             "name": name, "lr_scale": 1.0})
     on_cuda = any(p.is_cuda for g in out for p in g["params"])
+    moments = torch.bfloat16 if moment_dtype(t) == "bfloat16" and t.param_dtype == "float32" else None
     if optimizer_kind(t.optimizer, on_cuda) == "adamw_triton":
         from moelab.train.adamw_triton import TritonAdamW
 
-        return TritonAdamW(out, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
+        return TritonAdamW(out, moment_dtype=moments, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
+    if moments is not None:  # train.optimizer_state=bf16_moments
+        return MomentsAdamW(out, moment_dtype=moments, lr=t.lr, betas=(t.beta1, t.beta2))
     return torch.optim.AdamW(out, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
 
 

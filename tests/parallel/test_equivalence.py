@@ -30,12 +30,17 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     "ep2-chunks": (2, ["parallel.ep=2"], (CHUNKS,)),
     "pp2-chunks": (2, ["parallel.pp=2"], (CHUNKS,)),
     "cp2xep2-chunks": (2, ["parallel.cp=2", "parallel.ep=2"], (NO_CAPACITY, "backend.attention=eager", CHUNKS)),
+    # selective recompute (moelab.model.recompute) against the one process without recompute: the all-to-all
+    # reruns in backward with the router's kept choices; pipeline stages recompute inside the schedule
+    "ep2-selective": (2, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
+    "pp2xep2-selective": (4, ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=selective"], ()),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
 # One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
 # of expert-FSDP), one rank per pipeline stage leaves everything plain; every other parameter is a DTensor.
 PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
-         "pp2vp2": "all", "ep2-chunks": "experts", "pp2-chunks": "all", "cp2xep2-chunks": "experts"}
+         "pp2vp2": "all", "ep2-chunks": "experts", "pp2-chunks": "all", "cp2xep2-chunks": "experts",
+         "ep2-selective": "experts", "pp2xep2-selective": "experts"}
 # Parameters after 4 AdamW steps: Adam turns rounding noise in near-zero gradients into updates of up to lr,
 # so no per-element rtol. Layouts that run the one-process kernels get a tight bound. CP computes attention per
 # query chunk (other rounding than one whole-sequence kernel), and its bound is what a kernel change does to this

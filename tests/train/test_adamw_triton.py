@@ -74,3 +74,55 @@ def test_triton_adamw_matches_torch_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+MOMENTS = textwrap.dedent('''
+    import torch
+    from moelab.train.adamw_moments import MomentsAdamW
+    from moelab.train.adamw_triton import TritonAdamW, use_triton_adamw
+
+    torch.manual_seed(0)
+    TritonAdamW.DEVICES, TritonAdamW.MIN_NUMEL = ("cpu",), 1000
+    big, small = torch.randn(500, 4), torch.randn(7)
+    ref = [t.clone().requires_grad_() for t in (big, small)]
+    new = [t.clone().requires_grad_() for t in (big, small)]
+    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
+    o_ref = MomentsAdamW(groups(ref), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95))
+    o_new = use_triton_adamw(MomentsAdamW(groups(new), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95)))
+    built = [t.clone().requires_grad_() for t in (big, small)]
+    o_built = TritonAdamW(groups(built), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    for _ in range(3):
+        for a, b in zip(ref, built):
+            b.grad = a.grad = None
+        for a, b in zip(new, built):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        o_new.step()
+        o_built.step()
+    assert all(torch.equal(a, b) for a, b in zip(new, built)), "constructed with moment_dtype = swapped in place"
+    assert o_built.state[built[0]]["exp_avg"].dtype == torch.bfloat16
+    new = [t.clone().requires_grad_() for t in (big, small)]
+    o_new = use_triton_adamw(MomentsAdamW(groups(new), moment_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95)))
+    for _ in range(3):
+        for a, b in zip(ref, new):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        o_ref.step()
+        o_new.step()
+    for a, b in zip(ref, new):
+        assert b.dtype == torch.float32
+        s = o_new.state[b]
+        assert s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16, s["exp_avg"].dtype
+        # the interpreter truncates fp32 -> bf16 where torch rounds to nearest: the moments differ by bf16 ulps
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), (a - b).abs().max()
+    assert torch.equal(new[1], ref[1]), "the small tensor takes MomentsAdamW's own step"
+    print("ok")
+''')
+
+
+def test_triton_adamw_keeps_bf16_moments_beside_fp32_weights():
+    """train.optimizer_state=bf16_moments under TritonAdamW: the kernel stores bf16 moments (reading and updating
+    them in fp32) and the tensors it does not take go through MomentsAdamW's step, not torch's."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", MOMENTS], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -1,0 +1,53 @@
+"""Selective activation checkpointing (train.activation_checkpointing=selective): recompute a block's cheap
+parts in backward, keep its matmul outputs, and never re-run the router.
+
+A block runs as three checkpointed pieces and the router between them:
+
+    h = x + attention(attention_norm(x))     checkpointed: norms, rotary, casts, reshapes recomputed
+    xn = ffn_norm(h)                         checkpointed: the norm recomputed from h
+    route = router(xn)                       run once: its top-k indices and weights are kept, so the
+                                             recompute cannot route differently (NeMo's ignore_router_for_ac)
+    y = moe.routed(xn, *route)               checkpointed: dispatch, SwiGLU, combine recomputed
+
+Inside each piece, torch's selective checkpoint policy keeps the outputs of the matmuls and of the attention
+kernel (SAVED_OPS) and recomputes everything else. Under expert parallelism the dispatcher's all-to-all is part
+of the recomputed piece and runs again in backward, as with full checkpointing. moelab.planner.recompute counts
+what it keeps.
+
+    block.recompute = "selective"            # moelab.parallel.place.apply_activation_checkpointing sets it
+    y_BLD = block(x_BLD, cos_LD, sin_LD)     # same values and gradients as without recompute
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# the ops whose outputs are kept (the projections, the experts, the fused attention kernels); every other op of
+# a checkpointed piece is recomputed, the eager attention path's scores and probabilities (bmm, softmax) too
+_SAVED_NAMES = ("mm", "addmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm",
+                "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+SAVED_OPS = frozenset(getattr(_aten, n).default for n in _SAVED_NAMES if hasattr(_aten, n))
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _piece(fn, *args):
+    """fn(*args) checkpointed under the keep-the-matmuls policy."""
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+
+
+def selective_forward(block, x_BLD, cos_LD, sin_LD):
+    """moelab.model.transformer.Block.forward with selective recompute (module docstring)."""
+    h_BLD = _piece(lambda x: x + block.attention(block.attention_norm(x), cos_LD, sin_LD), x_BLD)
+    if not block.is_moe:
+        return h_BLD + _piece(lambda h: block.ffn(block.ffn_norm(h)), h_BLD)
+    xn_BLD = _piece(block.ffn_norm, h_BLD)
+    route = block.ffn.router(xn_BLD)  # outside any checkpoint: its outputs are saved, never recomputed
+    return h_BLD + _piece(block.ffn.routed, xn_BLD, *route)
