@@ -5,16 +5,13 @@ from moelab.model.transformer import MoETransformer
 
 
 def build_model(cfg, device="cpu"):
-    """The model of a moelab Config, initialised deterministically from cfg.train.seed.
+    """The model of a moelab Config, initialised deterministically from cfg.train.seed (moelab.model.assemble).
 
         model = build_model(load_config("tiny"))
     """
-    import torch
+    from moelab.model.assemble import assemble
 
-    with torch.device(device):
-        model = MoETransformer(cfg.model, cfg.backend)
-    model.init_weights(cfg.train.seed)
-    return model
+    return assemble(cfg, "random", device)
 
 
 __all__ = ["MoE", "Router", "MoETransformer", "build_model"]

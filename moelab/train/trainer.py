@@ -72,7 +72,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from moelab.model import MoETransformer
+        from moelab.model.assemble import assemble
         from moelab.parallel.apply import parallelize
 
         cfg, env = self.cfg, self.env
@@ -86,27 +86,19 @@ class Trainer:
         if env.rank == 0:
             save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-        # Build on the meta device, parallelize (which may drop layers and experts this rank does not own),
-        # then materialise and initialise only what is left: the same weights as one process would have.
-        with torch.device("meta"):
-            model = MoETransformer(cfg.model, cfg.backend)
-        if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
-            from moelab.model.fp8_convert import check_fp8, enable_fp8
-
-            check_fp8(cfg, env.device)
-            enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
-        if cfg.train.lora.rank:  # before parallelize: FSDP2 and EP shard the adapters like their base weights
-            from moelab.model.lora import apply_lora
-
-            apply_lora(model, cfg)
-        self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
-        self.model = self.par.model
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
+        load = None
         # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
         if cfg.train.init_from and (cfg.train.lora.rank or not list_checkpoints(self.run_dir)):
             from moelab.hf.sharded_load import load_into
 
-            self.loaded = load_into(self.model, cfg, progress=self.progress)  # this rank's slices only
+            def load(model):
+                self.loaded = load_into(model, cfg, progress=self.progress)  # this rank's slices only
+
+        # the model's life (meta build, FP8, LoRA, placement, init, load): moelab.model.assemble
+        self.par = assemble(cfg, "train", env.device, load=load, place=lambda model: parallelize(
+            model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile)))
+        self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
