@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moelab.config import BackendConfig, MoEConfig
+from moelab.model.batch_context import NO_CONTEXT, BatchContext
 from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
 from moelab.model.router import Router, count_ids
@@ -21,7 +22,7 @@ class AttachLoss(torch.autograd.Function):
     """Identity on `x` whose backward also sends gradient `scale` into `loss`.
 
     This lets router losses train without being returned through every layer (and through pipeline stages):
-    the trainer sets ``MoE.loss_scale`` to the weight of one micro batch in the step's loss.
+    the trainer passes the weight of one micro batch in the step's loss (BatchContext.loss_scale).
 
         y_BLD = AttachLoss.apply(y_BLD, aux_loss, scale)   # y unchanged; backward adds d(scale * loss)
     """
@@ -100,12 +101,11 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts, act)
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()
-        self.loss_scale = 1.0  # set by the trainer: 1 / micro batches per step
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
-        weights_TK, experts_TK, keep_TK, router_loss = self.router(x_BLD)
+        weights_TK, experts_TK, keep_TK, router_loss = self.router(x_BLD, ctx.token_mask_BL)
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
         y_TD = self.dispatcher.route(self.experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)
@@ -113,5 +113,5 @@ class MoE(nn.Module):
             y_TD = y_TD + self.shared_experts(x_TD)
         y_BLD = y_TD.view(B, L, D)
         if router_loss.requires_grad:
-            y_BLD = AttachLoss.apply(y_BLD, router_loss, self.loss_scale)
+            y_BLD = AttachLoss.apply(y_BLD, router_loss, ctx.loss_scale)
         return y_BLD

@@ -4,7 +4,7 @@
     stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
     runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches, loss_fn)
     runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
-    loss_sum = runner.forward_backward(inputs_BL, targets_BL)   # trainer hook: the schedule runs the micro batches
+    loss_sum = runner.forward_backward(inputs_BL, targets_BL, ctx)   # trainer hook: runs the step's micro batches
 
 A stage is the same MoETransformer with the parts it does not own removed (moelab.model's ModuleDict layout):
 the first stage keeps the embedding, the last the final norm and the head. There are pp * vp stages; rank r
@@ -13,9 +13,11 @@ into contiguous stages balancing the matmul cost (activated parameters per layer
 last stage), so a dense layer weighs less than a MoE layer.
 
 The loss of a micro batch is divided by the number of micro batches inside the loss function (scale_grads off),
-so gradients, and the router losses attached with MoE.loss_scale, have the same scale as the single-process
-gradient accumulation. ``PipelineModel`` presents this rank's stages as one module with the single-process
-parameter names (for the optimizer, checkpoints and statistics).
+so gradients, and the router losses attached with BatchContext.loss_scale, have the same scale as the
+single-process gradient accumulation. The BatchContext reaches every stage as a keyword argument of the schedule's
+step, replicated over the micro batches (it holds no per-row tensor here: no token mask, no packed documents).
+``PipelineModel`` presents this rank's stages as one module with the single-process parameter names (for the
+optimizer, checkpoints and statistics).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from moelab.config import Config
+from moelab.model.batch_context import NO_CONTEXT, BatchContext
 
 
 def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: list[int]) -> list[nn.Module]:
@@ -107,16 +110,20 @@ class PipelineRunner:
         """One micro batch's loss, pre-divided by the number of micro batches (gradient accumulation)."""
         return self.micro_loss(logits_BLV, targets_BL) / self.n_microbatches
 
-    def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor,
+                         ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
-        the summed micro-batch losses on the rank holding the last stage, zero elsewhere."""
+        the summed micro-batch losses on the rank holding the last stage, zero elsewhere. `ctx` (the loss scale)
+        goes to every stage's forward: per-row tensors in it would not be split over the micro batches."""
+        if ctx.token_mask_BL is not None or ctx.documents_BL is not None:
+            raise NotImplementedError("pipeline parallelism passes no token mask or packed documents yet")
         losses: list[torch.Tensor] = []
         # Only the first stage takes the inputs (the others receive activations), and contiguous ones: torch
         # 2.11 asserts that later stages get none when it infers the shapes passed between stages, and checks
         # each micro batch's strides against those it saw then (tests/parallel/test_pipeline.py).
         inputs = (inputs_BL.contiguous(),) if self.holds_first else ()
         targets_BL = targets_BL.contiguous() if self.holds_last else None
-        self.schedule.step(*inputs, target=targets_BL, losses=losses)
+        self.schedule.step(*inputs, target=targets_BL, losses=losses, ctx=ctx)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
         return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches
