@@ -1,4 +1,5 @@
 """moelab's model: a decoder-only MoE transformer in plain PyTorch, with no parallelism in it."""
+from moelab.model.batch_context import BatchContext
 from moelab.model.moe import MoE
 from moelab.model.router import Router
 from moelab.model.transformer import MoETransformer
@@ -14,4 +15,4 @@ def build_model(cfg, device="cpu"):
     return assemble(cfg, "random", device)
 
 
-__all__ = ["MoE", "Router", "MoETransformer", "build_model"]
+__all__ = ["BatchContext", "MoE", "Router", "MoETransformer", "build_model"]
