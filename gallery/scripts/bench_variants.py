@@ -139,9 +139,7 @@ def main():
     record("real-router-gbs2-no-metrics", "as real-router-gbs2 without the metrics synchronisation",
            args.steps, 1, metrics=False, fake_balanced_gate=False)
     # global batch 16: 8 micro batches of 2 accumulated, one optimizer step
-    tr.micro_per_rank = 8
-    for moe in tr.par.moe_layers:
-        moe.loss_scale = 1.0 / 8
+    tr.micro_per_rank = 8  # the router losses' scale follows it (BatchContext.loss_scale)
     b.tokens_per_step = 16 * cfg.train.seq_len
     record("real-router-gbs16", "bf16 params, learned router, global batch 16 (8 micro batches)", 3, 1, gbs=16,
            fake_balanced_gate=False)
@@ -149,8 +147,6 @@ def main():
     record("fake-gate-gbs16", "bf16 params, fake balanced gate, global batch 16", 3, 1, gbs=16,
            fake_balanced_gate=True)
     tr.micro_per_rank = 1
-    for moe in tr.par.moe_layers:
-        moe.loss_scale = 1.0
     b.tokens_per_step = 2 * cfg.train.seq_len
     from moelab.backends import detected
 
@@ -203,8 +199,6 @@ def main():
         record("real-router-gbs2-compile-no-metrics", "as real-router-gbs2-compile without the metrics "
                "synchronisation", args.steps, 1, metrics=False, fake_balanced_gate=False, compile=True)
         tr.micro_per_rank = 8
-        for moe in tr.par.moe_layers:
-            moe.loss_scale = 1.0 / 8
         b.tokens_per_step = 16 * cfg.train.seq_len
         record("real-router-gbs16-compile", "learned router, global batch 16, torch.compile per block", 3, 1,
                gbs=16, fake_balanced_gate=False, compile=True)

@@ -161,8 +161,9 @@ def _te_rmsnorm(te, old: nn.Module) -> nn.Module:
 def _swap_core(attn: nn.Module, core: TEAttentionCore) -> None:
     attn.te_core = core
     # attention.attend is the replaceable core; an instance attribute shadows the method. The sinks are read
-    # from the attention module at call time (FSDP2 swaps in the unsharded parameter during forward).
-    object.__setattr__(attn, "attend", lambda q, k, v: attn.te_core(q, k, v, attn.sinks))
+    # from the attention module at call time (FSDP2 swaps in the unsharded parameter during forward). Packed
+    # documents never reach it: moelab.config refuses data.sft_packing with backend.attention='te'.
+    object.__setattr__(attn, "attend", lambda q, k, v, documents_BL=None: attn.te_core(q, k, v, attn.sinks))
 
 
 def apply_te(model: nn.Module, cfg, experts: bool, attention: bool) -> None:

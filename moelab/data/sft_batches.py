@@ -4,7 +4,7 @@ Shapes: B rows (micro batch), L positions (the micro batch's length).
 
 - **Rows.** With ``data.sft_packing`` (the default) a row holds several examples, placed first-fit (longest
   first) into ``train.seq_len`` positions; each token attends only within its example (the attention modules'
-  document mask: moelab.model.attention.set_documents, for the sdpa, eager and flex backends) and its rotary
+  document mask: BatchContext.documents_BL, for the sdpa, eager and flex backends) and its rotary
   positions restart at 0, so a packed example gives the logits it gives alone. Without packing a row is one
   example, padded at its end (causal attention keeps the padding out of it).
 - **Buckets.** The examples are shuffled once (by train.seed), then sorted by length within chunks of 64 micro

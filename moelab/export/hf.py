@@ -32,6 +32,7 @@ from moelab.config import Config, ConfigError, load_config
 from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
 from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
+from moelab.model.assemble import assemble
 from moelab.model.transformer import MoETransformer
 from moelab.train.checkpoint import latest_checkpoint, list_checkpoints, read_metadata, verify
 
@@ -143,24 +144,22 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 def model_from_state(cfg: Config, state: dict[str, torch.Tensor], where: Path) -> MoETransformer:
     """A CPU model holding `state` (its tensors, not copies); a ConfigError naming what does not fit."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    model.to_empty(device="cpu")
-    for moe in model.moe_layers():
-        moe.router.reset_buffers()  # the statistics buffers (not in checkpoints) start at zero
-    want = model.state_dict()
     if cfg.model.tie_embeddings:
         state.setdefault("output.weight", state.get("tok_embeddings.weight"))
-    missing = sorted(set(want) - set(state))
-    unknown = sorted(set(state) - set(want))
-    wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
-    if missing or unknown or wrong:
-        raise ConfigError(f"{where}: the checkpoint does not fit the run's config ({len(missing)} tensors missing, "
-                          f"e.g. {missing[:3]}; {len(unknown)} unknown, e.g. {unknown[:3]}; {len(wrong)} of another "
-                          f"shape, e.g. {wrong[:3]}); is config.yaml the one these checkpoints were written with?")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    return model.eval()
+
+    def load(model: MoETransformer) -> None:  # the statistics buffers (not in checkpoints) start at zero
+        want = model.state_dict()
+        missing = sorted(set(want) - set(state))
+        unknown = sorted(set(state) - set(want))
+        wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+        if missing or unknown or wrong:
+            raise ConfigError(f"{where}: the checkpoint does not fit the run's config ({len(missing)} tensors "
+                              f"missing, e.g. {missing[:3]}; {len(unknown)} unknown, e.g. {unknown[:3]}; "
+                              f"{len(wrong)} of another shape, e.g. {wrong[:3]}); is config.yaml the one these "
+                              f"checkpoints were written with?")
+        model.load_state_dict(state, strict=True, assign=True)
+
+    return assemble(cfg, "load", "cpu", load=load).eval()
 
 
 def fill_base(state: dict[str, torch.Tensor], cfg: Config, base: Path | None, pointer: dict) -> None:
@@ -172,14 +171,7 @@ def fill_base(state: dict[str, torch.Tensor], cfg: Config, base: Path | None, po
         tensors = SafetensorsFolder(base, quantization(hf))
         full = adapter_for(hf).state_dict_from_hf(hf, cfg.model, tensors)
     elif "seed" in pointer:
-        from moelab.model.lora import apply_lora
-        from moelab.parallel.place import materialize
-
-        with torch.device("meta"):
-            model = MoETransformer(cfg.model, cfg.backend)
-        apply_lora(model, cfg)
-        materialize(model, cfg.replace(**{"train.seed": pointer["seed"]}), "cpu")
-        full = model.state_dict()
+        full = assemble(cfg.replace(**{"train.seed": pointer["seed"]}), "lora").state_dict()
     else:
         return
     for name, t in full.items():

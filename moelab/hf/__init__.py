@@ -32,6 +32,7 @@ from moelab.hf.gpt_oss import GptOssAdapter
 from moelab.hf.qwen3_moe import Qwen3MoeAdapter
 from moelab.hf.safetensors_folder import SafetensorsFolder, ignorable, mxfp4_dequantize, quantization
 from moelab.hf.shards import parse_size, write_safetensors
+from moelab.model.assemble import assemble
 from moelab.model.transformer import MoETransformer
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.model_type: a for a in (Qwen3MoeAdapter(), DeepseekV3Adapter(),
@@ -90,26 +91,25 @@ def load_hf(path: "str | Path", dtype: torch.dtype | None = None, device: "str |
     hf = json.loads((path / "config.json").read_text())
     adapter = adapter_for(hf)
     cfg = load_config(config_from_hf(hf), flatten(overrides))
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gave the embedding and the head separate tensors
-    for moe in model.moe_layers():
-        moe.router.reset_buffers()
     tensors = SafetensorsFolder(path, quantization(hf))
-    state = adapter.state_dict_from_hf(hf, cfg.model, tensors)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, t in model.state_dict().items():  # routing buffers start fresh unless the checkpoint has them
-        if name not in params:
-            state.setdefault(name, t)
-    missing = sorted(set(model.state_dict()) - set(state))
-    if missing:
-        raise ConfigError(f"{path}: the checkpoint lacks {len(missing)} tensors moelab needs, e.g. {missing[:3]}")
-    unused = [k for k in tensors.names() if k not in tensors.used and not ignorable(k, cfg.model.num_layers, tensors)]
-    if unused:
-        raise ConfigError(f"{path}: {len(unused)} checkpoint tensors have no place in the moelab model, e.g. "
-                          f"{unused[:3]}; is config.json the one of these weights?")
-    model.load_state_dict(state, strict=True)
+
+    def load(model: MoETransformer) -> None:
+        state = adapter.state_dict_from_hf(hf, cfg.model, tensors)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, t in model.state_dict().items():  # routing buffers start fresh unless the checkpoint has them
+            if name not in params:
+                state.setdefault(name, t)
+        missing = sorted(set(model.state_dict()) - set(state))
+        if missing:
+            raise ConfigError(f"{path}: the checkpoint lacks {len(missing)} tensors moelab needs, e.g. {missing[:3]}")
+        unused = [k for k in tensors.names()
+                  if k not in tensors.used and not ignorable(k, cfg.model.num_layers, tensors)]
+        if unused:
+            raise ConfigError(f"{path}: {len(unused)} checkpoint tensors have no place in the moelab model, e.g. "
+                              f"{unused[:3]}; is config.json the one of these weights?")
+        model.load_state_dict(state, strict=True)
+
+    model = assemble(cfg, "load", device, load=load)
     if dtype is not None:
         for p in model.parameters():
             p.data = p.data.to(dtype)

@@ -55,11 +55,10 @@ def check_init(cfg: Config) -> None:
     model. Reads only the files' headers. Does nothing when cfg.train.init_from is empty."""
     if not cfg.train.init_from:
         return
-    from moelab.model.transformer import MoETransformer
+    from moelab.model.assemble import assemble
 
     path, sources, folder = open_checkpoint(cfg)
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
+    model = assemble(cfg, "shapes")
     spec = cfg.train.init_from
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(params) - set(sources))

@@ -34,7 +34,7 @@ from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 from moelab.contract.folder import RunFolder, read_json
 from moelab.run.run import Run
-from moelab.train.summary import demand_LE, step_balance
+from moelab.train.summary import demand_ME, step_balance
 
 COLUMNS = ("run", "status", "steps", "final_loss", "eval_loss", "max_over_mean", "final_max_over_mean", "cv",
            "final_cv", "dropped_pct", "dead_experts")
@@ -205,7 +205,7 @@ class _RunData:
         evals = [e for e in run.events if e["event"] == "eval"]
         self.eval_steps, self.eval_loss = [e["step"] for e in evals], [e.get("loss") for e in evals]
         routing = [e.get("routing") or {} for e in steps]
-        demand = [demand_LE(e) for e in steps]
+        demand = [demand_ME(e) for e in steps]
         self.load_IME = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
         if self.load_IME.ndim != 3:
             self.load_IME = np.zeros((len(steps), 0, 0))

@@ -159,12 +159,12 @@ def mark_health(ax, st: DashState, layer: "int | None" = None) -> None:
 def draw_balance_history(ax, st: DashState) -> None:
     """max/mean and cv of the load per step (mean over MoE layers; dropped % when a capacity drops any), with
     the health warnings marked."""
-    get = lambda k: [b[k] if b else None for b in st.balance_S]
+    get = lambda k: [b[k] if b else None for b in st.balance_I]
     series = [(get("max_over_mean"), "max/mean", "tab:red"), (get("cv"), "cv", "tab:blue")]
-    if any(d for d in st.dropped_pct_S if d):
-        series.append((st.dropped_pct_S, "dropped %", "tab:gray"))
+    if any(d for d in st.dropped_pct_I if d):
+        series.append((st.dropped_pct_I, "dropped %", "tab:gray"))
     draw_lines(ax, st, series, "load balance per step (mean over layers)")
-    if st.balance_S:
+    if st.balance_I:
         mark_health(ax, st)
         ax.legend(fontsize=6)
 
@@ -232,18 +232,18 @@ def draw_load_over_steps(ax, st: DashState, layer: int):
 
 def draw_heatmap(ax, st: DashState, window: bool = True):
     """Layer x expert: each expert's tokens relative to an even share (1.0 = balanced; 0 = dead)."""
-    counts_LE = st.routing_LE(window)
-    if not counts_LE:
+    counts_ME = st.routing_ME(window)
+    if not counts_ME:
         return _empty(ax, "no routing yet")
-    load_LE = []
-    for row in counts_LE:
+    load_ME = []
+    for row in counts_ME:
         mean = sum(row) / len(row) if row and sum(row) > 0 else 1.0
-        load_LE.append([c / mean for c in row])
-    top = max(2.0, max(max(r) for r in load_LE))
-    im = ax.imshow(load_LE, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top),
+        load_ME.append([c / mean for c in row])
+    top = max(2.0, max(max(r) for r in load_ME))
+    im = ax.imshow(load_ME, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top),
                    interpolation="nearest")
-    L, E = len(load_LE), len(load_LE[0])
-    ax.set_yticks(range(0, L, max(L // 8, 1)))
+    M, E = len(load_ME), len(load_ME[0])
+    ax.set_yticks(range(0, M, max(M // 8, 1)))
     ax.set_xticks(range(0, E, max(E // 16, 1)))
     ax.set_title(f"routing load / mean, {st.span_text(window)}", fontsize=9, loc="left")
     ax.set_xlabel("expert", fontsize=8)
@@ -260,11 +260,11 @@ def balance_text(b: dict, num_experts: int) -> str:
 
 def draw_experts(ax, st: DashState, layer: int, window: bool = True) -> None:
     """Bars: tokens per expert of one MoE layer, the even share dashed, dead experts in red."""
-    counts_LE = st.routing_LE(window)
-    if not counts_LE:
+    counts_ME = st.routing_ME(window)
+    if not counts_ME:
         return _empty(ax, "no routing yet")
-    layer = min(max(layer, 0), len(counts_LE) - 1)
-    counts = counts_LE[layer]
+    layer = min(max(layer, 0), len(counts_ME) - 1)
+    counts = counts_ME[layer]
     total = sum(counts) or 1.0
     shares = [100 * c / total for c in counts]
     colors = ["tab:red" if c == 0 else "tab:blue" for c in counts]
@@ -313,7 +313,7 @@ def sweep_figure(states: list, labels: list, dpi: int = 80) -> Figure:
     axes = fig.subplots(1, 3)
     panels = [(lambda st: st.loss, "loss", ""), (lambda st: rolling_mean(st.tokens_per_s_per_gpu),
               f"tokens/s per GPU (mean of last {ROUTING_WINDOW})", ""),
-              (lambda st: [b["max_over_mean"] if b else None for b in st.balance_S], "max/mean load per step", "")]
+              (lambda st: [b["max_over_mean"] if b else None for b in st.balance_I], "max/mean load per step", "")]
     for ax, (values, title, ylabel) in zip(axes, panels):
         drawn = False
         for i, (st, label) in enumerate(zip(states, labels)):

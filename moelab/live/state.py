@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.contract.stream import JsonlTail
-from moelab.train.summary import BALANCE_KEYS, balance, balance_L, demand_LE, mean_balance, step_balance, timed_steps
+from moelab.train.summary import BALANCE_KEYS, balance, balance_M, demand_ME, mean_balance, step_balance, timed_steps
 
 # Run statuses after which nothing more will be written (SLURM's names, submitit's, the trainer's).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CANCELED", "TIMEOUT", "PREEMPTED", "STOPPED",
@@ -34,7 +34,7 @@ def is_terminal(status: "str | None") -> bool:
 
 
 class StepBuckets:
-    """Per-step [L][E] loads in bounded memory, for the load-over-steps heatmap: at most `cap` buckets, each the
+    """Per-step [M][E] loads in bounded memory, for the load-over-steps heatmap: at most `cap` buckets, each the
     sum over `width` consecutive steps; when full, neighbours merge and the width doubles.
 
         b = StepBuckets(cap=4)
@@ -45,15 +45,15 @@ class StepBuckets:
     def __init__(self, cap: int = HISTORY_BUCKETS):
         self.cap, self.width = cap, 1
         self.spans: list = []  # [first step, last step, steps summed] per bucket
-        self.sums: list = []  # np.ndarray [L, E] per bucket
+        self.sums: list = []  # np.ndarray [M, E] per bucket
 
-    def add(self, step: int, counts_LE) -> None:
-        c_LE = np.asarray(counts_LE, dtype=np.float32)
-        if self.sums and self.spans[-1][2] < self.width and self.sums[-1].shape == c_LE.shape:
-            self.sums[-1] = self.sums[-1] + c_LE
+    def add(self, step: int, counts_ME) -> None:
+        c_ME = np.asarray(counts_ME, dtype=np.float32)
+        if self.sums and self.spans[-1][2] < self.width and self.sums[-1].shape == c_ME.shape:
+            self.sums[-1] = self.sums[-1] + c_ME
             self.spans[-1][1:] = [step, self.spans[-1][2] + 1]
         else:
-            self.sums.append(c_LE)
+            self.sums.append(c_ME)
             self.spans.append([step, step, 1])
         if len(self.sums) > self.cap:
             self.width *= 2
@@ -98,8 +98,8 @@ class DashState:
     memory_peak_R: list = field(default_factory=list)  # running peak per rank
     memory_max: list = field(default_factory=list)  # per step: the max over ranks
     memory_min: list = field(default_factory=list)  # per step: the min over ranks
-    routing_window: deque = field(default_factory=lambda: deque(maxlen=ROUTING_WINDOW))  # of [L][E]
-    routing_total_LE: list = field(default_factory=list)  # whole run
+    routing_window: deque = field(default_factory=lambda: deque(maxlen=ROUTING_WINDOW))  # of [M][E]
+    routing_total_ME: list = field(default_factory=list)  # whole run
     dropped_pct: "float | None" = None  # share of the last step's routed assignments dropped by capacity
     warnings: list = field(default_factory=list)  # warning events
     errors: list = field(default_factory=list)  # error events
@@ -114,14 +114,14 @@ class DashState:
     z_loss: list = field(default_factory=list)
     grad_norm: list = field(default_factory=list)
     lr: list = field(default_factory=list)
-    dropped_pct_S: list = field(default_factory=list)
+    dropped_pct_I: list = field(default_factory=list)
     # balance, one definition (moelab.train.summary.step_balance): per step the mean over MoE layers, and the
-    # per-layer figures ([L, 3] arrays in BALANCE_KEYS order) for one layer's recent mean
-    balance_S: list = field(default_factory=list)
-    balance_SL: list = field(default_factory=list)
+    # per-layer figures ([M, 3] arrays in BALANCE_KEYS order) for one layer's recent mean
+    balance_I: list = field(default_factory=list)
+    balance_IM: list = field(default_factory=list)
     load_history: StepBuckets = field(default_factory=StepBuckets)  # the load-over-steps heatmap
     health: dict = field(default_factory=dict)  # the last step's health (dead_experts, overloaded)
-    health_S: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
+    health_I: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
     device: str = ""  # from the start event: "cpu", "cuda", ...
 
     # ------------------------------------------------------------------ folding
@@ -183,36 +183,36 @@ class DashState:
         routing = ev.get("routing") or {}
         # the router's demand (before capacity drops: a capacity factor must not hide an imbalance); streams
         # written before routed_per_expert existed only have what the experts computed
-        counts_LE = demand_LE(ev)
+        counts_ME = demand_ME(ev)
         dropped = routing.get("dropped_tokens")
         self.dropped_pct = None
-        if counts_LE and dropped is not None:
-            demand = sum(sum(c) for c in counts_LE)
+        if counts_ME and dropped is not None:
+            demand = sum(sum(c) for c in counts_ME)
             self.dropped_pct = 100.0 * sum(dropped) / demand if demand else 0.0
-        self._apply_curves(ev, counts_LE)
-        if counts_LE:
-            self.routing_window.append(counts_LE)
-            if [len(c) for c in self.routing_total_LE] != [len(c) for c in counts_LE]:
-                self.routing_total_LE = [[0.0] * len(c) for c in counts_LE]
-            self.routing_total_LE = [[a + b for a, b in zip(tot, c)]
-                                     for tot, c in zip(self.routing_total_LE, counts_LE)]
+        self._apply_curves(ev, counts_ME)
+        if counts_ME:
+            self.routing_window.append(counts_ME)
+            if [len(c) for c in self.routing_total_ME] != [len(c) for c in counts_ME]:
+                self.routing_total_ME = [[0.0] * len(c) for c in counts_ME]
+            self.routing_total_ME = [[a + b for a, b in zip(tot, c)]
+                                     for tot, c in zip(self.routing_total_ME, counts_ME)]
 
     def _curves(self) -> tuple:
         """The per-step lists that _apply_curves appends to (cut together on a rewind)."""
-        return (self.aux_loss, self.z_loss, self.grad_norm, self.lr, self.dropped_pct_S, self.balance_S,
-                self.balance_SL, self.health_S)
+        return (self.aux_loss, self.z_loss, self.grad_norm, self.lr, self.dropped_pct_I, self.balance_I,
+                self.balance_IM, self.health_I)
 
-    def _apply_curves(self, ev: dict, counts_LE) -> None:
+    def _apply_curves(self, ev: dict, counts_ME) -> None:
         for key in ("aux_loss", "z_loss", "grad_norm", "lr"):
             getattr(self, key).append(ev.get(key))
-        self.dropped_pct_S.append(self.dropped_pct)
-        self.balance_S.append(step_balance(counts_LE) if counts_LE else None)
-        per_L = balance_L(counts_LE) if counts_LE else None
-        self.balance_SL.append(np.asarray([per_L[k] for k in BALANCE_KEYS], dtype=np.float64).T if per_L else None)
-        if counts_LE:
-            self.load_history.add(ev["step"], counts_LE)
+        self.dropped_pct_I.append(self.dropped_pct)
+        self.balance_I.append(step_balance(counts_ME) if counts_ME else None)
+        per_M = balance_M(counts_ME) if counts_ME else None
+        self.balance_IM.append(np.asarray([per_M[k] for k in BALANCE_KEYS], dtype=np.float64).T if per_M else None)
+        if counts_ME:
+            self.load_history.add(ev["step"], counts_ME)
         self.health = ev.get("health") or {}
-        self.health_S.append((len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])))
+        self.health_I.append((len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])))
 
     def _apply_eval(self, ev: dict) -> None:
         keep = sum(1 for s in self.eval_steps if s < ev["step"])  # a repeated step replaces its evaluation
@@ -257,17 +257,17 @@ class DashState:
 
     @property
     def num_layers(self) -> int:
-        return len(self.routing_total_LE)
+        return len(self.routing_total_ME)
 
     @staticmethod
     def layer_name(i: int) -> str:
         """Layers are counted as the stream and summary count them: the i-th MoE layer (dense layers skipped)."""
         return f"MoE layer {i}"
 
-    def routing_LE(self, window: bool = True) -> list:
+    def routing_ME(self, window: bool = True) -> list:
         """Tokens per expert summed over the last ROUTING_WINDOW steps (window) or the whole run."""
         if not window or not self.routing_window:
-            return self.routing_total_LE
+            return self.routing_total_ME
         return [[sum(c) for c in zip(*layer)] for layer in zip(*self.routing_window)]
 
     def span_text(self, window: bool = True) -> str:
@@ -277,8 +277,8 @@ class DashState:
     def layer_balance(self, layer: int, window: bool = True) -> dict:
         """One MoE layer's max/mean, cv and entropy (mean over the last ROUTING_WINDOW steps, or the whole run:
         the one definition, moelab.train.summary) and its dead experts (no tokens over that span)."""
-        counts = self.routing_LE(window)
-        rows = [b[layer] for b in (self.balance_SL[-ROUTING_WINDOW:] if window else self.balance_SL)
+        counts = self.routing_ME(window)
+        rows = [b[layer] for b in (self.balance_IM[-ROUTING_WINDOW:] if window else self.balance_IM)
                 if b is not None and layer < len(b)]
         out = mean_balance([dict(zip(BALANCE_KEYS, map(float, r))) for r in rows]) or \
             {k: 0.0 for k in BALANCE_KEYS}
@@ -289,10 +289,10 @@ class DashState:
         moelab.train.summary.mean_balance defines them (over the whole run, or the last ROUTING_WINDOW steps),
         and the dead experts at the last step (model.moe.dead_expert_steps without a token). Empty before the
         first step."""
-        out = mean_balance(self.balance_S[-ROUTING_WINDOW:] if window else self.balance_S)
+        out = mean_balance(self.balance_I[-ROUTING_WINDOW:] if window else self.balance_I)
         if not out:
             return {}
-        return {**out, "dead": self.health_S[-1][0] if self.health_S else 0}
+        return {**out, "dead": self.health_I[-1][0] if self.health_I else 0}
 
     def worst_layer(self, window: bool = True) -> int:
         """The MoE layer with the highest max/mean load (0 when there is no routing yet)."""

@@ -228,7 +228,7 @@ class RunPanel:
         if self._due("routing", st, force):
             self.routing_chart.value = plots.to_png(plots.routing_figure(st, layer))
             self.routing_chart.layout.display = None
-            balance = plots.balance_text(st.layer_balance(layer), len(st.routing_LE()[layer]))
+            balance = plots.balance_text(st.layer_balance(layer), len(st.routing_ME()[layer]))
             self.balance.value = (f"<span style='font-size:12px;padding-left:10px'>{st.span_text()} (mean over "
                                   f"steps): {balance}</span>")
             self._drawn["routing"] = (st.version, time.monotonic())

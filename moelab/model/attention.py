@@ -83,22 +83,13 @@ def flex_block_mask(L: int, S: int, window: int, device, documents_BL=None):
     return create_block_mask(mask_mod, B, None, L, S, device=device)
 
 
-def cached_block_mask(owner: nn.Module, q_BHLD, k_BGLD, window: int):
-    """The flex block mask for these shapes (and `owner.documents_BL`, the very tensor), kept on
+def cached_block_mask(owner: nn.Module, q_BHLD, k_BGLD, window: int, docs=None):
+    """The flex block mask for these shapes (and the packed documents `docs`, the very tensor), kept on
     `owner._flex_mask` while they stay."""
     key = (q_BHLD.shape[2], k_BGLD.shape[2], str(q_BHLD.device))
-    docs = getattr(owner, "documents_BL", None)
     if owner._flex_mask is None or owner._flex_mask[0] != key or owner._flex_mask[2] is not docs:
         owner._flex_mask = (key, flex_block_mask(key[0], key[1], window, q_BHLD.device, docs), docs)
     return owner._flex_mask[1]
-
-
-def set_documents(model: nn.Module, documents_BL: "torch.Tensor | None") -> None:
-    """Give every attention module of `model` the document number of each token of the next forward (and its
-    backward): packed sequences attend within their documents only. None: plain causal attention."""
-    for module in model.modules():
-        if hasattr(module, "documents_BL"):
-            module.documents_BL = documents_BL
 
 
 @functools.cache
@@ -140,7 +131,7 @@ class GQAttention(nn.Module):
     """Grouped-query attention (H query heads sharing G kv heads), optional QK-norm, sliding window and sinks.
 
         attn = GQAttention(load_config("tiny").model, BackendConfig())
-        y_BLD = attn(x_BLD, cos_LD, sin_LD)      # the rotary tables of the positions
+        y_BLD = attn(x_BLD, cos_LD, sin_LD)      # the rotary tables of the positions (and packed documents_BL)
     """
     def __init__(self, cfg: ModelConfig, backend: BackendConfig, window: int = 0):
         super().__init__()
@@ -155,9 +146,9 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(Dh, cfg.norm_eps) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(H)) if cfg.attention_sinks else None
         self._flex_mask = None  # (shape key, BlockMask, documents) cache for backend 'flex'
-        self.documents_BL = None  # Long [B, L]: packed documents (set_documents); None: plain causal
 
-    def forward(self, x_BLD, cos_LD, sin_LD):
+    def forward(self, x_BLD, cos_LD, sin_LD, documents_BL=None):
+        """`documents_BL`: Long [B, L], packed documents (moelab.model.batch_context); None: plain causal."""
         B, L, _ = x_BLD.shape
         q = self.q_proj(x_BLD).view(B, L, self.num_heads, self.head_dim)
         k = self.k_proj(x_BLD).view(B, L, self.num_kv_heads, self.head_dim)
@@ -166,11 +157,12 @@ class GQAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHLD = apply_rope(q.transpose(1, 2), cos_LD, sin_LD)
         k_BGLD = apply_rope(k.transpose(1, 2), cos_LD, sin_LD)
-        o_BHLD = self.attend(q_BHLD, k_BGLD, v.transpose(1, 2))
+        o_BHLD = self.attend(q_BHLD, k_BGLD, v.transpose(1, 2), documents_BL)
         return self.o_proj(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
-    def attend(self, q_BHLD, k_BGLD, v_BGLD):
-        backend = attention_path(self.backend, q_BHLD.device, self.documents_BL is not None)
-        block_mask = cached_block_mask(self, q_BHLD, k_BGLD, self.window) if backend == "flex" else None
+    def attend(self, q_BHLD, k_BGLD, v_BGLD, documents_BL=None):
+        backend = attention_path(self.backend, q_BHLD.device, documents_BL is not None)
+        block_mask = (cached_block_mask(self, q_BHLD, k_BGLD, self.window, documents_BL) if backend == "flex"
+                      else None)
         return causal_attention(q_BHLD, k_BGLD, v_BGLD, backend, self.window, self.sinks,
-                                block_mask=block_mask, documents_BL=self.documents_BL)
+                                block_mask=block_mask, documents_BL=documents_BL)

@@ -63,9 +63,9 @@ class MLAttention(nn.Module):
         self.softmax_scale = mla_softmax_scale(cfg)
         self.window, self.sinks = 0, None  # MLA has neither; kept so attend() reads like GQAttention's
         self._flex_mask = None
-        self.documents_BL = None  # packed documents (moelab.model.attention.set_documents)
 
-    def forward(self, x_BLD, cos_LD, sin_LD):
+    def forward(self, x_BLD, cos_LD, sin_LD, documents_BL=None):
+        """`documents_BL`: Long [B, L], packed documents (moelab.model.batch_context); None: plain causal."""
         B, L, _ = x_BLD.shape
         H, Dn, Dr = self.num_heads, self.nope_dim, self.rope_dim
         q = self.q_proj(x_BLD) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BLD)))
@@ -77,11 +77,11 @@ class MLAttention(nn.Module):
         k_rope_B1LDr = apply_rope(k_rope_BLDr[:, None], cos_LD, sin_LD)
         q_BHLD = torch.cat([q_nope_BHLDn, q_rope_BHLDr], dim=-1)
         k_BHLD = torch.cat([k_nope_BHLDn, k_rope_B1LDr.expand(-1, H, -1, -1)], dim=-1)
-        o_BHLDv = self.attend(q_BHLD, k_BHLD, v_BHLDv)
+        o_BHLDv = self.attend(q_BHLD, k_BHLD, v_BHLDv, documents_BL)
         return self.o_proj(o_BHLDv.transpose(1, 2).reshape(B, L, H * self.v_dim))
 
-    def attend(self, q_BHLD, k_BHLD, v_BHLDv):
-        backend = attention_path(self.backend, q_BHLD.device, self.documents_BL is not None)
-        block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0) if backend == "flex" else None
+    def attend(self, q_BHLD, k_BHLD, v_BHLDv, documents_BL=None):
+        backend = attention_path(self.backend, q_BHLD.device, documents_BL is not None)
+        block_mask = cached_block_mask(self, q_BHLD, k_BHLD, 0, documents_BL) if backend == "flex" else None
         return causal_attention(q_BHLD, k_BHLD, v_BHLDv, backend, scale=self.softmax_scale,
-                                block_mask=block_mask, documents_BL=self.documents_BL)
+                                block_mask=block_mask, documents_BL=documents_BL)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moelab.config import BackendConfig, MoEConfig
+from moelab.model.batch_context import NO_CONTEXT, BatchContext
 from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
 from moelab.model.router import Router, count_ids
@@ -21,7 +22,7 @@ class AttachLoss(torch.autograd.Function):
     """Identity on `x` whose backward also sends gradient `scale` into `loss`.
 
     This lets router losses train without being returned through every layer (and through pipeline stages):
-    the trainer sets ``MoE.loss_scale`` to the weight of one micro batch in the step's loss.
+    the trainer passes the weight of one micro batch in the step's loss (BatchContext.loss_scale).
 
         y_BLD = AttachLoss.apply(y_BLD, aux_loss, scale)   # y unchanged; backward adds d(scale * loss)
     """
@@ -100,14 +101,14 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(dim, cfg.expert_ffn_size * cfg.num_shared_experts, act)
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()
-        self.loss_scale = 1.0  # set by the trainer: 1 / micro batches per step
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        return self.routed(x_BLD, *self.router(x_BLD))
+    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
+        return self.routed(x_BLD, *self.router(x_BLD, ctx.token_mask_BL), loss_scale=ctx.loss_scale)
 
-    def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss) -> torch.Tensor:
+    def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss, loss_scale: float = 1.0) -> torch.Tensor:
         """Everything after the router: dispatch, experts, combine, shared experts (selective recompute reruns
-        this part in backward with the router's outputs kept: moelab.model.recompute)."""
+        this part in backward with the router's outputs kept: moelab.model.recompute). `loss_scale`: the weight
+        of this micro batch's router losses in the step's loss (BatchContext.loss_scale)."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         if keep_TK is not None:
@@ -117,5 +118,5 @@ class MoE(nn.Module):
             y_TD = y_TD + self.shared_experts(x_TD)
         y_BLD = y_TD.view(B, L, D)
         if router_loss.requires_grad:
-            y_BLD = AttachLoss.apply(y_BLD, router_loss, self.loss_scale)
+            y_BLD = AttachLoss.apply(y_BLD, router_loss, loss_scale)
         return y_BLD

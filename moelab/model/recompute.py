@@ -15,7 +15,7 @@ of the recomputed piece and runs again in backward, as with full checkpointing. 
 what it keeps.
 
     block.recompute = "selective"            # moelab.parallel.place.apply_activation_checkpointing sets it
-    y_BLD = block(x_BLD, cos_LD, sin_LD)     # same values and gradients as without recompute
+    y_BLD = block(x_BLD, cos_LD, sin_LD, ctx)   # same values and gradients as without recompute
 """
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ def _piece(fn, *args):
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
 
 
-def selective_forward(block, x_BLD, cos_LD, sin_LD):
-    """moelab.model.transformer.Block.forward with selective recompute (module docstring)."""
-    h_BLD = _piece(lambda x: x + block.attention(block.attention_norm(x), cos_LD, sin_LD), x_BLD)
+def selective_forward(block, x_BLD, cos_LD, sin_LD, ctx):
+    """moelab.model.transformer.Block.forward with selective recompute (module docstring); `ctx` the batch's
+    moelab.model.batch_context.BatchContext."""
+    h_BLD = _piece(lambda x: x + block.attention(block.attention_norm(x), cos_LD, sin_LD, ctx.documents_BL), x_BLD)
     if not block.is_moe:
         return h_BLD + _piece(lambda h: block.ffn(block.ffn_norm(h)), h_BLD)
     xn_BLD = _piece(block.ffn_norm, h_BLD)
-    route = block.ffn.router(xn_BLD)  # outside any checkpoint: its outputs are saved, never recomputed
-    return h_BLD + _piece(block.ffn.routed, xn_BLD, *route)
+    route = block.ffn.router(xn_BLD, ctx.token_mask_BL)  # outside any checkpoint: kept, never recomputed
+    return h_BLD + _piece(functools.partial(block.ffn.routed, loss_scale=ctx.loss_scale), xn_BLD, *route)

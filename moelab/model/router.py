@@ -48,9 +48,6 @@ class Router(nn.Module):
         # Means over the tokens of a batch that other ranks share (context parallelism sets an autograd-aware
         # mean over its ranks, moelab.parallel.context); None: this rank holds whole sequences.
         self.token_mean = None
-        # Bool [T] of the tokens that count, set by the trainer for each micro batch when the model has a pad id
-        # (moelab.backends.full_loss.loss_mask); None: every token. Padding stays out of the aux/z losses and statistics.
-        self.token_mask = None
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -78,8 +75,10 @@ class Router(nn.Module):
         if self.cfg.init_bias_skew:  # a skewed router for routing experiments (MoEConfig.init_bias_skew)
             self.expert_bias.copy_(self.cfg.init_bias_skew * torch.linspace(1, -1, self.num_experts))
 
-    def forward(self, x_BLD: torch.Tensor):
-        """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient."""
+    def forward(self, x_BLD: torch.Tensor, token_mask_BL: torch.Tensor | None = None):
+        """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient.
+        `token_mask_BL`: bool, the tokens that count (moelab.backends.full_loss.loss_mask; None: every token); padding
+        stays out of the aux and z losses and the statistics."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         # Routing in fp32 even inside a bf16 autocast region: near-ties between experts decide the selection.
@@ -104,7 +103,7 @@ class Router(nn.Module):
             weights_TK = weights_TK * self.cfg.route_scale
         keep_TK = self._capacity_mask(experts_TK, weights_TK) if self.cfg.capacity_factor > 0 else None
 
-        mask_T = self.token_mask.reshape(-1) if self.token_mask is not None else None
+        mask_T = token_mask_BL.reshape(-1) if token_mask_BL is not None else None
         loss = logits_TE.new_zeros(())
         if self.cfg.aux_loss_coeff > 0 and self.training and not self.fake_balanced_gate:
             aux = self._aux_loss(scores_TE, experts_TK, B, L, mask_T)

@@ -17,6 +17,7 @@ from torch import nn
 from moelab.backends.loss import lm_loss
 from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
+from moelab.model.batch_context import NO_CONTEXT, BatchContext
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.lora import lora_init_std
 from moelab.model.moe import MoE
@@ -36,7 +37,7 @@ class Block(nn.Module):
     """One decoder block: pre-norm attention and pre-norm FFN (dense or MoE by index), residual around each.
 
         block = Block(cfg.model, cfg.backend, index=1)
-        y_BLD = block(x_BLD, cos_LD, sin_LD)
+        y_BLD = block(x_BLD, cos_LD, sin_LD, BatchContext())
     """
     def __init__(self, cfg: ModelConfig, backend: BackendConfig, index: int):
         super().__init__()
@@ -49,11 +50,12 @@ class Block(nn.Module):
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, cfg.hidden_act))
         self.recompute = None  # "selective": moelab.model.recompute (set by train.activation_checkpointing)
 
-    def forward(self, x_BLD, cos_LD, sin_LD):
+    def forward(self, x_BLD, cos_LD, sin_LD, ctx: BatchContext = NO_CONTEXT):
         if self.recompute == "selective":
-            return selective_forward(self, x_BLD, cos_LD, sin_LD)
-        x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD)
-        return x_BLD + self.ffn(self.ffn_norm(x_BLD))
+            return selective_forward(self, x_BLD, cos_LD, sin_LD, ctx)
+        x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD, ctx.documents_BL)
+        h_BLD = self.ffn_norm(x_BLD)
+        return x_BLD + (self.ffn(h_BLD, ctx) if self.is_moe else self.ffn(h_BLD))
 
 
 class MoETransformer(nn.Module):
@@ -80,11 +82,13 @@ class MoETransformer(nn.Module):
         self.loss_kind, self.loss_chunk_tokens, self.loss_compiled = backend.loss, backend.loss_chunk_tokens, False
 
     def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None,
-                targets_BL: torch.Tensor | None = None) -> torch.Tensor:
+                targets_BL: torch.Tensor | None = None, ctx: BatchContext | None = None) -> torch.Tensor:
         """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head); with
         `targets_BL`, the mean next-token loss instead of the logits (moelab.backends.loss: the fused loss never
         holds them). `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard;
-        packed sequences (moelab.data.sft) pass [B, L], restarting at each document."""
+        packed sequences (moelab.data.sft) pass [B, L], restarting at each document. `ctx`: the batch's token
+        mask, packed documents and loss scale (moelab.model.batch_context; None: none of them)."""
+        ctx = NO_CONTEXT if ctx is None else ctx
         h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
@@ -93,7 +97,7 @@ class MoETransformer(nn.Module):
         if positions_L.dim() == 2:  # [B, L, Dh] -> [B, 1, L, Dh]: broadcast over the heads
             cos_LD, sin_LD = cos_LD[:, None], sin_LD[:, None]
         for layer in self.layers.values():
-            h_BLD = layer(h_BLD, cos_LD, sin_LD)
+            h_BLD = layer(h_BLD, cos_LD, sin_LD, ctx)
         if self.norm is not None:
             h_BLD = self.norm(h_BLD)
         if self.output is None:

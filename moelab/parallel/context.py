@@ -123,7 +123,9 @@ class _CPAttend:
     def sinks(self):  # read at each call: FSDP2 replaces the module's parameters after this is built
         return self.attention.sinks
 
-    def __call__(self, q_BHLD, k_BGLD, v_BGLD):
+    def __call__(self, q_BHLD, k_BGLD, v_BGLD, documents_BL=None):
+        if documents_BL is not None:  # moelab.config refuses data.kind='sft' with context parallelism
+            raise NotImplementedError("context parallelism does not attend within packed documents")
         k_BGSD, v_BGSD = self.cp.gather(k_BGLD), self.cp.gather(v_BGLD)
         outs = [self.core(q_part, k_BGSD[:, :, :end], v_BGSD[:, :, :end])
                 for q_part, end in zip(q_BHLD.chunk(2, dim=2), self.ends)]

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.parallel.env import DistEnv
-from moelab.parallel.place import (Parallelized, apply_activation_checkpointing, apply_compile, cast_params,
-                                   materialize)
+from moelab.model.assemble import cast_params
+from moelab.parallel.place import Parallelized, apply_activation_checkpointing, apply_compile, materialize
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)

@@ -4,7 +4,7 @@
     stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
     runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches, loss_fn)
     runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
-    loss_sum = runner.forward_backward(inputs_BL, targets_BL)   # trainer hook: the schedule runs the micro batches
+    loss_sum = runner.forward_backward(inputs_BL, targets_BL, ctx)   # trainer hook: runs the step's micro batches
 
 A stage is the same MoETransformer with the parts it does not own removed (moelab.model's ModuleDict layout):
 the first stage keeps the embedding, the last the final norm and the head. There are pp * vp stages; rank r
@@ -15,9 +15,11 @@ last stage), so a dense layer weighs less than a MoE layer.
 The last stage computes its micro batch's loss itself (the targets go to the stages as a keyword argument:
 MoETransformer.forward with targets, the fused LM-head loss), unless a `loss_fn(logits_BLV, targets_BL)` is given.
 The loss of a micro batch is divided by the number of micro batches inside the loss function (scale_grads off),
-so gradients, and the router losses attached with MoE.loss_scale, have the same scale as the single-process
-gradient accumulation. ``PipelineModel`` presents this rank's stages as one module with the single-process
-parameter names (for the optimizer, checkpoints and statistics).
+so gradients, and the router losses attached with BatchContext.loss_scale, have the same scale as the
+single-process gradient accumulation. The BatchContext reaches every stage as a keyword argument of the schedule's
+step, replicated over the micro batches (it holds no per-row tensor here: no token mask, no packed documents).
+``PipelineModel`` presents this rank's stages as one module with the single-process parameter names (for the
+optimizer, checkpoints and statistics).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from moelab.config import Config
+from moelab.model.batch_context import NO_CONTEXT, BatchContext
 
 
 def build_stage_modules(model: nn.Module, split: list[list[int]], stage_ids: list[int]) -> list[nn.Module]:
@@ -123,9 +126,13 @@ class PipelineRunner:
         loss = output if self.micro_loss is None else self.micro_loss(output, targets_BL)
         return loss / self.n_microbatches
 
-    def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor,
+                         ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
-        the summed micro-batch losses on the rank holding the last stage, zero elsewhere."""
+        the summed micro-batch losses on the rank holding the last stage, zero elsewhere. `ctx` (the loss scale)
+        goes to every stage's forward: per-row tensors in it would not be split over the micro batches."""
+        if ctx.token_mask_BL is not None or ctx.documents_BL is not None:
+            raise NotImplementedError("pipeline parallelism passes no token mask or packed documents yet")
         losses: list[torch.Tensor] = []
         # Only the first stage takes the inputs (the others receive activations), and contiguous ones: torch
         # 2.11 asserts that later stages get none when it infers the shapes passed between stages, and checks
@@ -136,7 +143,7 @@ class PipelineRunner:
         kwargs = {"targets_BL": targets_BL} if self.micro_loss is None else {}
         if self.skips_outputs:  # the merge of the last stage's outputs: not needed, and scalars do not concatenate
             kwargs["return_outputs"] = False
-        self.schedule.step(*inputs, target=targets_BL, losses=losses, **kwargs)
+        self.schedule.step(*inputs, target=targets_BL, losses=losses, ctx=ctx, **kwargs)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
         return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moelab.config import Config, ParallelConfig
+from moelab.model.assemble import materialize as materialize_model
 from moelab.parallel.env import DistEnv
 
 
@@ -92,27 +93,11 @@ class Parallelized:
         return out
 
 
-def cast_params(model: nn.Module, cfg: Config) -> None:
-    """bf16 parameters (train.param_dtype) cast on the meta device, before FSDP2 wraps them: the device never
-    holds an fp32 copy of the model. Router and norm buffers stay fp32."""
-    if cfg.train.param_dtype == "bfloat16":
-        for p in model.parameters():
-            if p.dtype != torch.bfloat16:
-                p.data = p.data.to(torch.bfloat16)
-
-
 def materialize(model: nn.Module, cfg: Config, device) -> None:
-    """Allocate a meta-device model on `device` and initialise it deterministically (moelab.model). Its
-    parameters may already be FSDP2 shards (moelab.parallel.distributed wraps on the meta device): each rank
-    then allocates and fills only its rows, never the whole tensor on the device."""
-    cast_params(model, cfg)  # init_weights draws in fp32 and rounds into bf16: the values of an fp32 init, cast
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty gave the embedding and the head separate tensors
-    # A start from a checkpoint (train.init_from) fills every base weight after placement: only what the
-    # checkpoint lacks, LoRA's adapters, is drawn here (a random init of billions of weights takes minutes).
-    from moelab.model.lora import is_adapter
-
-    model.init_weights(cfg.train.seed, select=is_adapter if cfg.train.init_from else None, write=write_rows)
+    """Allocate a meta-device model on `device` and draw its weights as the run's setup does
+    (moelab.model.assemble.materialize); its parameters may already be FSDP2 shards (moelab.parallel.distributed
+    wraps on the meta device): each rank then allocates and fills only its rows (`write_rows`)."""
+    materialize_model(model, cfg, device, draw="run", write=write_rows)
 
 
 def write_rows(p: torch.Tensor, value: torch.Tensor) -> None:

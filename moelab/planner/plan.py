@@ -52,7 +52,7 @@ from moelab.planner.speed import predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.stages import split_layers
 from moelab.planner.states import describe as describe_states, state_bytes
-from moelab.planner.units import GiB, _bytes, _flop, _num
+from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, flop_text as _flop
 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation

@@ -140,9 +140,7 @@ class Bencher:
         if per_rank < 1 or per_rank * t.micro_batch_size * tr.par.dp_size != gbs:
             raise ValueError(f"global batch {gbs}: must be a multiple of micro batch {t.micro_batch_size} x "
                              f"data-parallel degree {tr.par.dp_size}")
-        tr.micro_per_rank = per_rank
-        for moe in tr.par.moe_layers:
-            moe.loss_scale = 1.0 / per_rank
+        tr.micro_per_rank = per_rank  # the trainer's loss scale follows it (BatchContext.loss_scale)
         self.tokens_per_step = gbs * t.seq_len
 
     def set_fake_gate(self, on: bool, noise: float = 0.0) -> None:

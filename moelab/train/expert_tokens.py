@@ -43,7 +43,7 @@ class ExpertTokenRecorder:
         t, par, dev, V = tr.cfg.train, tr.par, tr.env.device, tr.cfg.model.vocab_size
         E = tr.cfg.model.moe.num_experts
         moes = par.moe_layers_all
-        counts_LEV = torch.zeros(len(moes), E, V, device=dev)
+        counts_MEV = torch.zeros(len(moes), E, V, device=dev)
         ids = {}
         hooks = []
         for l, moe in enumerate(moes):
@@ -56,7 +56,7 @@ class ExpertTokenRecorder:
                 flat_TK = experts_TK * V + ids_T[:, None]
                 if keep_TK is not None:
                     flat_TK = flat_TK[keep_TK]
-                counts_LEV[l].view(-1).add_(torch.bincount(flat_TK.reshape(-1), minlength=E * V).float())
+                counts_MEV[l].view(-1).add_(torch.bincount(flat_TK.reshape(-1), minlength=E * V).float())
 
             hooks.append(moe.router.register_forward_hook(hook))
         try:
@@ -70,7 +70,7 @@ class ExpertTokenRecorder:
                 h.remove()
         layers = []
         for l in range(len(moes)):  # one layer at a time: E * V counts can be large
-            c_EV = par.all_reduce_sum(counts_LEV[l].contiguous()).cpu()
+            c_EV = par.all_reduce_sum(counts_MEV[l].contiguous()).cpu()
             layers.append(_top(c_EV))
         record = {"step": step, "layers": layers}
         if tr.writer is not None:

@@ -28,7 +28,7 @@ def load_shares(tokens_per_expert: list[list[float]]) -> list[list[float]]:
 class ExpertHealth:
     """Tracks every (layer, expert) across steps. Holds only host-side lists: no device work, no sync.
 
-        health = ExpertHealth(cfg.model.moe); record, warnings = health.observe(step, routed_LE)
+        health = ExpertHealth(cfg.model.moe); record, warnings = health.observe(step, routed_ME)
     """
 
     def __init__(self, cfg: MoEConfig):

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, ConfigError
-from moelab.model.lora import apply_lora, is_adapter
+from moelab.model.assemble import assemble
+from moelab.model.lora import is_adapter
 from moelab.model.transformer import MoETransformer
 from moelab.train.checkpoint import read_metadata
 
@@ -29,18 +30,17 @@ def lora_model_state(path: "str | Path", cfg: Config) -> dict[str, torch.Tensor]
     if not cfg.train.lora.rank or base is None:
         raise ConfigError(f"{path}: not a LoRA checkpoint (train.lora.rank=0, or no 'base' in metadata.json); its "
                           f"model state is complete as saved")
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    apply_lora(model, cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.init_weights(base.get("seed", cfg.train.seed))  # the seed base, and the adapters' initial values
-    if base.get("init_from"):
-        load_base(model, base["init_from"])
     options = StateDictOptions(ignore_frozen_params=True, strict=False)
-    trained = get_model_state_dict(model, options=options)
-    dcp.load({"model": trained}, checkpoint_id=path, no_dist=True)
-    set_model_state_dict(model, trained, options=options)
+
+    def load(model: MoETransformer) -> None:  # the base from its checkpoint, then what trained from this one
+        if base.get("init_from"):
+            load_base(model, base["init_from"])
+        trained = get_model_state_dict(model, options=options)
+        dcp.load({"model": trained}, checkpoint_id=path, no_dist=True)
+        set_model_state_dict(model, trained, options=options)
+
+    # the seed base, and the adapters' initial values, as the run's setup drew them
+    model = assemble(cfg.replace(**{"train.seed": base.get("seed", cfg.train.seed)}), "lora", load=load)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 

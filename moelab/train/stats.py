@@ -2,10 +2,10 @@
 
     pack = StatsPack()
     pack.add("loss", loss_1)                       # tensors in order; each is flattened to float
-    pack.add("tokens_per_expert", counts_LE)       # or a list of tensors, concatenated
+    pack.add("tokens_per_expert", counts_ME)       # or a list of tensors, concatenated
     packed = all_reduce_sum(pack.pack())           # one collective
     values = pack.unpack(packed.tolist())          # one host read: {"loss": [...], "tokens_per_expert": [...]}
-    counts_LE = packed[pack.slice("tokens_per_expert")].view(L, E)   # still on the device
+    counts_ME = packed[pack.slice("tokens_per_expert")].view(M, E)   # still on the device
 """
 from __future__ import annotations
 

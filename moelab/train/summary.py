@@ -8,48 +8,48 @@ import numpy as np
 from moelab.config import Config
 
 
-def balance_L(counts_LE) -> dict:
+def balance_M(counts_ME) -> dict:
     """Load-balance figures of each MoE layer from one step's tokens per expert (a [layers][experts] array):
     max/mean (the busiest expert over the mean load), cv (std / mean, population std), normalised entropy
     (1 = perfectly even) and dead (experts that got nothing); each a list over layers. A layer that routed
     nothing has max/mean, cv and entropy 0 and every expert dead."""
-    c_LE = np.asarray(counts_LE, dtype=np.float64)
-    if c_LE.ndim != 2 or c_LE.shape[1] == 0:
-        n = c_LE.shape[-1] if c_LE.ndim == 2 else 0
-        return {"max_over_mean": [0.0] * len(c_LE), "cv": [0.0] * len(c_LE), "entropy": [0.0] * len(c_LE),
-                "dead": [n] * len(c_LE)}
-    E = c_LE.shape[1]
-    total_L = c_LE.sum(-1)
-    ok_L = total_L > 0
-    mean_L = np.where(ok_L, total_L / E, 1.0)
-    p_LE = c_LE / np.where(ok_L, total_L, 1.0)[:, None]
-    plogp_LE = np.where(p_LE > 0, p_LE * np.log(np.where(p_LE > 0, p_LE, 1.0)), 0.0)
-    entropy_L = -plogp_LE.sum(-1) / math.log(E) if E > 1 else np.ones(len(c_LE))
-    zero = lambda x_L: [float(v) if k else 0.0 for v, k in zip(x_L, ok_L)]
-    return {"max_over_mean": zero(c_LE.max(-1) / mean_L), "cv": zero(c_LE.std(-1) / mean_L),
-            "entropy": zero(entropy_L), "dead": [int(d) for d in (c_LE == 0).sum(-1)]}
+    c_ME = np.asarray(counts_ME, dtype=np.float64)
+    if c_ME.ndim != 2 or c_ME.shape[1] == 0:
+        n = c_ME.shape[-1] if c_ME.ndim == 2 else 0
+        return {"max_over_mean": [0.0] * len(c_ME), "cv": [0.0] * len(c_ME), "entropy": [0.0] * len(c_ME),
+                "dead": [n] * len(c_ME)}
+    E = c_ME.shape[1]
+    total_M = c_ME.sum(-1)
+    ok_M = total_M > 0
+    mean_M = np.where(ok_M, total_M / E, 1.0)
+    p_ME = c_ME / np.where(ok_M, total_M, 1.0)[:, None]
+    plogp_ME = np.where(p_ME > 0, p_ME * np.log(np.where(p_ME > 0, p_ME, 1.0)), 0.0)
+    entropy_M = -plogp_ME.sum(-1) / math.log(E) if E > 1 else np.ones(len(c_ME))
+    zero = lambda x_M: [float(v) if k else 0.0 for v, k in zip(x_M, ok_M)]
+    return {"max_over_mean": zero(c_ME.max(-1) / mean_M), "cv": zero(c_ME.std(-1) / mean_M),
+            "entropy": zero(entropy_M), "dead": [int(d) for d in (c_ME == 0).sum(-1)]}
 
 
 def balance(counts: list[float]) -> dict:
-    """balance_L of one layer: {max_over_mean, cv, entropy, dead}."""
-    return {k: v[0] for k, v in balance_L([list(counts)]).items()} if len(counts) else \
+    """balance_M of one layer: {max_over_mean, cv, entropy, dead}."""
+    return {k: v[0] for k, v in balance_M([list(counts)]).items()} if len(counts) else \
         {"max_over_mean": 0.0, "cv": 0.0, "entropy": 0.0, "dead": 0}
 
 
 # moelab's ONE definition of a run's balance (dashboard, summary, compare, README): per step and MoE layer on
-# the router's demand (routed_per_expert: before capacity drops), max/mean and cv as balance_L computes them,
+# the router's demand (routed_per_expert: before capacity drops), max/mean and cv as balance_M computes them,
 # averaged over the layers of the step (step_balance), then over steps (mean_balance: the whole run, or the
 # last N steps where a view says "last N steps").
 BALANCE_KEYS = ("max_over_mean", "cv", "entropy")
 
 
-def step_balance(counts_LE) -> "dict | None":
-    """One step's balance: balance_L averaged over the MoE layers that routed tokens (None if none did)."""
-    per_L = balance_L(counts_LE)
-    routed = [i for i, c in enumerate(counts_LE) if sum(c) > 0]
+def step_balance(counts_ME) -> "dict | None":
+    """One step's balance: balance_M averaged over the MoE layers that routed tokens (None if none did)."""
+    per_M = balance_M(counts_ME)
+    routed = [i for i, c in enumerate(counts_ME) if sum(c) > 0]
     if not routed:
         return None
-    return {k: sum(per_L[k][i] for i in routed) / len(routed) for k in BALANCE_KEYS}
+    return {k: sum(per_M[k][i] for i in routed) / len(routed) for k in BALANCE_KEYS}
 
 
 def mean_balance(per_step: list) -> "dict | None":
@@ -60,7 +60,7 @@ def mean_balance(per_step: list) -> "dict | None":
     return {k: sum(b[k] for b in steps) / len(steps) for k in BALANCE_KEYS}
 
 
-def demand_LE(record: dict):
+def demand_ME(record: dict):
     """The router's demand of a step event: routed_per_expert, or tokens_per_expert in older streams."""
     routing = record.get("routing") or {}
     return routing.get("routed_per_expert") or routing.get("tokens_per_expert")
@@ -106,9 +106,9 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
         return out
     mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / max(
         sum(1 for r in timed if r.get(key) is not None), 1)
-    per_step_L = [balance_L(demand_LE(r)) for r in records]
-    totals = [[sum(c) for c in zip(*(demand_LE(r)[i] for r in records))] for i in range(layers)]
-    routing_balance = [{"layer": i, **mean_balance([{k: b[k][i] for k in BALANCE_KEYS} for b in per_step_L]),
+    per_step_M = [balance_M(demand_ME(r)) for r in records]
+    totals = [[sum(c) for c in zip(*(demand_ME(r)[i] for r in records))] for i in range(layers)]
+    routing_balance = [{"layer": i, **mean_balance([{k: b[k][i] for k in BALANCE_KEYS} for b in per_step_M]),
                         "dead": balance(totals[i])["dead"]} for i in range(layers)]
     out.update(
         first_loss=records[0]["loss"], final_loss=records[-1]["loss"],
@@ -118,7 +118,7 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
         peak_memory_gb=max(r["memory"]["max_peak_allocated_gb"] for r in records),
         dropped_tokens=sum(sum(r["routing"]["dropped_tokens"]) for r in records),
         skipped_steps=sum(1 for r in records if r.get("skipped")),
-        routing_balance=routing_balance, balance=mean_balance([step_balance(demand_LE(r)) for r in records]))
+        routing_balance=routing_balance, balance=mean_balance([step_balance(demand_ME(r)) for r in records]))
     if evals:
         out.update(first_eval_loss=evals[0]["loss"], eval_loss=evals[-1]["loss"],
                    eval_perplexity=evals[-1]["perplexity"], eval_step=evals[-1]["step"])

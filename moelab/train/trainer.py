@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, ConfigError, save_config
-from moelab.model.attention import set_documents
+from moelab.model.batch_context import BatchContext
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
 from moelab.layout.dims import ParallelDims
@@ -71,7 +71,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from moelab.model import MoETransformer
+        from moelab.model.assemble import assemble
         from moelab.parallel.apply import parallelize
 
         cfg, env = self.cfg, self.env
@@ -85,27 +85,20 @@ class Trainer:
         if env.rank == 0:
             save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-        # Build on the meta device, parallelize (which may drop layers and experts this rank does not own),
-        # then materialise and initialise only what is left: the same weights as one process would have.
-        with torch.device("meta"):
-            model = MoETransformer(cfg.model, cfg.backend)
-        if cfg.train.fp8 != "off":  # before parallelize: FSDP2, EP and compile see the FP8 modules
-            from moelab.model.fp8_convert import check_fp8, enable_fp8
-
-            check_fp8(cfg, env.device)
-            enable_fp8(model, lm_head=cfg.train.fp8 == "rowwise_lm_head")
-        if cfg.train.lora.rank:  # before parallelize: FSDP2 and EP shard the adapters like their base weights
-            from moelab.model.lora import apply_lora
-
-            apply_lora(model, cfg)
-        self.par = parallelize(model, cfg, env, self.dims)  # the model computes the loss (moelab.backends.loss)
-        self.model = self.par.model
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
+        load = None
         # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
         if cfg.train.init_from and (cfg.train.lora.rank or not list_checkpoints(self.run_dir)):
             from moelab.hf.sharded_load import load_into
 
-            self.loaded = load_into(self.model, cfg, progress=self.progress)  # this rank's slices only
+            def load(model):
+                self.loaded = load_into(model, cfg, progress=self.progress)  # this rank's slices only
+
+        # the model's life (meta build, FP8, LoRA, placement, init, load): moelab.model.assemble
+        # (the model computes its loss: moelab.backends.loss)
+        self.par = assemble(cfg, "train", env.device, load=load,
+                            place=lambda model: parallelize(model, cfg, env, self.dims))
+        self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
         self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
@@ -114,8 +107,6 @@ class Trainer:
         check_export(cfg)  # on every rank: a missing package stops them all here
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
-        for moe in self.par.moe_layers:
-            moe.loss_scale = 1.0 / self.micro_per_rank
         params = count_params(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
@@ -161,17 +152,19 @@ class Trainer:
 
     def micro_batches(self, step: int) -> torch.Tensor:
         t, par = self.cfg.train, self.par
+        loss_scale = 1.0 / self.micro_per_rank  # a micro batch's weight in the step's loss (the router losses')
         if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
             size = self.micro_per_rank * t.micro_batch_size
             batch = micro_batch(self.dataset, step, par.dp_rank * size, size).to(self.env.device)
-            return par.pipeline.forward_backward(batch[:, :-1], batch[:, 1:])
+            return par.pipeline.forward_backward(batch[:, :-1], batch[:, 1:], BatchContext(loss_scale=loss_scale))
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
             first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
+            documents = None
             if self.cfg.data.kind == "sft":  # chats: loss masks, packed documents (moelab.data.sft_batches)
                 sft = self.dataset.micro_batch(step, first, t.micro_batch_size).to(self.env.device)
                 inputs, targets, positions, mask = sft.inputs_BL, sft.targets_BL, sft.positions_BL, sft.valid_BL
-                set_documents(self.model, sft.documents_BL)  # attention within each packed example
+                documents = sft.documents_BL  # attention within each packed example
             else:
                 # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
                 batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device,
@@ -179,16 +172,13 @@ class Trainer:
                 inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
                 mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing
                 positions = par.positions(t.seq_len, self.env.device)
-            for moe in par.moe_layers:
-                moe.router.token_mask = mask
+            ctx = BatchContext(token_mask_BL=mask, documents_BL=documents, loss_scale=loss_scale)
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
                 # the LM head and its loss inside the model's forward (FSDP2 has gathered the head there)
-                loss = self.model(inputs, positions, targets_BL=targets)
+                loss = self.model(inputs, positions, targets_BL=targets, ctx=ctx)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
-        if self.cfg.data.kind == "sft":
-            set_documents(self.model, None)
         return loss_sum
 
     def train_step(self, step: int, metrics: bool = True) -> dict:
@@ -254,9 +244,9 @@ class Trainer:
         else:
             # the summed counts are still on the device: no host-to-device copy (it would wait for the
             # optimizer step just queued)
-            counts_2LE = torch.stack([packed[pack.slice("tokens_per_expert")],
+            counts_2ME = torch.stack([packed[pack.slice("tokens_per_expert")],
                                       packed[pack.slice("routed_per_expert")]]).view(2, n_layers, E)
-            self.apply_step(counts_2LE if n_layers else None)
+            self.apply_step(counts_2ME if n_layers else None)
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
                 "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
                 "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
@@ -264,14 +254,14 @@ class Trainer:
                             "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
                             "capacity_factor": per_layer["capacity_factor"]}}
 
-    def apply_step(self, counts_2LE: "torch.Tensor | None") -> None:
+    def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
         """The optimizer step and the routing updates after it, from the per-expert token counts summed over
         ranks ([tokens kept, tokens routed] x layers x experts, on the device; None without MoE layers)."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if counts_2LE is None:
+        if counts_2ME is None:
             return
-        counts, routed = counts_2LE
+        counts, routed = counts_2ME
         if self.expert_lr is not None:
             self.expert_lr.apply(counts)
         for i, moe in enumerate(self.par.moe_layers_all):

@@ -12,8 +12,8 @@ peft = pytest.importorskip("peft")
 from moelab import load_hf, save_hf  # noqa: E402
 from moelab.config import ConfigError  # noqa: E402
 from moelab.hf.peft import write_peft_adapters  # noqa: E402
-from moelab.model import MoETransformer  # noqa: E402
-from moelab.model.lora import apply_lora, is_adapter, merge_lora_state  # noqa: E402
+from moelab.model.assemble import assemble  # noqa: E402
+from moelab.model.lora import is_adapter, merge_lora_state  # noqa: E402
 
 V = 96
 PEFT_TARGETS = {"qwen3_moe": "attention", "deepseek_v3": "attention"}  # what PEFT loads where it belongs
@@ -25,13 +25,12 @@ def lora_from_checkpoint(path, targets, seed=3):
     base = load_hf(path)
     cfg = base.moelab_config.replace(**{"train.lora.rank": 4, "train.lora.alpha": 8.0,
                                         "train.lora.targets": targets})
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    apply_lora(model, cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)  # routers' buffers included
-    assert not unexpected and missing and all(is_adapter(k) for k in missing)
+
+    def load(model):
+        missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)  # routers' buffers included
+        assert not unexpected and missing and all(is_adapter(k) for k in missing)
+
+    model = assemble(cfg, "lora", load=load)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,8 +52,7 @@ def test_merged_lora_loads_in_transformers_with_the_lora_logits(checkpoint, tmp_
     family, path, ids = checkpoint
     model, cfg, base = lora_from_checkpoint(path, ALL_TARGETS[family])
     merged = merge_lora_state(model.state_dict(), cfg)
-    plain = MoETransformer(cfg.model, cfg.backend)
-    plain.load_state_dict(merged, strict=True)
+    plain = assemble(cfg, "load", load=lambda m: m.load_state_dict(merged, strict=True))
     plain.hf_config = base.hf_config
     save_hf(plain, tmp_path / "merged")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
@@ -107,12 +105,7 @@ def test_lora_base_from_hf_fills_only_the_frozen_tensors(tmp_path, hfm):
     hfm.build("qwen3_moe").save_pretrained(tmp_path)
     base = load_hf(tmp_path)
     cfg = base.moelab_config.replace(**{"train.lora.rank": 4})
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    apply_lora(model, cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.init_weights(0)
+    model = assemble(cfg.replace(**{"train.seed": 0}), "lora")
     a_before = model.layers["0"].attention.q_proj.lora_A.detach().clone()
     load_base(model, f"hf:{tmp_path}")
     for key, value in base.state_dict().items():

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from moelab import load_hf, save_hf  # noqa: E402
 from moelab.hf import adapter_for  # noqa: E402
 from moelab.backends.full_loss import IGNORE_INDEX, cross_entropy, loss_mask  # noqa: E402
+from moelab.model.batch_context import BatchContext  # noqa: E402
 
 B, L, V = 2, 12, 96  # V: the vocabulary of conftest's models
 
@@ -91,9 +92,8 @@ def _compare(h, family, tmp_path, changes, aux=False, pad_id=None, step=True):
               output_router_logits=aux)
     out.loss.backward()
     targets = torch.cat([ids[:, 1:], torch.full((B, 1), IGNORE_INDEX)], 1)
-    for moe in ours.moe_layers():
-        moe.router.token_mask = loss_mask(targets, ours.cfg.pad_token_id)
-    loss = cross_entropy(ours(ids), targets, pad_token_id=ours.cfg.pad_token_id)
+    ctx = BatchContext(token_mask_BL=loss_mask(targets, ours.cfg.pad_token_id))
+    loss = cross_entropy(ours(ids, ctx=ctx), targets, pad_token_id=ours.cfg.pad_token_id)
     h.close(loss, out.loss - (0.37 * out.aux_loss if aux else 0.0), "cross entropy")
     loss.backward()
     grads = _grads_as_hf(h, family, ours, ours.hf_config)

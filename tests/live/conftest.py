@@ -13,7 +13,7 @@ def _event(name: str, t: float, /, **fields) -> dict:
     return {"event": name, "schema": 1, "time": t, **fields}
 
 
-def _step(step: int, t: float, counts_LE: list, mem_R: list, loss: float | None = None) -> dict:
+def _step(step: int, t: float, counts_ME: list, mem_R: list, loss: float | None = None) -> dict:
     """A step event shaped like the trainer's (moelab/contract/stream.py), on CPU (allocator reports 0)."""
     per_rank = [{"rank": r, "peak_allocated_gb": 0.0, "peak_reserved_gb": 0.0, "rss_gb": m}
                 for r, m in enumerate(mem_R)]
@@ -21,9 +21,9 @@ def _step(step: int, t: float, counts_LE: list, mem_R: list, loss: float | None 
                   z_loss=0.0, lr=1e-3, grad_norm=1.0, skipped=False, tokens=512, step_time_s=1.0,
                   tokens_per_s=1000.0 * len(mem_R), tokens_per_s_per_gpu=1000.0 + step, tflops_per_gpu=0.5,
                   mfu=None, memory={**per_rank[0], "max_peak_allocated_gb": max(mem_R), "per_rank": per_rank},
-                  routing={"tokens_per_expert": counts_LE, "dropped_tokens": [0.0] * len(counts_LE),
-                           "entropy": [1.0] * len(counts_LE), "logit_norm": [1.0] * len(counts_LE),
-                           "capacity_factor": [0.0] * len(counts_LE)})
+                  routing={"tokens_per_expert": counts_ME, "dropped_tokens": [0.0] * len(counts_ME),
+                           "entropy": [1.0] * len(counts_ME), "logit_norm": [1.0] * len(counts_ME),
+                           "capacity_factor": [0.0] * len(counts_ME)})
 
 
 class Stream:
@@ -40,8 +40,8 @@ class Stream:
         return _event("start", 1000.0, config={"name": name, "model": {"num_dense_layers": 1}},
                       total_steps=total, start_step=0)
 
-    def step(self, step: int, mem_R=(0.5, 0.7), counts_LE=None, loss=None) -> dict:
-        return _step(step, 1000.0 + step, counts_LE or self.COUNTS_LE, list(mem_R), loss)
+    def step(self, step: int, mem_R=(0.5, 0.7), counts_ME=None, loss=None) -> dict:
+        return _step(step, 1000.0 + step, counts_ME or self.COUNTS_LE, list(mem_R), loss)
 
     def event(self, name: str, /, t: float = 2000.0, **fields) -> dict:
         return _event(name, t, **fields)

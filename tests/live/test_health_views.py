@@ -75,7 +75,7 @@ def test_health_now_leads_and_an_early_warning_is_history(stream):
     msg = view.panels[0].messages.value
     assert st.health_now() == "healthy" and "experts healthy now</b> (at step 24)" in msg
     assert "<details><summary>1 health warning(s) so far, last at step 2" in msg  # folded history
-    assert st.health_S[0] == (1, 1) and st.health_S[-1] == (0, 0)
+    assert st.health_I[0] == (1, 1) and st.health_I[-1] == (0, 0)
     fig = training_figure(st)
     balance_ax = next(ax for ax in fig.axes if ax.get_title(loc="left").startswith("load balance"))
     marks = [line for line in balance_ax.lines if line.get_label() == "dead expert warning"]

@@ -24,7 +24,7 @@ def test_a_completed_run_is_folded_into_progress_stats_memory_and_routing(stream
     assert st.tokens_per_s_per_gpu == [1001.0, 1002.0, 1003.0, 1004.0, 1005.0]
     assert st.memory_key == "rss_gb"  # the allocator reported 0: a CPU run
     assert st.memory_peak_R == pytest.approx([1.0, 0.4]) and st.memory_max == pytest.approx([0.6, 0.7, 0.8, 0.9, 1.0])
-    assert st.routing_total_LE == [[50.0, 100.0, 150.0, 0.0], [75.0] * 4]
+    assert st.routing_total_ME == [[50.0, 100.0, 150.0, 0.0], [75.0] * 4]
     assert st.layer_balance(0) == balance([50.0, 100.0, 150.0, 0.0])
     assert st.layer_balance(0)["dead"] == 1 and st.layer_balance(1)["cv"] == 0.0
     assert st.worst_layer() == 0 and st.layer_name(0) == "MoE layer 0"
@@ -44,11 +44,11 @@ def test_eta_comes_from_the_recent_step_rate(stream):
 
 
 def test_the_routing_window_holds_the_last_steps_only(stream):
-    st = fold([stream.start(total=100)] + [stream.step(s, counts_LE=[[1.0, 0.0]]) for s in range(1, 31)]
-              + [stream.step(31, counts_LE=[[0.0, 100.0]])])
+    st = fold([stream.start(total=100)] + [stream.step(s, counts_ME=[[1.0, 0.0]]) for s in range(1, 31)]
+              + [stream.step(31, counts_ME=[[0.0, 100.0]])])
     assert len(st.routing_window) == ROUTING_WINDOW
-    assert st.routing_LE(window=True) == [[ROUTING_WINDOW - 1.0, 100.0]]
-    assert st.routing_LE(window=False) == [[30.0, 100.0]]
+    assert st.routing_ME(window=True) == [[ROUTING_WINDOW - 1.0, 100.0]]
+    assert st.routing_ME(window=False) == [[30.0, 100.0]]
 
 
 def test_a_requeued_run_rewinds_the_history_to_the_repeated_step(stream):
@@ -101,7 +101,7 @@ def test_half_written_and_corrupt_lines_through_the_tail(stream):
 def test_load_state_reads_a_real_run(tiny_folder):
     st = load_state(tiny_folder)
     assert st.name == tiny_folder.name and st.status == "COMPLETED" and st.step == st.total_steps == 6
-    assert len(st.routing_total_LE) == 3 and all(len(c) == 16 for c in st.routing_total_LE)
+    assert len(st.routing_total_ME) == 3 and all(len(c) == 16 for c in st.routing_total_ME)
     assert all(x > 0 for x in st.tokens_per_s_per_gpu) and st.peak_memory_gb() > 0
 
 
@@ -112,11 +112,11 @@ def test_load_state_names_a_folder_that_is_not_a_run(tmp_path):
 
 def test_balance_is_measured_on_the_routers_demand_before_capacity_drops(stream):
     """With a capacity factor the experts compute an even load; the imbalance is in what the router asked for."""
-    ev = stream.step(1, counts_LE=[[10.0, 10.0, 10.0, 10.0]])
+    ev = stream.step(1, counts_ME=[[10.0, 10.0, 10.0, 10.0]])
     ev["routing"]["routed_per_expert"] = [[25.0, 5.0, 10.0, 10.0]]
     ev["routing"]["dropped_tokens"] = [10.0]
     st = fold([stream.start(total=2), ev])
-    assert st.routing_total_LE == [[25.0, 5.0, 10.0, 10.0]] and st.layer_balance(0)["max_over_mean"] == 2.0
+    assert st.routing_total_ME == [[25.0, 5.0, 10.0, 10.0]] and st.layer_balance(0)["max_over_mean"] == 2.0
     assert st.dropped_pct == pytest.approx(20.0)
     older = fold([stream.start(total=2), stream.step(1)])  # a stream from before routed_per_expert
-    assert older.routing_total_LE == stream.COUNTS_LE and older.dropped_pct == 0.0
+    assert older.routing_total_ME == stream.COUNTS_LE and older.dropped_pct == 0.0

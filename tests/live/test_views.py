@@ -206,7 +206,7 @@ def test_a_failing_cancel_is_shown_not_raised(stream):
 def test_sweep_view_compares_runs_and_draws_only_the_visible_tab(stream, tmp_path):
     a = fold([stream.start(total=4), *(stream.step(s) for s in range(1, 5)),
               stream.event("end", step=4, status="COMPLETED")])
-    b = fold([stream.start(total=4), stream.step(1, counts_LE=[[5.0] * 4, [5.0] * 4])])
+    b = fold([stream.start(total=4), stream.step(1, counts_ME=[[5.0] * 4, [5.0] * 4])])
     a.name, b.name = "aux=0", "aux=0.01"
     view = WidgetView([a.name, b.name], [None, None], cancel_all=lambda: None)
     view.update([a, b])

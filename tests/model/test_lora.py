@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from moelab.config import ConfigError, load_config
-from moelab.model import MoETransformer, build_model
+from moelab.model import build_model
+from moelab.model.assemble import assemble
 from moelab.model.experts import GroupedExperts, swiglu
-from moelab.model.lora import ExpertAdapters, apply_lora, is_adapter, merge_lora_state
+from moelab.model.lora import ExpertAdapters, is_adapter, merge_lora_state
 from moelab.contract.stream import read_events
 from support import run_one_thread
 
@@ -27,14 +28,8 @@ def lora_config(targets=ALL_GQA, **changes):
 
 
 def lora_model(cfg):
-    """A LoRA model built as the trainer builds it: on the meta device, adapters added, then initialised."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.backend)
-    apply_lora(model, cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.init_weights(cfg.train.seed)
-    return model
+    """A LoRA model built as the trainer builds it (moelab.model.assemble): adapters added, then initialised."""
+    return assemble(cfg, "lora")
 
 
 def randomize_adapters(model, seed=1):

@@ -24,7 +24,7 @@ def _step(cfg, mode, monkeypatch):
     apply_activation_checkpointing(model, cfg)
     calls, norms = [], []
     forward, norm = Router.forward, RMSNorm.forward
-    monkeypatch.setattr(Router, "forward", lambda self, x: calls.append(1) or forward(self, x))
+    monkeypatch.setattr(Router, "forward", lambda self, x, *a: calls.append(1) or forward(self, x, *a))
     monkeypatch.setattr(RMSNorm, "forward", lambda self, x: norms.append(1) or norm(self, x))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     logits = model(tokens[:, :-1])

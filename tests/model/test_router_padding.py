@@ -1,5 +1,6 @@
-"""Padding (Router.token_mask, set from the targets that count) is left out of the aux loss, the z-loss and the
-routing statistics: the masked router gives what the same router gives on the kept tokens alone."""
+"""Padding (the router's token mask: BatchContext.token_mask_BL, from the targets that count) is left out of the
+aux loss, the z-loss and the routing statistics: the masked router gives what the same router gives on the kept
+tokens alone."""
 import pytest
 import torch
 
@@ -25,8 +26,7 @@ def test_masked_tokens_count_nowhere(aux_loss_type, score_func):
     mask_BL[1, 3:] = False  # the second sequence: 3 tokens, then padding
     kw = dict(aux_loss_type=aux_loss_type, score_func=score_func)
     masked = _router(**kw)
-    masked.token_mask = mask_BL
-    loss = masked(x_BLD)[3]
+    loss = masked(x_BLD, mask_BL)[3]
     stats = masked.pop_stats()
     if aux_loss_type == "batch":  # the 9 kept tokens as one batch
         alone = _router(**kw)

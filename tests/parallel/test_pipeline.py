@@ -1,10 +1,11 @@
 """What PipelineRunner hands torch's pipeline schedule. torch 2.11 (the GPU machine's) asserts that stages other
 than the first get no inputs, and compares each micro batch's strides with those seen at shape inference; the
 CPU wheel here (2.13) checks neither, so the equivalence tests cannot catch a regression. This test records the
-arguments of `schedule.step` instead (both failures were found on two H200s: gallery/perf-notes.md)."""
+arguments of `schedule.step` instead (and that the BatchContext goes to every stage as a keyword) (both failures were found on two H200s: gallery/perf-notes.md)."""
 import pytest
 import torch
 
+from moelab.model.batch_context import BatchContext
 from moelab.parallel.pipeline import PipelineRunner
 
 
@@ -14,8 +15,8 @@ class RecordingSchedule:
     def __init__(self, n_micro):
         self.n_micro, self.calls = n_micro, []
 
-    def step(self, *args, target=None, losses=None):
-        self.calls.append((args, target))
+    def step(self, *args, target=None, losses=None, **kwargs):
+        self.calls.append((args, target, kwargs))
         if losses is not None:
             losses.extend(torch.tensor(float(i + 1)) for i in range(self.n_micro))
 
@@ -32,8 +33,10 @@ def test_only_the_first_stage_gets_inputs_and_only_the_last_targets(holds_first,
     batch = torch.arange(2 * 9).reshape(2, 9)
     inputs, targets = batch[:, :-1], batch[:, 1:]  # the trainer's shifted views: not contiguous
     r = runner(holds_first, holds_last)
-    loss = r.forward_backward(inputs, targets)
-    (args, target), = r.schedule.calls
+    ctx = BatchContext(loss_scale=0.5)
+    loss = r.forward_backward(inputs, targets, ctx)
+    (args, target, kwargs), = r.schedule.calls
+    assert kwargs == {"ctx": ctx}  # every stage's forward gets the batch's context (its loss scale)
     if holds_first:
         assert len(args) == 1 and args[0].is_contiguous() and torch.equal(args[0], inputs)
     else:

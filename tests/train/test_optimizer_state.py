@@ -14,7 +14,7 @@ from moelab.config import ConfigError, load_config
 from moelab.planner.plan import plan
 from moelab.planner.states import state_bytes
 from moelab.train.adamw_moments import MomentsAdamW
-from moelab.train.metrics import read_events
+from moelab.contract.stream import read_events
 from moelab.train.optim import build_optimizer
 from moelab.train.trainer import Trainer
 

@@ -14,7 +14,7 @@ import torch
 from moelab.config import ConfigError, load_config
 from moelab.launch.local import run_local_processes
 from moelab.model import MoETransformer
-from moelab.model.attention import set_documents
+from moelab.model.batch_context import BatchContext
 from moelab.parallel.env import DistEnv
 from moelab.data.batches import check_data
 from moelab.backends.full_loss import IGNORE_INDEX
@@ -227,9 +227,7 @@ def test_packed_logits_equal_each_example_alone(tok_dir, tmp_path, attention, ex
         for s in sinks:
             s.normal_()  # learned sinks, not zeros
         b = d.micro_batch(1, 0, 2)
-        set_documents(model, b.documents_BL)
-        packed_BLV = model(b.inputs_BL, b.positions_BL)
-        set_documents(model, None)
+        packed_BLV = model(b.inputs_BL, b.positions_BL, ctx=BatchContext(documents_BL=b.documents_BL))
         for r, row in enumerate([d.row(1, 0), d.row(1, 1)]):
             assert len(row) > 1
             at = 0
