@@ -25,9 +25,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.planner.loss import chunk_tokens
-from moelab.train.loss import IGNORE_INDEX, cross_entropy
 
 KINDS = ("chunked", "full", "liger", "cce")
+IGNORE_INDEX = -100  # targets left out of the loss (transformers' and torch's convention)
+
+
+# ---------------------------------------------------------------- full: the logits [B, L, V], then cross entropy
+# With train.compile the loss is compiled too: inductor fuses the fp32 upcast into the log-sum-exp and the
+# gradient (softmax - one-hot) into one pass writing bf16, instead of materialising fp32 copies of the logits.
+
+def loss_mask(targets_BL: torch.Tensor, pad_token_id: int = -1) -> torch.Tensor | None:
+    """Bool [B, L]: the targets that count (neither -100 nor the pad id), or None when the model has no pad id
+    (moelab's data never holds -100 then, and the step pays for no mask)."""
+    if pad_token_id < 0:
+        return None
+    return (targets_BL != IGNORE_INDEX) & (targets_BL != pad_token_id)
+
+
+def _cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BLV.float().flatten(0, 1), targets_BL.flatten())
+
+
+def _masked_cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    # the mean over the targets that count; a micro batch of padding only gives 0, not nan
+    flat = targets_BL.flatten()
+    total = F.cross_entropy(logits_BLV.float().flatten(0, 1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+@functools.cache
+def _compiled_cross_entropy():
+    # built on first use: importing torch's compiler costs seconds, which runs that never compile should not pay
+    return torch.compile(_cross_entropy, dynamic=False)
+
+
+def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, compiled: bool = False,
+                  pad_token_id: int = -1) -> torch.Tensor:
+    """The mean cross entropy of logits [B, L, V] against targets [B, L] (-100 and `pad_token_id` left out)."""
+    if pad_token_id >= 0:
+        return _masked_cross_entropy(logits_BLV, targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX))
+    if compiled and logits_BLV.is_cuda:
+        return _compiled_cross_entropy()(logits_BLV, targets_BL)
+    return _cross_entropy(logits_BLV, targets_BL)
+
+
+# ---------------------------------------------------------------- chunked: moelab's fused linear + cross entropy
 
 
 def _logits_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor, scale: torch.Tensor):
@@ -53,8 +95,7 @@ def _logits_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor
 
 @functools.cache
 def _compiled(fn):
-    # built on first use: importing torch's compiler costs seconds, which runs that never compile should not pay
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn, dynamic=False)  # on first use, as _compiled_cross_entropy
 
 
 def _add_weight_grad(dw_VD: torch.Tensor, d_CV: torch.Tensor, h_CD: torch.Tensor) -> None:

@@ -1,56 +1,9 @@
-"""The language-model loss: token-mean cross entropy on fp32 logits.
-
-Shapes: B batch, L sequence, V vocabulary.
-
-With train.compile the loss is compiled too: inductor fuses the fp32 upcast into the log-sum-exp and the
-gradient (softmax - one-hot) into one pass writing bf16, instead of materialising fp32 copies of the logits
-(at vocabulary 151,936 and 8,192 tokens each fp32 copy is 5 GB; eager spends about 10 ms per step there on an
-H200).
+"""The language-model loss, as the trainer's modules import it: token-mean cross entropy in fp32 (-100 and the pad
+id left out). It lives with the LM head in moelab.backends.loss (the model computes its loss inside its forward,
+backend.loss: the fused chunked loss by default, or the whole logits); this module re-exports the logits form.
 
     loss = cross_entropy(logits_BLV, targets_BL, compiled=cfg.train.compile, pad_token_id=cfg.model.pad_token_id)
-
-Targets equal to -100 or to `pad_token_id` are left out (the mean is over the others).
 """
 from __future__ import annotations
 
-import functools
-
-import torch
-import torch.nn.functional as F
-
-
-IGNORE_INDEX = -100  # targets left out of the loss (transformers' and torch's convention)
-
-
-def loss_mask(targets_BL: torch.Tensor, pad_token_id: int = -1) -> torch.Tensor | None:
-    """Bool [B, L]: the targets that count (neither -100 nor the pad id), or None when the model has no pad id
-    (moelab's data never holds -100 then, and the step pays for no mask)."""
-    if pad_token_id < 0:
-        return None
-    return (targets_BL != IGNORE_INDEX) & (targets_BL != pad_token_id)
-
-
-def _cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BLV.float().flatten(0, 1), targets_BL.flatten())
-
-
-def _masked_cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
-    # the mean over the targets that count; a micro batch of padding only gives 0, not nan
-    flat = targets_BL.flatten()
-    total = F.cross_entropy(logits_BLV.float().flatten(0, 1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
-
-
-@functools.cache
-def _compiled_cross_entropy():
-    # built on first use: importing torch's compiler costs seconds, which runs that never compile should not pay
-    return torch.compile(_cross_entropy, dynamic=False)
-
-
-def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, compiled: bool = False,
-                  pad_token_id: int = -1) -> torch.Tensor:
-    if pad_token_id >= 0:
-        return _masked_cross_entropy(logits_BLV, targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX))
-    if compiled and logits_BLV.is_cuda:
-        return _compiled_cross_entropy()(logits_BLV, targets_BL)
-    return _cross_entropy(logits_BLV, targets_BL)
+from moelab.backends.loss import IGNORE_INDEX, cross_entropy, loss_mask  # noqa: F401
