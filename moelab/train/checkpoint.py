@@ -62,7 +62,7 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 RESUMABLE_FIELDS = ("name", "parallel", "backend", "train.steps", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.save_checkpoints", "train.collective_timeout_s",
                     "train.on_nan", "train.device", "train.activation_checkpointing", "train.compile",
-                    "train.micro_batch_size")
+                    "train.micro_batch_size", "train.optimizer")
 
 
 class CheckpointError(RuntimeError):

@@ -47,7 +47,8 @@ def test_fallback_warns_and_uses_the_torch_path():
     c = cfg(**{"backend.experts": "grouped_gemm", "backend.dispatcher": "deepep", "backend.fallback": True})
     with pytest.warns(RuntimeWarning, match="falling back to backend.experts='auto'"):
         chosen = check_backends(c, device="cpu")
-    assert chosen == {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+    assert chosen == {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all",
+                      "loss": "chunked"}
 
 
 def test_installed_but_unsupported_hardware(monkeypatch):
@@ -60,7 +61,8 @@ def test_installed_but_unsupported_hardware(monkeypatch):
 
 
 def test_torch_paths_need_nothing():
-    assert check_backends(cfg(), device="cpu") == {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+    assert check_backends(cfg(), device="cpu") == {"experts": "auto", "attention": "sdpa",
+                                                   "dispatcher": "all_to_all", "loss": "chunked"}
 
 
 def test_import_package_and_modules_guard():

@@ -15,8 +15,8 @@ class RecordingSchedule:
     def __init__(self, n_micro):
         self.n_micro, self.calls = n_micro, []
 
-    def step(self, *args, target=None, losses=None, **kwargs):
-        self.calls.append((args, target, kwargs))
+    def step(self, *args, target=None, losses=None, return_outputs=True, **kwargs):
+        self.calls.append((args, target, return_outputs, kwargs))
         if losses is not None:
             losses.extend(torch.tensor(float(i + 1)) for i in range(self.n_micro))
 
@@ -24,6 +24,7 @@ class RecordingSchedule:
 def runner(holds_first: bool, holds_last: bool, n_micro: int = 2) -> PipelineRunner:
     r = PipelineRunner.__new__(PipelineRunner)  # the schedule itself needs a process group; its inputs do not
     r.holds_first, r.holds_last, r.n_microbatches = holds_first, holds_last, n_micro
+    r.micro_loss = None  # the model computes the loss (moelab.backends.loss)
     r.schedule = RecordingSchedule(n_micro)
     return r
 
@@ -35,8 +36,11 @@ def test_only_the_first_stage_gets_inputs_and_only_the_last_targets(holds_first,
     r = runner(holds_first, holds_last)
     ctx = BatchContext(loss_scale=0.5)
     loss = r.forward_backward(inputs, targets, ctx)
-    (args, target, kwargs), = r.schedule.calls
-    assert kwargs == {"ctx": ctx}  # every stage's forward gets the batch's context (its loss scale)
+    (args, target, return_outputs, kwargs), = r.schedule.calls
+    # every stage gets the batch's context (its loss scale) and the targets as a keyword (only the last stage's
+    # model uses them); the merge of the last stage's outputs (scalar losses) is skipped
+    assert kwargs.keys() == {"targets_BL", "ctx"} and kwargs["ctx"] is ctx and kwargs["targets_BL"] is target
+    assert return_outputs is False
     if holds_first:
         assert len(args) == 1 and args[0].is_contiguous() and torch.equal(args[0], inputs)
     else:

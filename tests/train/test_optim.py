@@ -99,3 +99,45 @@ def test_triton_adamw_equals_torch_and_state_dicts_are_portable():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+RESUME = textwrap.dedent('''
+    import json, shutil, sys, tempfile
+    from pathlib import Path
+    import torch
+    from moelab.config import load_config
+    from moelab.train.adamw_triton import TritonAdamW
+    from moelab.train.trainer import Trainer
+
+    TritonAdamW.MIN_NUMEL = 64
+    torch.set_num_threads(1)
+
+    def run(run_dir, optimizer, steps):
+        cfg = load_config("tiny", ["train.device=cpu", "train.seq_len=32", "train.global_batch_size=4",
+                                   "train.micro_batch_size=2", f"train.steps={steps}", "train.warmup_steps=1",
+                                   f"train.optimizer={optimizer}"])
+        tr = Trainer(cfg, run_dir)
+        tr.run()
+        assert type(tr.optimizer).__name__ == {"adamw": "AdamW", "adamw_triton": "TritonAdamW"}[optimizer]
+        events = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        return [e["loss"] for e in events if e.get("event") == "step"]
+
+    tmp = Path(tempfile.mkdtemp())
+    for first, second in (("adamw", "adamw_triton"), ("adamw_triton", "adamw")):
+        run(tmp / f"same-{first}", first, 2)                        # a checkpoint at step 2 ...
+        shutil.copytree(tmp / f"same-{first}", tmp / f"other-{first}")
+        same = run(tmp / f"same-{first}", first, 4)                 # ... resumed with the same optimizer
+        other = run(tmp / f"other-{first}", second, 4)              # ... and with the other one
+        assert len(other) == 4 and other[:2] == same[:2], (other, same)
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(other[2:], same[2:])), (other, same)
+    print("ok")
+''')
+
+
+def test_checkpoint_of_one_optimizer_resumes_with_the_other():
+    """A run checkpointed with torch's AdamW continues with TritonAdamW (and the other way round) as the same
+    run would have continued: train.optimizer may change on resume, the state dict is the same."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", RESUME], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
