@@ -142,6 +142,7 @@ class Event(Part):
     """What every event carries: its kind (`EVENT`), the schema version and the time it was written."""
 
     EVENT: ClassVar[str] = ""
+    OMIT_NONE: ClassVar[frozenset] = frozenset()  # optional fields left out of the line when None (else null)
     schema: int = SCHEMA_VERSION
     time: float = dc.field(default_factory=_time.time)
     extra: dict = dc.field(default_factory=dict)
@@ -149,7 +150,7 @@ class Event(Part):
     def to_json(self) -> dict:
         body = super().to_json()
         head = {"event": self.EVENT, "schema": body.pop("schema"), "time": body.pop("time")}
-        return {**head, **{k: v for k, v in body.items() if v is not None}}  # None: left out of the line
+        return {**head, **{k: v for k, v in body.items() if v is not None or k not in self.OMIT_NONE}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Event":
@@ -230,6 +231,7 @@ class WarningEvent(Event):
     """
 
     EVENT: ClassVar[str] = "warning"
+    OMIT_NONE: ClassVar[frozenset] = frozenset({"layer", "expert", "share"})  # only the kinds that have them
     step: int | None = None
     kind: str = ""
     message: str = ""

@@ -155,13 +155,14 @@ def read_events(path: "str | Path", live: bool = False, strict: bool = False, ty
 
 
 class JsonlTail:
-    """Incremental reader for a live stream: returns new complete events on each poll, keeps a half-written
+    """Incremental reader for a live stream: returns new complete events on each poll (typed when `typed`; at
+    most about `chunk_bytes` of the file per poll: poll until it returns nothing to catch up), keeps a half-written
     last line for the next poll, and reports each damaged complete line once through `errors` (never raises).
     When the file is replaced (a resume rewinds it, see above) it is read again from the top and only events not
     delivered before are returned; `rewinds` counts such replacements."""
 
-    def __init__(self, path: "str | Path", typed: bool = False):
-        self.path, self.typed = Path(path), typed
+    def __init__(self, path: "str | Path", typed: bool = False, chunk_bytes: int = 16 << 20):
+        self.path, self.typed, self.chunk_bytes = Path(path), typed, chunk_bytes
         self._pos = 0
         self._partial = b""
         self._line = 0
@@ -181,7 +182,12 @@ class JsonlTail:
                     self.rewinds += 1
                 self._inode = st.st_ino
                 f.seek(self._pos)
-                chunk = f.read()
+                chunk = b""
+                while True:  # at most chunk_bytes per poll (memory stays bounded), but a whole line
+                    part = f.read(self.chunk_bytes)
+                    chunk += part
+                    if len(part) < self.chunk_bytes or b"\n" in part:
+                        break
                 self._pos = f.tell()
         except FileNotFoundError:
             return []
@@ -226,23 +232,83 @@ def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_
         f = open(path, "rb")
     except FileNotFoundError:
         return [], []
+    wanted = lambda e: not isinstance(e, MetricsError) and (kinds is None or e.EVENT in kinds)
     with f:
         size = os.fstat(f.fileno()).st_size
-        start = max(size - max_bytes, 0)
-        f.seek(start)
-        data = f.read(size - start)
-        if start:  # the first line read is a piece of a line: drop it
-            data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+        while True:  # a window that holds no whole line of those kinds (a huge last line) is doubled
+            start = max(size - max_bytes, 0)
+            f.seek(start)
+            data = f.read(size - start)
+            if start:  # the first line read is a piece of a line: drop it
+                data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+            last = [e for _, _, e in parse_lines(data, path, typed=True)[0] if wanted(e)]
+            if last or not start:
+                break
+            max_bytes *= 2
         head = b""
         if start and first:
             f.seek(0)
             head = f.read(min(64 * 1024, start))
             head = head[:head.rfind(b"\n") + 1]
-    wanted = lambda e: not isinstance(e, MetricsError) and (kinds is None or e.EVENT in kinds)
-    last = [e for _, _, e in parse_lines(data, path, typed=True)[0] if wanted(e)]
     firsts = [e for _, _, e in parse_lines(head, path, typed=True)[0]
               if not isinstance(e, MetricsError) and e.EVENT in first] if head else []
     return last, firsts
+
+
+def scan_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_steps: "int | None" = None
+                ) -> list[Event]:
+    """The typed events of `kinds` (all when None), read line by line (memory stays flat however long the
+    stream); only the lines of those kinds are parsed. With `max_steps`, a stream of more step events keeps
+    at most about that many, evenly spaced, the last one always (a table or a plot of a million steps).
+    Damaged lines and a half-written last line are left out (read_events reports them).
+
+        steps = scan_events("runs/a/metrics.jsonl", kinds=("step",), max_steps=10_000)
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    wanted = set(kinds or EVENTS)
+    stride = 1
+    if max_steps and "step" in wanted:
+        with open(path, "rb") as f:
+            n = sum(1 for line in f if _kind(line) in ("step", None))
+        stride = max(1, -(-n // max_steps))
+    out, seen, passed = [], 0, None
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break  # half written: the writer is mid-line
+            kind = _kind(line)
+            if kind is not None and kind not in wanted:
+                continue
+            if kind == "step" and stride > 1:
+                seen += 1
+                passed = (i, line, len(out)) if (seen - 1) % stride else None
+                if passed is not None:
+                    continue
+            try:
+                event = parse_line(line, f"{path}:{i}", typed=True)
+            except MetricsError:
+                continue
+            if event.EVENT in wanted:
+                out.append(event)
+    if passed is not None:  # the last step, which the stride passed over, in its place
+        try:
+            out.insert(passed[2], parse_line(passed[1], f"{path}:{passed[0]}", typed=True))
+        except MetricsError:
+            pass
+    return out
+
+
+_PREFIX = b'{"event": "'
+
+
+def _kind(line: bytes) -> "str | None":
+    """A line's event kind from the prefix every writer puts first (None when the line does not start so)."""
+    if not line.startswith(_PREFIX):
+        return None
+    end = line.find(b'"', len(_PREFIX))
+    return line[len(_PREFIX):end].decode(errors="replace") if end > 0 else None
 
 
 # ---------------------------------------------------------------------- the stream on resume

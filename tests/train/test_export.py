@@ -22,7 +22,7 @@ def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _stream(run):
-    return read_events(Path(run) / "metrics.jsonl")
+    return read_events(Path(run) / "metrics.jsonl", typed=True)
 
 
 def test_live_tensorboard_files_hold_the_streams_losses(tmp_path):
@@ -48,7 +48,7 @@ def test_moelab_export_writes_the_same_scalars_after_the_fact(tmp_path, capsys):
     want = {}
     for e in _stream(tmp_path / "run"):
         for tag, v in scalars(e).items():
-            want.setdefault(tag, []).append((e["step"], v))
+            want.setdefault(tag, []).append((e.step, v))
     assert got.keys() == want.keys()
     for tag in want:
         assert [s for s, _ in got[tag]] == [s for s, _ in want[tag]], tag
