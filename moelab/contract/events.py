@@ -29,13 +29,19 @@ END_STATUSES = ("COMPLETED", "PREEMPTED", "CANCELLED")  # what an `end` event ma
 
 
 class MetricsError(ValueError):
-    """A metrics.jsonl line that is not a valid event (the message names the file and the line)."""
+    """A metrics.jsonl line that is not a valid event (the message names the file and the line).
+
+        parse_event({"event": "step"})   # MetricsError: a step event without an integer step (None)
+    """
 
 
 # ---------------------------------------------------------------------- the typed parts
 class Part:
     """A nested object of an event: JSON keys may differ from the field names (`KEYS`: field -> key), and
-    unknown keys are kept in `extra`, as for events."""
+    unknown keys are kept in `extra`, as for events.
+
+        Routing.from_json({"tokens_per_expert": [[1, 2]], "new": 1}).extra   # {"new": 1}
+    """
 
     KEYS: ClassVar[dict] = {}
 
@@ -62,7 +68,10 @@ class Part:
 
 @dc.dataclass
 class RankMemory(Part):
-    """One rank's memory at a step, GiB (peak allocated and reserved by the CUDA allocator, 0 on CPU; peak RSS)."""
+    """One rank's memory at a step, GiB (peak allocated and reserved by the CUDA allocator, 0 on CPU; peak RSS).
+
+        RankMemory(rank=1, rss_gb=0.8).to_json()["rss_gb"]   # 0.8
+    """
 
     rank: int = 0
     peak_allocated_gb: float | None = None
@@ -122,7 +131,10 @@ class Health(Part):
 
 @dc.dataclass
 class RunEnv(Part):
-    """Where a run (attempt) started: versions, host, device, world size, layout, pid, SLURM job id."""
+    """Where a run (attempt) started: versions, host, device, world size, layout, pid, SLURM job id.
+
+        RunEnv(device="cpu", world_size=2, slurm_job_id="1234")
+    """
 
     torch: str | None = None
     python: str | None = None
@@ -139,7 +151,10 @@ class RunEnv(Part):
 # ---------------------------------------------------------------------- the events
 @dc.dataclass(kw_only=True)
 class Event(Part):
-    """What every event carries: its kind (`EVENT`), the schema version and the time it was written."""
+    """What every event carries: its kind (`EVENT`), the schema version and the time it was written.
+
+        ev = parse_event(line); ev.EVENT, ev.schema, ev.time   # "step", 1, 1796160252.9
+    """
 
     EVENT: ClassVar[str] = ""
     OMIT_NONE: ClassVar[frozenset] = frozenset()  # optional fields left out of the line when None (else null)
@@ -210,7 +225,10 @@ class StepEvent(Event):
 @dc.dataclass(kw_only=True)
 class EvalEvent(Event):
     """Held-out loss after step `step` (moelab.train.evaluate): mean next-token cross entropy over `batches`
-    fixed global batches (`tokens` tokens), and its perplexity."""
+    fixed global batches (`tokens` tokens), and its perplexity.
+
+        EvalEvent(step=10, loss=2.1, perplexity=8.17, batches=2, tokens=4096)
+    """
 
     EVENT: ClassVar[str] = "eval"
     step: int
@@ -242,7 +260,10 @@ class WarningEvent(Event):
 
 @dc.dataclass(kw_only=True)
 class CheckpointEvent(Event):
-    """The checkpoint of step `step` is complete in folder `path`."""
+    """The checkpoint of step `step` is complete in folder `path`.
+
+        CheckpointEvent(step=10, path="runs/a/checkpoints/step_000010")
+    """
 
     EVENT: ClassVar[str] = "checkpoint"
     step: int
@@ -252,7 +273,10 @@ class CheckpointEvent(Event):
 @dc.dataclass(kw_only=True)
 class EndEvent(Event):
     """The attempt ended at `step`: COMPLETED (all steps), PREEMPTED (a stop signal: checkpointed, resumable) or
-    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.train.summary)."""
+    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.train.summary).
+
+        EndEvent(step=10, status="PREEMPTED", summary={"final_loss": 3.1})
+    """
 
     EVENT: ClassVar[str] = "end"
     step: int | None = None
@@ -266,7 +290,10 @@ class EndEvent(Event):
 
 @dc.dataclass(kw_only=True)
 class ErrorEvent(Event):
-    """A rank failed at `step` (any rank appends one): the exception's `message` and its `traceback`."""
+    """A rank failed at `step` (any rank appends one): the exception's `message` and its `traceback`.
+
+        ErrorEvent(step=3, rank=1, message="RuntimeError: ...", traceback="Traceback ...")
+    """
 
     EVENT: ClassVar[str] = "error"
     step: int | None = None

@@ -35,7 +35,7 @@ def stats_html(st: DashState) -> str:
     ROUTING_WINDOW steps with the run's mean below; MFU (or why there is none); peak memory per rank; dropped
     tokens; s/step; expert health now; status."""
     last = st.last
-    num = lambda key, fmt: fmt(last[key]) if last.get(key) is not None else "–"
+    num = lambda key, fmt: fmt(getattr(last, key)) if last is not None and getattr(last, key) is not None else "–"
     mem = "–"
     if st.memory_peak_R:
         per = st.memory_peak_R
@@ -255,7 +255,7 @@ def sweep_table_html(states: list, labels: "list | None" = None) -> str:
         b = st.balance_summary()
         rate = st.throughput()["recent"]
         cells = [html.escape(label), badge(st.status), f"{st.step}/{st.total_steps or '?'}",
-                 f"{st.last['loss']:.4g}" if st.last.get("loss") is not None else "–",
+                 f"{st.last.loss:.4g}" if st.last is not None and st.last.loss is not None else "–",
                  f"{rate:,.0f}" if rate is not None else "–",
                  *((f"{b['max_over_mean']:.2f}", f"{b['cv']:.2f}", f"{b['entropy']:.3f}", str(b["dead"]))
                    if b else ("–",) * 4)]
