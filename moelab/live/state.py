@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.contract.events import (EndEvent, ErrorEvent, EvalEvent, Event, Health, StartEvent, StepEvent,
-                                    WarningEvent, parse_event)
+from moelab.contract.events import (ControlEvent, EndEvent, ErrorEvent, EvalEvent, Event, Health, StartEvent,
+                                    StepEvent, WarningEvent, parse_event)
 from moelab.contract.status import SLURM_ENDED, TERMINAL
 from moelab.contract.stream import JsonlTail
 from moelab.train.summary import BALANCE_KEYS, balance, balance_L, demand_ME, mean_balance, step_balance, timed_steps
@@ -107,6 +107,7 @@ class DashState:
     dropped_pct: "float | None" = None  # share of the last step's routed assignments dropped by capacity
     warnings: list = field(default_factory=list)  # warning events
     errors: list = field(default_factory=list)  # error events
+    controls: list = field(default_factory=list)  # control events: live changes of config fields
     corrupt: list = field(default_factory=list)  # messages about lines that did not parse
     summary: dict = field(default_factory=dict)  # from the `end` event
     first_time: float = 0.0
@@ -150,6 +151,8 @@ class DashState:
         elif isinstance(ev, ErrorEvent):
             self.errors.append(ev)
             self.event_status = "FAILED"
+        elif isinstance(ev, ControlEvent):
+            self.controls.append(ev)
         elif isinstance(ev, EndEvent):
             self.event_status = ev.status or "COMPLETED"
             self.summary = ev.summary or {}

@@ -218,7 +218,7 @@ def test_a_stream_that_ended_preempted_is_preempted_whatever_slurm_says(slurm_cl
     assert Run.load(tmp_path / "pre").status == "PREEMPTED"
     out = subprocess.run([sys.executable, "-m", "moelab", "status", str(tmp_path / "pre")], capture_output=True,
                          text=True, timeout=120)
-    assert "[PREEMPTED] step 1/1" in out.stdout, out.stdout + out.stderr
+    assert "[PREEMPTED]  step 1/1" in out.stdout, out.stdout + out.stderr
     _external_run(tmp_path / "cancel", job, "CANCELLED")
     assert Run.load(tmp_path / "cancel").status == "CANCELLED"
     _external_run(tmp_path / "done", job, "COMPLETED")
