@@ -214,37 +214,50 @@ class JsonlTail:
 
 
 # ---------------------------------------------------------------------- the end of a long stream
-TAIL_BYTES = 1 << 20  # tail_events reads at most this much from the end of the stream, unless asked for more
+TAIL_BYTES = 256 << 10  # tail_events reads this much from the end of the stream (more only for a longer line)
 
 
 def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_bytes: int = TAIL_BYTES,
-                first: "tuple[str, ...]" = ("start",)) -> tuple[list[Event], list[Event]]:
-    """The typed events of the last `max_bytes` of a stream (of `kinds`, all when None), and the events of
-    kinds `first` from its first 64 KiB (a run's first `start`, which a long stream's end no longer holds).
-    A reader of a run of a million steps reads a bounded amount, whatever the file's size: `moelab status`,
-    moelab.runs(), a Run's progress and status. Damaged lines and a half-written last line are left out (the
-    full readers report them).
+                first: "tuple[str, ...]" = ("start",), limit: "int | None" = None) -> tuple[list[Event], list[Event]]:
+    """The typed events of `kinds` (all when None) in the last `max_bytes` of a stream (the last `limit` of them
+    when given: only those lines are parsed), and the events of kinds `first` from its first 64 KiB (a run's
+    first `start`, which a long stream's end no longer holds). A reader of a run of a million steps reads a
+    bounded amount, whatever the file's size: `moelab status`, moelab.runs(), a Run's progress and status. The
+    window grows only while it holds no whole line (a single line longer than it). Damaged lines and a
+    half-written last line are left out (the full readers report them).
 
-        last, head = tail_events("runs/a/metrics.jsonl", kinds=("start", "step", "end", "error"))
+        last, head = tail_events("runs/a/metrics.jsonl", kinds=("step",), limit=1)   # the last step, first start
     """
     path = Path(path)
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return [], []
-    wanted = lambda e: not isinstance(e, MetricsError) and (kinds is None or e.EVENT in kinds)
     with f:
         size = os.fstat(f.fileno()).st_size
-        while True:  # a window that holds no whole line of those kinds (a huge last line) is doubled
+        while True:
             start = max(size - max_bytes, 0)
             f.seek(start)
             data = f.read(size - start)
-            if start:  # the first line read is a piece of a line: drop it
-                data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
-            last = [e for _, _, e in parse_lines(data, path, typed=True)[0] if wanted(e)]
-            if last or not start:
+            cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
+            if not start or 0 < cut < len(data):
                 break
             max_bytes *= 2
+        lines = data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
+        last = []
+        for line in reversed(lines):
+            kind = _kind(line)
+            if kinds is not None and kind is not None and kind not in kinds:
+                continue
+            try:
+                event = parse_line(line, str(path), typed=True)
+            except MetricsError:
+                continue
+            if kinds is None or event.EVENT in kinds:
+                last.append(event)
+                if limit is not None and len(last) >= limit:
+                    break
+        last.reverse()
         head = b""
         if start and first:
             f.seek(0)
@@ -272,7 +285,7 @@ def scan_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_
     if max_steps and "step" in wanted:
         with open(path, "rb") as f:
             n = sum(1 for line in f if _kind(line) in ("step", None))
-        stride = max(1, -(-n // max_steps))
+        stride = max(1, -(-n // max(max_steps - 1, 1)))  # room for the last step
     out, seen, passed = [], 0, None
     with open(path, "rb") as f:
         for i, line in enumerate(f, 1):

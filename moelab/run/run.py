@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moelab.contract.events import StartEvent, StepEvent
 from moelab.contract.folder import RunFolder
 from moelab.contract.status import STATES, TERMINAL, RunStatus
 from moelab.contract.stream import scan_events, tail_events
@@ -289,10 +288,11 @@ class Run:
         """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s (and
         pending_reason while a SLURM job waits)."""
         # read from the end of the stream (and its first start): a bounded read however long the run
-        events, head = tail_events(self.run_folder.metrics, kinds=("start", "step"))
-        starts = [e for e in events if isinstance(e, StartEvent)] or head
+        steps, _ = tail_events(self.run_folder.metrics, kinds=("step",), limit=1, first=())
+        starts, head = tail_events(self.run_folder.metrics, kinds=("start",), limit=1)
+        starts = starts or head
         total = starts[-1].total_steps if starts else None
-        last = next((e for e in reversed(events) if isinstance(e, StepEvent)), None)
+        last = steps[-1] if steps else None
         status = self.status
         return {"status": str(status), "step": last.step if last else (starts[-1].start_step if starts else 0),
                 "total_steps": total, "loss": last.loss if last else None,
