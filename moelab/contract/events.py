@@ -21,6 +21,7 @@ schema's (``tokens_per_expert``); in code they carry the shape (``tokens_per_exp
 from __future__ import annotations
 
 import dataclasses as dc
+import functools
 import time as _time
 from typing import Any, ClassVar
 
@@ -46,12 +47,7 @@ class Part:
     KEYS: ClassVar[dict] = {}
 
     def to_json(self) -> dict:
-        out = {}
-        for f in dc.fields(self):
-            if f.name == "extra":
-                continue
-            v = getattr(self, f.name)
-            out[self.KEYS.get(f.name, f.name)] = _to_json(v)
+        out = {key: _to_json(getattr(self, name)) for name, key, *_ in _fields(type(self))}
         return {**out, **self.extra}
 
     @classmethod
@@ -59,10 +55,11 @@ class Part:
         if not isinstance(data, dict):
             raise MetricsError(f"{cls.__name__.lower()} is {type(data).__name__}, not an object")
         data, kw = dict(data), {}
-        for f in dc.fields(cls):
-            key = cls.KEYS.get(f.name, f.name)
-            if f.name != "extra" and key in data:
-                kw[f.name] = _from_json(f.metadata.get("part"), data.pop(key), f.metadata.get("many", False))
+        for name, key, part, many in _fields(cls):
+            if key in data:
+                v = data.pop(key)
+                kw[name] = v if part is None or v is None else (
+                    [part.from_json(x) for x in v] if isinstance(v, list) else []) if many else part.from_json(v)
         return cls(**kw, extra=data)
 
 
@@ -243,7 +240,7 @@ class WarningEvent(Event):
     """Something a person should know. Kinds: "preempted" (a stop signal; a checkpoint was saved),
     "corrupt_checkpoint", "layout_changed", "truncated_metrics_line", "damaged_metrics_line" (moelab.train.checkpoint,
     moelab.contract.stream); "dead_expert" and "overloaded_expert" (moelab.train.health: also layer and expert, and
-    the overloaded one's share); "disk" (a write to the run folder failed, moelab.contract.writes).
+    the overloaded one's share).
 
         WarningEvent(step=5, kind="dead_expert", layer=0, expert=3, message="...")
     """
@@ -318,8 +315,8 @@ class ControlEvent(Event):
     who: str = ""
 
 
-KINDS: dict[str, type[Event]] = {c.EVENT: c for c in (StartEvent, StepEvent, EvalEvent, WarningEvent, CheckpointEvent, EndEvent,
-                                                        ErrorEvent, ControlEvent)}
+KINDS: dict[str, type[Event]] = {c.EVENT: c for c in (StartEvent, StepEvent, EvalEvent, WarningEvent,
+                                                       CheckpointEvent, EndEvent, ErrorEvent, ControlEvent)}
 EVENTS = tuple(KINDS)  # the kinds a stream may hold
 
 
@@ -333,37 +330,46 @@ def parse_event(record: Any) -> Event:
     if schema > SCHEMA_VERSION:
         raise MetricsError(f"schema {schema} is newer than this moelab reads ({SCHEMA_VERSION}); upgrade moelab")
     cls = KINDS[record["event"]]
-    for f in dc.fields(cls):
-        v = record.get(f.name)
-        if f.name == "step" and f.default is dc.MISSING and (not isinstance(v, int) or isinstance(v, bool)):
-            raise MetricsError(f"a {cls.EVENT} event without an integer step ({v!r})")
-        if f.name == "step" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise MetricsError(f"a {cls.EVENT} event with step {v!r}, not an integer")
-        wants_object = f.metadata.get("part") is not None or f.type in ("dict", "dict | None")
-        if wants_object and v is not None and not isinstance(v, dict):
-            raise MetricsError(f"{f.name} is {type(v).__name__}, not an object")
-        if f.default is dc.MISSING and f.default_factory is dc.MISSING and f.name not in record:
-            raise MetricsError(f"a {cls.EVENT} event without {f.name!r}")
+    step_required, objects, required = _checks(cls)
+    step = record.get("step")
+    if step is not None or step_required:
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise MetricsError(f"a {cls.EVENT} event without an integer step ({step!r})")
+    for name in objects:
+        v = record.get(name)
+        if v is not None and not isinstance(v, dict):
+            raise MetricsError(f"{name} is {type(v).__name__}, not an object")
+    for name in required:
+        if name not in record:
+            raise MetricsError(f"a {cls.EVENT} event without {name!r}")
     try:
         return cls.from_json(record)
     except TypeError as e:
         raise MetricsError(f"a {cls.EVENT} event that does not fit its class ({e})") from None
 
 
-# ---------------------------------------------------------------------- JSON of nested values
+# ---------------------------------------------------------------------- what the classes declare, computed once
+@functools.cache
+def _fields(cls) -> tuple:
+    """(field name, JSON key, Part class or None, a list of them?) of every field but `extra`."""
+    return tuple((f.name, cls.KEYS.get(f.name, f.name), f.metadata.get("part"), f.metadata.get("many", False))
+                 for f in dc.fields(cls) if f.name != "extra")
+
+
+@functools.cache
+def _checks(cls) -> tuple:
+    """What parse_event checks of a kind: is `step` required, the fields that must be objects, the required ones."""
+    fields = dc.fields(cls)
+    required = tuple(f.name for f in fields if f.default is dc.MISSING and f.default_factory is dc.MISSING)
+    objects = tuple(f.name for f in fields if f.name != "extra" and
+                    (f.metadata.get("part") is not None or f.type in ("dict", "dict | None")))
+    return "step" in required, objects, required
+
+
 def _to_json(v):
+    """A field's JSON: parts (and lists of them) become objects; plain values, lists and dicts are JSON already."""
     if isinstance(v, Part):
         return v.to_json()
-    if isinstance(v, (list, tuple)):
-        return [_to_json(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _to_json(x) for k, x in v.items()}
+    if isinstance(v, list) and v and isinstance(v[0], Part):
+        return [x.to_json() for x in v]
     return v
-
-
-def _from_json(part, v, many: bool):
-    if part is None or v is None:
-        return v
-    if many:
-        return [part.from_json(x) for x in v] if isinstance(v, list) else []
-    return part.from_json(v)

@@ -263,8 +263,15 @@ def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_
             f.seek(0)
             head = f.read(min(64 * 1024, start))
             head = head[:head.rfind(b"\n") + 1]
-    firsts = [e for _, _, e in parse_lines(head, path, typed=True)[0]
-              if not isinstance(e, MetricsError) and e.EVENT in first] if head else []
+    firsts = []
+    for line in head.split(b"\n")[:-1]:
+        if _kind(line) in (*first, None) and line.strip():
+            try:
+                event = parse_line(line, str(path), typed=True)
+            except MetricsError:
+                continue
+            if event.EVENT in first:
+                firsts.append(event)
     return last, firsts
 
 

@@ -15,10 +15,12 @@ its Job (moelab.launch.jobs: the scheduler combined with the stream and submitit
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
+from moelab.contract.events import Memory, StepEvent
 from moelab.contract.folder import RunFolder
 from moelab.contract.status import STATES, TERMINAL, RunStatus
 from moelab.contract.stream import scan_events, tail_events
@@ -26,7 +28,11 @@ from moelab.launch.jobs import Job, job_for
 
 __all__ = ["Run", "STATES", "TERMINAL"]
 _POLL_S = 1.0  # a scheduler is asked at most this often per Run
-METRICS_ROWS = 20_000  # Run.metrics keeps at most about this many steps of a longer run (evenly spaced)
+METRICS_ROWS = 5_000  # Run.metrics keeps at most this many steps of a longer run (evenly spaced; metrics_table(None): all)
+# the columns of Run.metrics: a step event's scalar fields, and memory.* (rank 0's and the max over ranks)
+_STEP_COLUMNS = [f.name for f in dataclasses.fields(StepEvent) if f.name not in ("schema", "routing", "health",
+                                                                                  "memory", "extra")]
+_MEMORY_COLUMNS = [f.name for f in dataclasses.fields(Memory) if f.name not in ("per_rank", "extra")]
 
 
 class Run:
@@ -162,9 +168,9 @@ class Run:
         the stream is read line by line, so memory stays flat."""
         rows = []
         for e in scan_events(self.run_folder.metrics, kinds=("step",), max_steps=max_rows):
-            row = {k: v for k, v in e.to_json().items() if k not in ("event", "schema", "routing", "health", "memory")}
+            row = {**{k: getattr(e, k) for k in _STEP_COLUMNS}, **e.extra}
             if e.memory is not None:
-                row.update({f"memory.{k}": v for k, v in e.memory.to_json().items() if k != "per_rank"})
+                row.update({f"memory.{k}": getattr(e.memory, k) for k in _MEMORY_COLUMNS})
             rows.append(row)
         for row in rows:
             row["elapsed_s"] = row["time"] - rows[0]["time"]
