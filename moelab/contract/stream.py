@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from pathlib import Path
 
-from moelab.contract.events import EVENTS, KINDS, SCHEMA_VERSION, Event, MetricsError, parse_event
+from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, parse_event
 from moelab.contract.writes import append_line, write_durably
 
 __all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "append_event",

@@ -78,10 +78,10 @@ class Run:
 
     # ------------------------------------------------------------------ state
     @property
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         final = self._info.get("status")
         if final in TERMINAL:
-            return final
+            return RunStatus(final)
         when, cached = self._checked
         if cached is not None and time.monotonic() - when < _POLL_S:
             return cached
@@ -89,7 +89,7 @@ class Run:
         self._info = self.run_folder.read_info() or self._info
         final = self._info.get("status")
         if final in TERMINAL:
-            return final
+            return RunStatus(final)
         job = self.job
         status = job.state()
         self._info = job.info  # what the job recorded (e.g. an owner gone)
