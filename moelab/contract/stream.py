@@ -34,7 +34,7 @@ from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, 
 from moelab.contract.writes import append_line, write_durably
 
 __all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "append_event",
-           "read_events", "tail_events", "JsonlTail", "rewind_metrics"]
+           "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
 
 
 class MetricsWarning(UserWarning):
