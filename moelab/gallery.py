@@ -246,14 +246,14 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
 
 _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
                      "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
-                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile"}
+                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
+                     "fake_balanced_gate": "backend.fake_balanced_gate"}
 _REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
 
 
-def _planned_for_result(r: dict, entries: dict):
-    """The plan of the config a result ran: its gallery entry, or its preset with the settings it records (a
-    record without batch, dtypes and layout, e.g. an in-place variant of a benchmark script, is not planned)."""
-    from moelab.planner.plan import plan
+def _config_for_result(r: dict, entries: dict) -> Config | None:
+    """The config a result ran: its gallery entry, or its preset with the settings it records (a record without
+    batch, dtypes and layout, e.g. an in-place variant of a benchmark script, is not rebuilt: None)."""
     from moelab.presets import preset_names
 
     try:
@@ -265,7 +265,19 @@ def _planned_for_result(r: dict, entries: dict):
             return None
         over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
-        return plan(cfg.replace(**over), gpus=int(r.get("gpus", 1)), gpu_memory_gb=_gpu_memory_of(r.get("gpu_name")))
+        return cfg.replace(**over)
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
+    """The plan of the config a result ran (_config_for_result), or None; `gpu`: with its predicted speed."""
+    from moelab.planner.plan import plan
+
+    cfg = _config_for_result(r, entries)
+    try:
+        return None if cfg is None else plan(cfg, gpus=int(r.get("gpus", 1)),
+                                             gpu_memory_gb=_gpu_memory_of(r.get("gpu_name")), gpu=gpu)
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
 
@@ -310,6 +322,9 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     lines = _published_section(entries, results, by_name) + _peers_section(results)
     memory_lines, mem_rows = _memory_section(results, by_name)
     lines += memory_lines
+    from moelab.gallery_speed import speed_section
+
+    lines += speed_section(entries, results, _planned_for_result, _REBUILD_KEYS)
     if plots:
         lines += _plots(root, entries, results, mem_rows)
     text = "\n".join(lines) + "\n"

@@ -14,6 +14,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# warm rank processes (moelab.launch.warm) started by the tests, their subprocesses included, leave soon after
+os.environ.setdefault("MOELAB_WARM_IDLE_S", "120")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_warm_server():
+    """The warm rank process that this test session's local submits started stops with the session."""
+    yield
+    from moelab.launch import warm
+
+    warm.stop()
 
 
 def _cluster_answers() -> bool:

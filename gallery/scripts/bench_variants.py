@@ -98,7 +98,9 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
             r = b.measure(steps, warmup, metrics)
             r.update(base, variant=name, description=desc, global_batch_size=gbs, steps=steps, warmup=warmup,
-                     peak_memory_gb=b.peak_memory_gb(), wall_s=time.perf_counter() - t0, **extra)
+                     peak_memory_gb=b.peak_memory_gb(), wall_s=time.perf_counter() - t0,
+                     router="fake balanced" if extra.get("fake_balanced_gate") else "learned",
+                     loss=tr.model.loss_kind, optimizer=type(tr.optimizer).__name__, **extra)
         except Exception as e:  # one failing variant must not lose the others
             traceback.print_exc()
             r = {**base, "variant": name, "description": desc, "error": f"{type(e).__name__}: {e}"}
@@ -183,10 +185,12 @@ def main():
         from moelab.parallel.place import apply_compile
 
         apply_compile(tr.model, cfg.replace(**{"train.compile": True}))
+        tr.model.loss_compiled = False  # the loss stays eager for the next record
         b.set_fake_gate(True)
         record("fake-gate-gbs2-compile-eager-loss", "as fake-gate-gbs2 with torch.compile per block, loss uncompiled",
                args.steps, 3, fake_balanced_gate=True, compile=True, compiled_loss=False)
-        tr.cfg.train.compile = True  # the trainer's loss: moelab.train.loss.cross_entropy(compiled=True)
+        tr.cfg.train.compile = True
+        tr.model.loss_compiled = True  # the model's loss compiles its work (moelab.backends.loss)
         base["compiled_loss"] = True
         b.set_fake_gate(False)
         record("real-router-gbs2-compile", "as real-router-gbs2 with torch.compile per block", args.steps, 3,

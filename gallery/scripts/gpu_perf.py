@@ -2,6 +2,7 @@
 and the FP8 loss-parity curves.
 
     python gallery/scripts/gpu_perf.py bench  --out DIR [--fp8 off,rowwise] [--gbs 2,16] [--profile] [--set k=v]
+    python gallery/scripts/gpu_perf.py bench  --out DIR --losses chunked,full,liger,cce --mbs 2,4 --gbs 4,16
     python gallery/scripts/gpu_perf.py parity --out DIR [--steps 300] [--fp8 off,rowwise] [--set k=v]
     python gallery/scripts/gpu_perf.py table  DIR          # the short table of every record under DIR
     python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
@@ -10,7 +11,10 @@ bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 pa
 built once, timed with moelab.train.bench.Bencher on the trainer's real step at each global batch, first in bf16
 (--triton-adamw: again with moelab.train.adamw_triton's optimizer, then back to torch's), then converted in
 place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
-global batch (moelab.train.bench's fields plus fp8, compile, variant). --profile: one compiled step under
+global batch (moelab.train.bench's fields plus fp8, compile, variant, router, loss, optimizer). --losses / --mbs: the bf16
+step again with each LM-head loss (backend.loss, switched in place on the built model; liger / cce only where
+their packages import) at each micro batch (the global batches of --gbs that it divides), each record with its
+peak memory. --profile: one compiled step under
 torch.profiler, kernels summed by category (matmul, attention, optimizer, elementwise, permute, comm, other).
 parity: a smaller learnable workload (the proxy's structure at hidden 1024, 4 layers, 32 experts top 4, vocab
 8192, the synthetic Markov data, seq 1024, global batch 8, eager, fp32 master weights + bf16 autocast) trained `--steps` steps from the same seed; the
@@ -106,13 +110,22 @@ def profile_step(b: Bencher) -> dict:
     return summarize_kernels(kernels, ms)
 
 
+def router_kind(backend) -> str:
+    """The router a record was measured with: learned, fake balanced, or fake with noise (backend.fake_gate_noise)."""
+    if not backend.fake_balanced_gate:
+        return "learned"
+    return f"fake with noise {backend.fake_gate_noise:g}" if backend.fake_gate_noise > 0 else "fake balanced"
+
+
 def base_record(tr, b, args, fp8: str) -> dict:
-    t = tr.cfg.train
+    t, backend = tr.cfg.train, tr.cfg.backend
     return {"system": "moelab", "workload": tr.cfg.name, "gpus": 1, "gpu_name": tr.gpu_name,
             "flops_per_token": tr.flops_per_token, "flops_convention": FLOPS_CONVENTION, "peak_tflops": b.peak,
             "seq_len": t.seq_len, "micro_batch_size": t.micro_batch_size, "dtype": "bfloat16",
-            "param_dtype": t.param_dtype, "compile": t.compile, "fp8": fp8, "router": "learned",
-            "fake_balanced_gate": False, "commit": commit_id(), "torch_version": torch.__version__,
+            "param_dtype": t.param_dtype, "compile": t.compile, "fp8": fp8, "router": router_kind(backend),
+            "fake_balanced_gate": backend.fake_balanced_gate, "fake_gate_noise": backend.fake_gate_noise,
+            "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
+            "optimizer": type(tr.optimizer).__name__, "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv)}
 
 
@@ -126,6 +139,8 @@ def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
         check_fp8(cfg, tr.env.device)
     torch._dynamo.reset()
     enable_fp8(tr.model, lm_head=mode == "rowwise_lm_head")
+    if mode == "rowwise_lm_head":  # the FP8 head is the GEMM of the full-logits loss (config rule of train.fp8)
+        tr.model.loss_kind = "full"
     tr.cfg.train.fp8 = mode  # the trainer's step now runs as train.fp8=mode (expert weights cached per step)
 
 
@@ -144,13 +159,24 @@ def cmd_bench(args) -> None:
     print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
     b = Bencher(tr)
     for mode in modes:
-        if mode == "off" and args.triton_adamw:  # the same model and step with moelab.train.adamw_triton
-            bench_mode(tr, b, args, mode, out)
-            from moelab.train.adamw_triton import use_triton_adamw
+        if mode == "off" and args.losses:  # the LM-head losses x micro batches (the optimizer: train.optimizer's)
+            bench_losses(tr, b, args, out)
+            continue
+        if mode == "off" and args.triton_adamw:  # the same model and step with the other AdamW
+            from moelab.train.adamw_triton import TritonAdamW, use_triton_adamw
 
-            use_triton_adamw(tr.optimizer)
-            bench_mode(tr, b, args, mode, out, tag="bf16-triton-adamw", profile=False, gbs_list=args.triton_gbs)
-            tr.optimizer.__class__ = torch.optim.AdamW
+            bench_mode(tr, b, args, mode, out)
+            was_triton = isinstance(tr.optimizer, TritonAdamW)
+            if was_triton:
+                tr.optimizer.__class__ = torch.optim.AdamW
+            else:
+                use_triton_adamw(tr.optimizer)
+            bench_mode(tr, b, args, mode, out, tag="bf16-torch-adamw" if was_triton else "bf16-triton-adamw",
+                       profile=False, gbs_list=args.triton_gbs)
+            if was_triton:
+                use_triton_adamw(tr.optimizer)
+            else:
+                tr.optimizer.__class__ = torch.optim.AdamW
             continue
         if mode != "off":
             try:
@@ -162,6 +188,40 @@ def cmd_bench(args) -> None:
                      "error": f"{type(e).__name__}: {str(e)[:500]}"}, indent=1) + "\n")
                 continue
         bench_mode(tr, b, args, mode, out)
+
+
+def set_micro_batch(tr, mbs: int) -> None:
+    """Train the built model at another micro batch (the compiled blocks recompile for the new shape)."""
+    tr.cfg.train.micro_batch_size = mbs
+    if tr.env.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def bench_losses(tr, b, args, out: Path) -> None:
+    """bf16 records for each LM-head loss of --losses at each micro batch of --mbs and each global batch of --gbs
+    it divides; a loss whose package is missing gets an error record saying so."""
+    from moelab.backends import check_backends
+
+    first_mbs = tr.cfg.train.micro_batch_size
+    for loss in args.losses.split(","):
+        set_micro_batch(tr, first_mbs)  # the config as built, for the switchboard's check
+        try:
+            kind = check_backends(tr.cfg.replace(**{"backend.loss": loss}), tr.env.device)["loss"]
+        except Exception as e:  # noqa: BLE001 (liger / cce not installed here: recorded)
+            (out / f"moelab-bf16-loss{loss}-error.json").write_text(json.dumps(
+                {**base_record(tr, b, args, "off"), "loss": loss, "variant": f"bf16-loss{loss}",
+                 "global_batch_size": 0, "error": f"{type(e).__name__}: {str(e)[:500]}"}, indent=1) + "\n")
+            print(f"moelab loss {loss}: {e}", flush=True)
+            continue
+        tr.model.loss_kind = kind
+        for mbs in [int(m) for m in (args.mbs or str(first_mbs)).split(",")]:
+            set_micro_batch(tr, mbs)
+            gbs_list = ",".join(g for g in args.gbs.split(",") if int(g) % mbs == 0)
+            if gbs_list:
+                bench_mode(tr, b, args, "off", out, tag=f"bf16-loss{loss}-mbs{mbs}", profile=False,
+                           gbs_list=gbs_list)
+    set_micro_batch(tr, first_mbs)
+    tr.model.loss_kind = tr.cfg.backend.loss
 
 
 def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True,
@@ -295,6 +355,9 @@ def main(argv=None):
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
+            p.add_argument("--losses", default=None,
+                           help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce")
+            p.add_argument("--mbs", default=None, help="micro batches of --losses, e.g. 2,4 (default the config's)")
         else:
             p.add_argument("--steps", type=int, default=300)
     p = sub.add_parser("table")

@@ -4,12 +4,15 @@
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
 # a part that no longer fits in the call's budget (BUDGET_S, default 500 s) is skipped and says so.
 #   PARITY_MODES=off,rowwise  FP8_GBS=16,2
-#   PARTS="tt-compile tt-blocks moelab parity moelab-fp8"   (default: all, in this order; the essential first)
+#   PARTS="tt-compile tt-blocks moelab moelab-loss parity moelab-fp8"   (default: all, in this order)
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
 #     moelab-fp8  moelab train.fp8=rowwise compiled at FP8_GBS (default 16,2: 16 first, 2 if the budget allows)
+#     moelab-loss the LM-head losses side by side (LOSSES, default chunked,full,liger,cce: backend.loss; liger and
+#                 cce from the carried wheels) at micro batch 2 and 4 (LOSS_MBS) and global batch 2 and 16,
+#                 compiled, train.optimizer=auto, learned router, peak memory in each record
 #   Optional parts (measured in the first call, not run by default): fp8-check tt-fp8 tt-eager hf
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
@@ -22,7 +25,7 @@ ROOT=$(pwd)
 OUT=${OUT:-/tmp/gpu_perf_out}; mkdir -p "$OUT"
 R=/tmp/perf-results; L=/tmp/perf-logs; rm -rf $R $L; mkdir -p $R $L
 BUDGET_S=${BUDGET_S:-500}
-PARTS=${PARTS:-"tt-compile tt-blocks moelab parity moelab-fp8"}
+PARTS=${PARTS:-"tt-compile tt-blocks moelab moelab-loss parity moelab-fp8"}
 PARITY_MODES=${PARITY_MODES:-off,rowwise}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 trap '(cd /tmp && tar czf $OUT/results.tar.gz perf-results && tar czf $OUT/logs.tar.gz perf-logs)' EXIT
@@ -62,6 +65,8 @@ if [ -z "${DRY_RUN:-}" ]; then
 fi
 part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 --profile \
   --triton-adamw --triton-gbs ${TRITON_GBS:-2} $DRY
+part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 \
+  --losses ${LOSSES:-chunked,full,liger,cce} --mbs ${LOSS_MBS:-2,4} --steps 4 --warmup 2 $DRY
 # parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
 # depend on it), each under its own timeout so that neither outlives the part
 PAR="timeout -k 5 85 python3 gallery/scripts/gpu_perf.py parity --out $R --steps ${PARITY_STEPS:-300} $DRY --fp8"

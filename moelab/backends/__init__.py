@@ -6,7 +6,7 @@ ConfigError) naming the package and how to install it; with ``backend.fallback: 
 instead and a warning says so. Nothing falls back silently.
 
     from moelab.backends import detected, check_backends
-    detected()                          # {'grouped_gemm': False, 'te': False, 'deep_ep': False}
+    detected()                          # {'grouped_gemm': False, 'te': False, 'deep_ep': False, ...}
     check_backends(cfg, device="cuda")  # the effective choices, e.g. {'experts': 'grouped_gemm', ...}
 
 What each backend replaces (the rest of the model is untouched):
@@ -14,6 +14,8 @@ What each backend replaces (the rest of the model is untouched):
     backend.experts=te             experts become TE GroupedLinear layers (moelab.backends.te)
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
     backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
+    backend.loss=liger | cce       the LM head + loss as Liger Kernel's / cut-cross-entropy's fused kernel
+                                   (moelab.backends.loss; the default `chunked` is moelab's own, no package)
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from moelab.config import Config
 
 # Which config value asks for which package: (config field, value) -> package key.
 REQUESTS = {("experts", "grouped_gemm"): "grouped_gemm", ("experts", "te"): "te", ("attention", "te"): "te",
-            ("dispatcher", "deepep"): "deep_ep"}
-TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all"}
+            ("dispatcher", "deepep"): "deep_ep", ("loss", "liger"): "liger", ("loss", "cce"): "cce"}
+TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all", "loss": "chunked"}
 
 
 def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) -> str | None:
@@ -61,7 +63,7 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
     """The effective switchboard for a run: each requested backend if installed and supported; otherwise raise
     BackendUnavailable, or, with backend.fallback=true, the torch path with a warning."""
     b = cfg.backend
-    chosen = {"experts": b.experts, "attention": b.attention, "dispatcher": b.dispatcher}
+    chosen = {"experts": b.experts, "attention": b.attention, "dispatcher": b.dispatcher, "loss": b.loss}
     for (field_name, value), key in REQUESTS.items():
         if chosen[field_name] != value:
             continue
@@ -93,6 +95,7 @@ def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1)
         if hasattr(moe.experts, "impl"):
             moe.experts.impl = chosen["experts"] if chosen["experts"] != "te" else moe.experts.impl
     model.backends = chosen
+    model.loss_kind = chosen["loss"]  # the LM head's loss (moelab.backends.loss), after any fallback
     return chosen
 
 

@@ -1,6 +1,7 @@
-"""The optional packages of the kernel switchboard: what each is, whether it is installed, how to import it.
+"""The optional packages of the kernel switchboard (grouped_gemm, TE, DeepEP, and the fused losses' Liger Kernel
+and cut-cross-entropy): what each is, whether it is installed, how to import it.
 
-    detected()                   # {'grouped_gemm': False, 'te': False, 'deep_ep': False}
+    detected()                   # {'grouped_gemm': False, 'te': False, 'deep_ep': False, 'liger': False, ...}
     import_package("te")         # the module, or BackendUnavailable saying how to install it
 
 Detection runs once, at import (``importlib.util.find_spec``: cheap, imports nothing heavy); the switchboard
@@ -50,6 +51,12 @@ PACKAGES = {
         "machine without network: gallery/scripts/deepep/prepare.sh packs the source, build.sh builds the wheel "
         "there and installs it (README there); the PyPI sdist of deep-ep 1.0.0 lacks its headers)",
         "CUDA GPUs of compute capability 9.0 (Hopper) linked by NVLink, and parallel.ep > 1"),
+    "liger": Package(
+        "liger", "liger_kernel", "liger-kernel",
+        "pip install liger-kernel (or pip install 'moelab[loss]'; Triton kernels)", "a CUDA GPU"),
+    "cce": Package(
+        "cce", "cut_cross_entropy", "cut-cross-entropy",
+        "pip install cut-cross-entropy (or pip install 'moelab[loss]'; Triton kernels)", "a CUDA GPU"),
 }
 
 def _find(module: str) -> bool:

@@ -2,6 +2,7 @@
 
     moelab presets
     moelab plan qwen3-moe-30b-a3b --gpus 8
+    moelab plan deepseek-v3 --gpus 256 --gpu h100     # + predicted tokens/s/GPU and the step's parts
     moelab export runs/tiny --to tensorboard     # the metrics stream as TensorBoard event files
     moelab export runs/tiny --to hf out/tiny-hf  # the newest checkpoint in transformers' layout
     moelab bench qwen3-moe-30b-a3b-proxy --steps 10 --json result.json
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+from moelab.planner.gpus import GPU_KINDS
 
 
 def config_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def cmd_presets(args) -> int:
 def cmd_plan(args) -> int:
     from moelab.planner.plan import plan
 
-    p = plan(load_args(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb)
+    p = plan(load_args(args), gpus=args.gpus, gpu_memory_gb=args.gpu_memory_gb, gpu=args.gpu)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p)
     return 0
 
@@ -124,6 +127,8 @@ def add_parsers(sub) -> None:
     config_args(p)
     p.add_argument("--gpus", type=int, help="world size (default: the product of the config's layout)")
     p.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU (default: this CUDA device, else 80, an H100)")
+    p.add_argument("--gpu", choices=sorted(GPU_KINDS), help="predict the step time and tokens/s/GPU on this GPU "
+                   "kind (moelab.planner.speed; its memory unless --gpu-memory-gb)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 

@@ -164,6 +164,11 @@ def check(cfg) -> None:
     if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):
         _fail("train.fp8", t.fp8, f"FP8 experts run their own grouped GEMMs, not backend.experts={b.experts!r}; "
               "set backend.experts=auto (or train.fp8=off)")
+    if t.fp8 == "rowwise_lm_head" and b.loss != "full":
+        _fail("train.fp8", t.fp8, f"the FP8 LM head is the head GEMM of backend.loss=full; backend.loss={b.loss!r} "
+              "computes the head inside its fused loss in bf16: set backend.loss=full (or train.fp8=rowwise)")
+    if b.loss_chunk_tokens < 0:
+        _fail("backend.loss_chunk_tokens", b.loss_chunk_tokens, "must be >= 0 (0 = auto)")
     if t.fp8 != "off" and t.device == "cpu":
         _fail("train.fp8", t.fp8, "FP8 GEMMs need a CUDA GPU of compute capability 9.0+ (Hopper); set "
               "train.fp8=off on CPU")

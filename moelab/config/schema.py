@@ -200,6 +200,10 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
+    # AdamW's kernels (moelab.train.optim.build_optimizer): adamw = torch's (fused on CUDA, foreach on CPU);
+    # adamw_triton = one Triton kernel per large tensor (moelab.train.adamw_triton; same math and state dict);
+    # auto = adamw_triton on CUDA when Triton imports, else adamw.
+    optimizer: Literal["auto", "adamw", "adamw_triton"] = "auto"
     # FP8 (moelab.model.fp8): rowwise = e4m3 GEMMs scaled per row for the experts and the attention / dense
     # projections (router, norms, embedding, LM head in bf16); rowwise_lm_head adds the LM head (opt-in).
     fp8: Literal["off", "rowwise", "rowwise_lm_head"] = "off"
@@ -239,6 +243,12 @@ class BackendConfig:
     # TE's FP8 recipes for the attention projections of backend.attention=te: current (per-tensor current
     # scaling) or block (1x128 / 128x128 block scaling). moelab's own FP8 path is train.fp8.
     te_fp8: Literal["off", "current", "block"] = "off"
+    # The LM head + loss (moelab.backends.loss): chunked = moelab's fused linear + cross-entropy, which never holds
+    # the whole logits; full = the logits [tokens, vocabulary] then cross entropy; liger / cce = Liger Kernel's /
+    # Apple cut-cross-entropy's fused kernels (optional packages, CUDA). loss_chunk_tokens: tokens per chunk of
+    # `chunked` (0 = auto: about 2**30 bytes of fp32 logits, moelab.planner.loss.chunk_tokens).
+    loss: Literal["chunked", "full", "liger", "cce"] = "chunked"
+    loss_chunk_tokens: int = 0
 
 
 @dataclass

@@ -16,6 +16,21 @@ import sys
 import submitit
 from submitit.local.local import LocalJob
 
+from moelab.launch import warm
+
+
+class DetachedLocalJob(LocalJob):
+    """submitit's LocalJob, quiet at interpreter exit: its ``__del__`` tidies submitit's table of live processes
+    through path helpers that are already torn down then ("Exception ignored in LocalJob.__del__ ... TypeError"
+    after every script that submitted locally). The table dies with the interpreter, so there is nothing to tidy.
+
+        job = DetachedLocalJob(folder="runs/x/submitit", job_id="4242", process=proc, tasks=[0])
+    """
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():
+            super().__del__()
+
 
 class DetachedLocalExecutor(submitit.LocalExecutor):
     """A LocalExecutor whose controller starts in a new session (see the module docstring).
@@ -24,6 +39,8 @@ class DetachedLocalExecutor(submitit.LocalExecutor):
     """
 
     def _submit_command(self, command: str) -> LocalJob:
+        warm.start()  # a rank forked from a process that already imported torch and moelab (moelab.launch.warm)
+        command = warm.client_command(command)
         ntasks = self.parameters.get("tasks_per_node", 1)
         n_gpus = self.parameters.get("gpus_per_node", 0)
         visible = self.parameters.get("visible_gpus", ())
@@ -44,4 +61,5 @@ class DetachedLocalExecutor(submitit.LocalExecutor):
             cmd = " && ".join(setup + [shlex.join(cmd)])
         process = subprocess.Popen(cmd, shell=bool(setup), env=env, start_new_session=True,
                                    stdin=subprocess.DEVNULL)
-        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
+        return DetachedLocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                tasks=list(range(ntasks)))

@@ -209,7 +209,7 @@ class TrainJob:
         import submitit
 
         from moelab.launch.entry import quiet_idle_threads, train_rank
-        from moelab.launch.local import die_with_parent
+        from moelab.launch.warm import die_with_parent
 
         die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
         quiet_idle_threads()  # before torch is imported

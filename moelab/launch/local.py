@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 from moelab.config import Config, save_config
-from moelab.layout.dims import ParallelDims
 from moelab.contract.folder import RunFolder, lock_folder
 from moelab.contract.events import ErrorEvent
 from moelab.contract.stream import MetricsError, read_events
+from moelab.launch.warm import die_with_parent
+from moelab.layout.dims import ParallelDims
 
 
 class RankFailed(RuntimeError):
@@ -40,22 +41,6 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, rank: int, returncode: int):
         super().__init__(message)
         self.rank, self.returncode = rank, returncode
-
-
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """Ask the kernel to send `signum` to this process when its parent dies (Linux PR_SET_PDEATHSIG), so a rank
-    never outlives its launcher: SIGTERM makes it checkpoint at the step boundary and end PREEMPTED. A no-op
-    where prctl is missing. Call it first thing in the child (or as Popen's preexec_fn)."""
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signum), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signum)
 
 
 def free_port() -> int:

@@ -49,7 +49,7 @@ class Router(nn.Module):
         # mean over its ranks, moelab.parallel.context); None: this rank holds whole sequences.
         self.token_mean = None
         # Bool [T] of the tokens that count, set by the trainer for each micro batch when the model has a pad id
-        # (moelab.train.loss.loss_mask); None: every token. Padding stays out of the aux/z losses and statistics.
+        # (moelab.backends.full_loss.loss_mask); None: every token. Padding stays out of the aux/z losses and statistics.
         self.token_mask = None
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.

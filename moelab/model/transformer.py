@@ -14,6 +14,7 @@ import zlib
 import torch
 from torch import nn
 
+from moelab.backends.loss import lm_loss
 from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
 from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
@@ -70,11 +71,16 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
+        # the head's loss with targets (moelab.backends.loss): backend.loss as the switchboard resolved it, and
+        # whether its per-chunk work is compiled (set by moelab.parallel.place.apply_compile)
+        self.loss_kind, self.loss_chunk_tokens, self.loss_compiled = backend.loss, backend.loss_chunk_tokens, False
 
-    def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head).
-        `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard; packed
-        sequences (moelab.data.sft) pass [B, L], restarting at each document."""
+    def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None,
+                targets_BL: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, L] -> logits [B, L, V] (or hidden states, for a pipeline stage without the head); with
+        `targets_BL`, the mean next-token loss instead of the logits (moelab.backends.loss: the fused loss never
+        holds them). `positions_L` defaults to 0..L-1; context parallelism passes the positions of its shard;
+        packed sequences (moelab.data.sft) pass [B, L], restarting at each document."""
         h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
@@ -86,7 +92,12 @@ class MoETransformer(nn.Module):
             h_BLD = layer(h_BLD, cos_LD, sin_LD)
         if self.norm is not None:
             h_BLD = self.norm(h_BLD)
-        return self.output(h_BLD) if self.output is not None else h_BLD
+        if self.output is None:
+            return h_BLD
+        if targets_BL is None:
+            return self.output(h_BLD)
+        return lm_loss(h_BLD, self.output, targets_BL, self.loss_kind, self.cfg.pad_token_id, self.loss_compiled,
+                       self.loss_chunk_tokens)
 
     def tie_weights(self) -> None:
         """With tie_embeddings the head IS the embedding (one parameter). Call again after `to_empty`, which

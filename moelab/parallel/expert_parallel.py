@@ -93,6 +93,11 @@ class AllToAllDispatcher(Dispatcher):
         self.ep = dist.get_world_size(group)
         self.me = dist.get_rank(group)
         self.counts = DispatchCounts(self.ep)
+        # The overlapped exchange's halves run eagerly inside a compiled step (a graph break each). They are wrapped
+        # here, not with a decorator at import: importing torch._dynamo takes seconds that a run without EP never
+        # needs.
+        self._start_all_to_all = torch.compiler.disable(start_all_to_all)
+        self._wait_all_to_all = torch.compiler.disable(wait_all_to_all)
 
     def exchange_counts(self, x_TD, flat_TK, send_CRX):
         """Steps 2 and 3 for C chunks of the tokens at once: one all-to-all of the [R, C, X] counts and ONE
@@ -151,13 +156,13 @@ class OverlappedAllToAllDispatcher(AllToAllDispatcher):
         r0, r1 = (ChunkRows(f, recv_CRX[c], send[c], recv[c], c * h, K) for c, f in enumerate(halves))
         x0_WD = all_to_all(x_TD[r0.token_N], recv[0], send[0], g)
         travel1 = _Travel()
-        x1_WD = start_all_to_all(x_TD[r1.token_N], recv[1], send[1], g, travel1)   # chunk 1 travels ...
+        x1_WD = self._start_all_to_all(x_TD[r1.token_N], recv[1], send[1], g, travel1)   # chunk 1 travels ...
         y0_WD = experts(x0_WD[r0.perm_W], recv_CRX[0].sum(0))                        # ... while chunk 0 computes
-        x1_WD = wait_all_to_all(x1_WD, recv[1], send[1], g, travel1)
+        x1_WD = self._wait_all_to_all(x1_WD, recv[1], send[1], g, travel1)
         travel0 = _Travel()
-        y0_ND = start_all_to_all(r0.rank_major(y0_WD), send[0], recv[0], g, travel0)  # chunk 0 returns ...
+        y0_ND = self._start_all_to_all(r0.rank_major(y0_WD), send[0], recv[0], g, travel0)  # chunk 0 returns ...
         y1_WD = r1.rank_major(experts(x1_WD[r1.perm_W], recv_CRX[1].sum(0)))          # ... while chunk 1 computes
-        y0_ND = wait_all_to_all(y0_ND, send[0], recv[0], g, travel0)
+        y0_ND = self._wait_all_to_all(y0_ND, send[0], recv[0], g, travel0)
         y1_ND = all_to_all(y1_WD, send[1], recv[1], g)
         return weighted_sum([r0, r1], [y0_ND, y1_ND], weights_TK)
 
@@ -212,12 +217,10 @@ class _WaitAllToAll(torch.autograd.Function):
         return grad_WD, None, None, None, None
 
 
-@torch.compiler.disable
 def start_all_to_all(x_ND, out_splits, in_splits, group, travel: _Travel) -> torch.Tensor:
     return _StartAllToAll.apply(x_ND, out_splits, in_splits, group, travel)
 
 
-@torch.compiler.disable
 def wait_all_to_all(y_WD, out_splits, in_splits, group, travel: _Travel) -> torch.Tensor:
     return _WaitAllToAll.apply(y_WD, out_splits, in_splits, group, travel)
 

@@ -12,6 +12,8 @@ holds stages r, r + pp, r + 2pp, ... (the looped placement the interleaved sched
 into contiguous stages balancing the matmul cost (activated parameters per layer, the LM head counted on the
 last stage), so a dense layer weighs less than a MoE layer.
 
+The last stage computes its micro batch's loss itself (the targets go to the stages as a keyword argument:
+MoETransformer.forward with targets, the fused LM-head loss), unless a `loss_fn(logits_BLV, targets_BL)` is given.
 The loss of a micro batch is divided by the number of micro batches inside the loss function (scale_grads off),
 so gradients, and the router losses attached with MoE.loss_scale, have the same scale as the single-process
 gradient accumulation. ``PipelineModel`` presents this rank's stages as one module with the single-process
@@ -80,6 +82,7 @@ class PipelineRunner:
                  cfg: Config, n_microbatches: int, loss_fn):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+        # micro_loss None: the last stage's output is already its loss (moelab.backends.loss)
         self.n_microbatches, self.micro_loss = n_microbatches, loss_fn
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
@@ -91,6 +94,18 @@ class PipelineRunner:
         else:
             cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
             self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+        if loss_fn is None and not self.skips_outputs:
+            raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules merge the last stage's outputs, which "
+                               "are the model's scalar losses here; moelab needs a torch whose schedule.step takes "
+                               "return_outputs (torch >= 2.11)")
+
+    @property
+    def skips_outputs(self) -> bool:
+        """Whether the schedule can skip merging the last stage's outputs (torch's `step(return_outputs=False)`);
+        the model's own loss needs it (scalar losses do not concatenate), logits merely cost memory."""
+        import inspect
+
+        return "return_outputs" in inspect.signature(self.schedule.step).parameters
 
     def infer_shapes(self, model: nn.Module, batch_size: int, seq_len: int, device) -> None:
         """Run one step on zeros and discard its effects. torch.distributed.pipelining learns the shapes passed
@@ -103,9 +118,10 @@ class PipelineRunner:
         for moe in model.moe_layers():
             moe.router.pop_stats()
 
-    def loss_fn(self, logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    def loss_fn(self, output: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
         """One micro batch's loss, pre-divided by the number of micro batches (gradient accumulation)."""
-        return self.micro_loss(logits_BLV, targets_BL) / self.n_microbatches
+        loss = output if self.micro_loss is None else self.micro_loss(output, targets_BL)
+        return loss / self.n_microbatches
 
     def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
         """Run this rank's share of the step (all its micro batches, concatenated along the batch); returns
@@ -116,7 +132,11 @@ class PipelineRunner:
         # each micro batch's strides against those it saw then (tests/parallel/test_pipeline.py).
         inputs = (inputs_BL.contiguous(),) if self.holds_first else ()
         targets_BL = targets_BL.contiguous() if self.holds_last else None
-        self.schedule.step(*inputs, target=targets_BL, losses=losses)
+        # the model computes the loss: every stage takes the targets (only the last uses them)
+        kwargs = {"targets_BL": targets_BL} if self.micro_loss is None else {}
+        if self.skips_outputs:  # the merge of the last stage's outputs: not needed, and scalars do not concatenate
+            kwargs["return_outputs"] = False
+        self.schedule.step(*inputs, target=targets_BL, losses=losses, **kwargs)
         if not self.holds_last:
             return torch.zeros((), device=inputs_BL.device)
         return torch.stack([l.detach() for l in losses]).sum() * self.n_microbatches

@@ -159,3 +159,4 @@ def apply_compile(model: nn.Module, cfg: Config) -> None:
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()
+        model.loss_compiled = True  # the fused loss compiles its per-chunk work (moelab.backends.loss)

@@ -1,5 +1,6 @@
 """The analytic planner, torch-free: parameters and FLOPs (flops), per-layer shapes (shapes), the pipeline's
-stage split (stages), and memory / communication / a fits verdict per GPU (plan).
+stage split (stages), memory / communication / a fits verdict per GPU (plan), and with a GPU kind (gpus) the
+predicted step time and throughput (speed).
 
     from moelab.planner.plan import plan
     plan(load_config("qwen3-moe-30b-a3b"), gpus=8)

@@ -41,9 +41,12 @@ from moelab.layout.dims import ParallelDims
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.gathered import gathered_params
 from moelab.layout.shapes import layer_window
+from moelab.planner.gpus import gpu_kind
+from moelab.planner.speed import predict as predict_speed
 from moelab.planner.stages import split_layers
 from moelab.planner.units import GiB, _bytes, _flop, _num
 
@@ -107,6 +110,7 @@ class Plan:
     loading: dict | None = None  # train.init_from: the peak while loading (moelab.planner.loading)
     placing_bytes: int = 0  # DDP / replicated experts: the stage allocated whole (experts by EP) before wrapping
     trained_params: int = 0  # parameters with gradients and optimizer state (fewer than total_params under LoRA)
+    speed: object = None  # the predicted step on a GPU kind (moelab.planner.speed.Speed), with plan(..., gpu=)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -157,6 +161,8 @@ class Plan:
                                      f"{self.pipeline['in_flight_micro_batches']:g} micro batches in flight on rank "
                                      f"{self.stage}"))
         rows.append(("verdict", self.verdict))
+        if self.speed:
+            rows += [("speed (predicted)", self.speed.line()), ("  step parts", self.speed.breakdown())]
         rows += [("assumes" if i == 0 else "", text) for i, text in enumerate(self.assumptions)]
         return rows
 
@@ -277,9 +283,11 @@ def _sizes(cfg: Config, world: int) -> _Sizes:
                   t.micro_batch_size * t.seq_len // p.cp)
 
 
-def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None) -> Plan:
+def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
-    memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict).
+    memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
+    `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
+    kind's memory when `gpu_memory_gb` is not given.
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -297,13 +305,15 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     per_rank, logit_bytes = _memory(z, ranks)
     worst = max(per_rank, key=lambda x: x["total"])
     comm = _communication(z, worst)
-    capacity_gb, source = gpu_memory(gpu_memory_gb)
+    kind = gpu_kind(gpu) if gpu else None
+    capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
+    source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
     act_moe, act_dense = _act_bytes_per_token(cfg, True, z.a), _act_bytes_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
     counts = count_params(mdl)
-    return Plan(
+    result = Plan(
         name=cfg.name, gpus=world, layout={**{k: getattr(p, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
                                           "efsdp": z.efsdp},
         dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, seq_len=t.seq_len,
@@ -319,6 +329,10 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
         assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total))
+    if kind:
+        result.speed = predict_speed(cfg, result, kind)
+        result.assumptions += result.speed.assumptions
+    return result
 
 
 def _trained_params(cfg: Config, total: int) -> int:
@@ -339,9 +353,9 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
 
     acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
-    # per token at the loss (moelab.train.loss): eager keeps the logits, fp32 log-probabilities, and in backward
-    # their fp32 gradient and the gradient of the upcast; compiled on a GPU, logits and their gradient only
-    logit_bytes = mdl.vocab_size * (2 * a if t.compile else a + 12)
+    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
+    logits_total = logits_bytes(cfg, T, a)
+    logit_bytes = logits_total // max(T, 1)  # per token, as reported
     per_rank = []
     for r, layers in enumerate(ranks):
         n_moe = sum(is_moe[i] for i in layers)
@@ -378,7 +392,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "optimizer": trained * 2 * z.pb,
             "gathered_params": gathered,
             "activations": int(flight * act[t.activation_checkpointing]),
-            "logits": T * logit_bytes if r == p.pp - 1 else 0,
+            "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
         }
         load = loading_bytes(cfg, pieces, r, p.pp, n_moe, n_dense, dense_div, expert_div, local, z.pb) \
@@ -463,8 +477,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
         f"expert-FSDP = {efsdp}",
         f"activation checkpointing: {t.activation_checkpointing}",
-        ("loss compiled (CUDA): logits and their gradient only" if t.compile else
-         "eager loss: logits, fp32 log-probabilities and fp32 gradients (compute-dtype bytes + 12 per logit)"),
+        loss_assumption(cfg),
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",

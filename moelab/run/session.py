@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import shutil
+import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, ConfigError, flatten, load_config
+from moelab.launch import warm
 
 
 def _hf_source(spec: str) -> dict:
@@ -43,6 +45,8 @@ class Session:
 
     def __init__(self, source: "str | Path | dict | Config" = "tiny", /, **sections: Any):
         self._config = load_config(source, flatten(sections), readers=SOURCE_READERS)
+        if "ipykernel" in sys.modules:  # in a notebook, have a warm rank process ready for the first local submit
+            warm.start()
 
     @property
     def config(self) -> Config:
@@ -54,8 +58,9 @@ class Session:
         return Session(load_config(self._config, overrides))
 
     def plan(self, gpus: int | None = None, **kwargs: Any):
-        """Parameters, activated parameters, FLOPs per token and memory per GPU for this config
-        (moelab.planner.plan.plan, which takes the keywords; an HTML table in a notebook, text elsewhere)."""
+        """Parameters, activated parameters, FLOPs per token and memory per GPU for this config, and with
+        gpu="h100" | "h200" the predicted step time (moelab.planner.plan.plan, which takes the keywords; an HTML
+        table in a notebook, text elsewhere)."""
         from moelab.planner.plan import plan
 
         return plan(self._config, gpus=gpus, **kwargs)

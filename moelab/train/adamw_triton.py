@@ -1,12 +1,13 @@
-"""AdamW with one Triton kernel per large CUDA tensor (an experiment of issue 17, measured by
-gallery/scripts/gpu_perf.py, not the trainer's default).
+"""AdamW with one Triton kernel per large CUDA tensor (train.optimizer=adamw_triton, and auto's choice on CUDA:
+moelab.train.optim.build_optimizer; first measured by gallery/scripts/gpu_perf.py for issue 17).
 
 torch's fused AdamW moved the Qwen3 proxy's 78 GB of bf16 parameters, gradients and states at 2.7 TB/s of the
 4.3 measured on an H200 (29 ms per step). This class keeps torch.optim.AdamW's math, parameter groups, hooks
 and state layout (`step`, `exp_avg`, `exp_avg_sq`: checkpoints are interchangeable) and updates every CUDA
 tensor of at least MIN_NUMEL elements with one kernel that reads each of p, g, m, v once with wide loads and
 writes p, m, v once, bias corrections computed on the device from the `step` tensor (no host sync); the other
-parameters (small vectors, CPU tensors, DTensors) go through torch's own AdamW step.
+parameters (small vectors, CPU tensors) go through torch's own AdamW step. FSDP2's DTensors are updated through
+their local shards (the update is per element, so a shard's update is the whole tensor's, restricted).
 
     opt = TritonAdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     use_triton_adamw(existing_torch_adamw)   # in place, state and hooks kept
@@ -14,9 +15,26 @@ parameters (small vectors, CPU tensors, DTensors) go through torch's own AdamW s
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 
 import torch
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (found, not imported: importing it costs seconds)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernel_devices() -> tuple[str, ...]:
+    """Where the kernel runs: CUDA, and the CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests)."""
+    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @functools.cache
@@ -79,16 +97,19 @@ class TritonAdamW(torch.optim.AdamW):
     """
 
     MIN_NUMEL = 1 << 20
-    DEVICES = ("cuda",)  # the tests add "cpu" under TRITON_INTERPRET=1
+    DEVICES = kernel_devices()
 
     def _kernel_params(self, group) -> list:
-        from torch.distributed.tensor import DTensor
-
         if group.get("amsgrad") or group.get("maximize") or group.get("differentiable") or group.get("capturable"):
             return []
-        return [p for p in group["params"] if p.grad is not None and p.device.type in self.DEVICES and p.numel() >= self.MIN_NUMEL
-                and not isinstance(p, DTensor) and not p.grad.is_sparse and p.is_contiguous()
-                and p.grad.is_contiguous()]
+        out = []
+        for p in group["params"]:
+            if p.grad is None or p.grad.is_sparse or p.device.type not in self.DEVICES:
+                continue
+            lp, lg = _local(p), _local(p.grad)
+            if lp.numel() >= self.MIN_NUMEL and lp.is_contiguous() and lg.is_contiguous():
+                out.append(p)
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,7 +131,11 @@ class TritonAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             for p in params:
                 s = self.state[p]
-                adamw_update(p, p.grad, s["exp_avg"], s["exp_avg_sq"], s["step"], group["lr"], beta1, beta2,
+                m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
+                if not (m.is_contiguous() and v.is_contiguous()):  # a state loaded in another layout
+                    s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].contiguous(), s["exp_avg_sq"].contiguous()
+                    m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
+                adamw_update(_local(p), _local(p.grad), m, v, s["step"], group["lr"], beta1, beta2,
                              group["eps"], group["weight_decay"])
                 hidden.append((p, p.grad))
                 p.grad = None  # torch's step below skips it

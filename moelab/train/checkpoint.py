@@ -32,6 +32,7 @@ assumed to be on a file system every rank sees (as SLURM clusters provide).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -40,6 +41,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +180,17 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 
 # ---------------------------------------------------------------------- save and restore (collective)
+@contextlib.contextmanager
+def one_process_is_meant(single: bool):
+    """torch.distributed.checkpoint warns "torch.distributed is disabled ... assuming the intent is to save in a
+    single process" even when told so with no_dist=True: on one process that is the intent, so that one warning is
+    silenced there (and only there)."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 class Checkpointer:
     """Saves and restores one run's checkpoints; every rank makes the same calls (they are collectives)."""
 
@@ -271,7 +284,8 @@ class Checkpointer:
             if self._rank == 0:
                 (tmp / "rng").mkdir(parents=True)
             self._barrier()
-            dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
+            with one_process_is_meant(not self._dist):
+                dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
             rng_name = f"rng/rank_{self._rank:05d}.json"
             (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
             own_name = f"rank_state/rank_{self._rank:05d}.pt"  # replicated experts' error feedback
@@ -373,7 +387,8 @@ class Checkpointer:
             moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
             view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
             try:
-                dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
+                with one_process_is_meant(not self._dist):
+                    dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
                 copy_back(view, state)
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                                options=self.state_options())

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from moelab.data.batches import eval_batch, make_eval_dataset
-from moelab.train.loss import cross_entropy
+from moelab.backends.full_loss import cross_entropy
 
 
 class Evaluator:

@@ -15,7 +15,6 @@ import resource
 import socket
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from moelab.train.expert_tokens import ExpertTokenRecorder
 from moelab.loggers.mirror import StreamMirror, check_export
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
-from moelab.train.loss import cross_entropy, loss_mask
+from moelab.backends.full_loss import loss_mask
 from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalEvent, RunEnv, StartEvent,
                                     WarningEvent, parse_event)
 from moelab.contract.folder import write_json
@@ -102,7 +101,7 @@ class Trainer:
             from moelab.model.lora import apply_lora
 
             apply_lora(model, cfg)
-        self.par = parallelize(model, cfg, env, self.dims, partial(cross_entropy, compiled=cfg.train.compile))
+        self.par = parallelize(model, cfg, env, self.dims)  # the model computes the loss (moelab.backends.loss)
         self.model = self.par.model
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
         # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
@@ -186,8 +185,8 @@ class Trainer:
                 moe.router.token_mask = mask
             with torch.autocast(self.env.device.split(":")[0], dtype=self.dtype,
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
-                logits = self.model(inputs, positions)
-            loss = cross_entropy(logits, targets, compiled=t.compile, pad_token_id=self.cfg.model.pad_token_id)
+                # the LM head and its loss inside the model's forward (FSDP2 has gathered the head there)
+                loss = self.model(inputs, positions, targets_BL=targets)
             (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
         if self.cfg.data.kind == "sft":

@@ -30,7 +30,7 @@ LAYERS = [
     ("export", ["export/"]),
     ("launch", ["launch/"]),
     ("run", ["run/"]),
-    ("views", ["live/", "cli/", "gallery.py", "compare.py", "__init__.py", "__main__.py"]),
+    ("views", ["live/", "cli/", "gallery.py", "gallery_speed.py", "compare.py", "__init__.py", "__main__.py"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),

@@ -15,6 +15,9 @@ def test_run_tiny_50_steps(tmp_path):
     assert "COMPLETED at step 50/50" in r.stdout and "routing balance per MoE layer" in r.stdout
     steps = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 51))
+    # a first run ends clean: no warning the user did not cause (torch.distributed.checkpoint's "torch.distributed
+    # is disabled ... assuming the intent is to save in a single process" on one process), no traceback
+    assert "Warning" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_presets_and_clear_errors(tmp_path):

@@ -176,3 +176,30 @@ def test_a_bench_run_of_the_same_config_counts_for_its_entry(gallery):
     assert "44,444" in row and "same.json" in row
     ep2 = [l for l in text.splitlines() if l.startswith("| qwen3-moe-30b-a3b-proxy-ep2 |")][0]
     assert "not run here" in ep2
+
+
+def test_speed_tables_render_from_the_result_files(gallery):
+    """The predicted-vs-measured table has a row per 1- or 2-GPU moelab record on a known GPU, with the record's
+    figure and the model's; the published table has the six reference rows; editing a file changes the table."""
+    from moelab.config import load_config
+    from moelab.planner.plan import plan as plan_of
+
+    rec = _result("moelab", "qwen3-moe-30b-a3b-proxy", tokens_per_s_per_gpu=40000.0, global_batch_size=2,
+                  micro_batch_size=2, seq_len=4096, dtype="bfloat16", param_dtype="bfloat16", compile=True)
+    (gallery / "results" / "s.json").write_text(json.dumps(rec))
+    (gallery / "results" / "cpu.json").write_text(json.dumps(_result("moelab", "tiny-cpu", gpu_name="cpu")))
+    (gallery / "results" / "bare.json").write_text(json.dumps(_result("moelab", "qwen3-moe-30b-a3b-proxy")))
+    speed = render_report(gallery, plots=False).split("## Predicted vs measured throughput")[1]
+    measured, published = speed.split("## Predicted vs published")
+    row = [x for x in measured.splitlines() if x.startswith("| s |")][0].split(" | ")
+    predicted = plan_of(load_config("qwen3-moe-30b-a3b-proxy", {"train.compile": True, "train.param_dtype": "bfloat16"}),
+                        gpus=1, gpu="h200").speed.tokens_per_s_per_gpu
+    assert row[2] == "40,000" and row[3] == f"{predicted:,.0f}" and row[4] == f"{predicted / 40000:.2f}"
+    assert "not predicted: the record lacks" in [x for x in measured.splitlines() if x.startswith("| bare |")][0]
+    assert "| cpu |" not in measured  # a CPU run is no GPU record
+    rows = [x for x in published.splitlines() if x.startswith("| ") and not x.startswith("| entry")]
+    assert {x.split(" | ")[0].lstrip("| ") for x in rows} == set(REFERENCE)
+    assert all(x.split(" | ")[3] == f"{REFERENCE[x.split(' | ')[0].lstrip('| ')][5]:,}" for x in rows)
+    (gallery / "results" / "s.json").write_text(json.dumps({**rec, "tokens_per_s_per_gpu": 80000.0}))
+    again = render_report(gallery, plots=False).split("## Predicted vs published")[0]
+    assert f"| 80,000 | {predicted:,.0f} | {predicted / 80000:.2f} |" in again

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from moelab import load_hf, save_hf  # noqa: E402
 from moelab.hf import adapter_for  # noqa: E402
-from moelab.train.loss import IGNORE_INDEX, cross_entropy, loss_mask  # noqa: E402
+from moelab.backends.full_loss import IGNORE_INDEX, cross_entropy, loss_mask  # noqa: E402
 
 B, L, V = 2, 12, 96  # V: the vocabulary of conftest's models
 

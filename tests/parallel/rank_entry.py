@@ -8,6 +8,9 @@ RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, th
 reshard and prefetch settings, the optimizer groups' parameter kinds, and how many parameters were allocated
 whole or as FSDP2 shards).
 
+TEST_TRITON_MIN_NUMEL=N lowers TritonAdamW.MIN_NUMEL (train.optimizer=adamw_triton under TRITON_INTERPRET=1), so
+the tiny model's tensors go through the Triton kernel rather than torch's step.
+
 Fault injection (tests only, never in moelab): TEST_FAULT="RANK:STEP:exit" makes that rank os._exit(13) when it
 starts STEP; "RANK:STEP:hang" makes it sleep instead, like a stuck GPU.
 """
@@ -43,6 +46,7 @@ def placement(model, optimizer) -> dict:
                 "backward_prefetch": [names[id(s._modules[0])] for s in state._states_to_backward_prefetch]}
     kind = lambda p: "dtensor" if isinstance(p, DTensor) else "plain"  # noqa: E731
     return {"params": {clean(n): kind(p) for n, p in model.named_parameters()}, "units": units,
+            "optimizer": type(optimizer).__name__,
             "groups": [{"name": g["name"], "kinds": sorted({kind(p) for p in g["params"]}),
                         "meshes": sorted({str(p.device_mesh.mesh.tolist()) for p in g["params"]
                                           if isinstance(p, DTensor)})} for g in optimizer.param_groups]}
@@ -69,6 +73,10 @@ def record_allocation() -> None:
 
 def main(run_dir: Path) -> None:
     record_allocation()
+    if os.environ.get("TEST_TRITON_MIN_NUMEL"):
+        from moelab.train.adamw_triton import TritonAdamW
+
+        TritonAdamW.MIN_NUMEL = int(os.environ["TEST_TRITON_MIN_NUMEL"])
     trainer = Trainer(load_config(run_dir / "config.yaml"), run_dir)
     fault = os.environ.get("TEST_FAULT")
     if fault:

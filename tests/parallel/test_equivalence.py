@@ -7,6 +7,7 @@ pytestmark = pytest.mark.slow
 
 NO_CAPACITY = "model.moe.capacity_factor=0"  # CP drops by capacity per rank (moelab.parallel.context)
 OVERLAP = "parallel.ep_overlap=true"
+CHUNKS = "backend.loss_chunk_tokens=24"
 LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with its single-process reference)
     "ep2": (2, ["parallel.ep=2"], ()),
     "fsdp2": (2, [], ()),
@@ -22,18 +23,25 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     "ep2xfsdp2overlap": (4, ["parallel.ep=2", OVERLAP], ()),
     # FSDP2 options that change no value: every block gathered through backward, explicit prefetching
     "fsdp2-lean": (2, ["parallel.reshard_after_forward=never", "parallel.fsdp_prefetch=explicit"], ()),
+    # the fused loss (backend.loss=chunked, the default) in chunks of 24 tokens: 64 tokens per rank and micro
+    # batch leave a partial chunk (CP's 32 per rank too), with the head FSDP2-sharded, on the last pipeline stage,
+    # next to EP, and over CP's sequence shards
+    "fsdp2-chunks": (2, [], (CHUNKS,)),
+    "ep2-chunks": (2, ["parallel.ep=2"], (CHUNKS,)),
+    "pp2-chunks": (2, ["parallel.pp=2"], (CHUNKS,)),
+    "cp2xep2-chunks": (2, ["parallel.cp=2", "parallel.ep=2"], (NO_CAPACITY, "backend.attention=eager", CHUNKS)),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
 # One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
 # of expert-FSDP), one rank per pipeline stage leaves everything plain; every other parameter is a DTensor.
 PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
-         "pp2vp2": "all"}
+         "pp2vp2": "all", "ep2-chunks": "experts", "pp2-chunks": "all", "cp2xep2-chunks": "experts"}
 # Parameters after 4 AdamW steps: Adam turns rounding noise in near-zero gradients into updates of up to lr,
 # so no per-element rtol. Layouts that run the one-process kernels get a tight bound. CP computes attention per
 # query chunk (other rounding than one whole-sequence kernel), and its bound is what a kernel change does to this
 # same run: switching one process from SDPA to eager attention moves parameters by up to 3e-4 absolute and 5e-4
 # relative norm (measured). CP's losses, routing counts, aux losses and gradient norms are still held tightly.
-PARAM_TOL = {"cp2": (5e-4, 1e-3), "cp2xep2": (5e-4, 1e-3)}  # (max abs difference, relative norm difference)
+PARAM_TOL = {"cp2": (5e-4, 1e-3), "cp2xep2": (5e-4, 1e-3), "cp2xep2-chunks": (5e-4, 1e-3)}  # (max abs difference, relative norm difference)
 
 
 # cp2 alone (CP with FSDP2 over the two CP ranks, no EP) drifts from one process on this session's CI CPU: step 3's

@@ -17,7 +17,7 @@ from moelab.model import MoETransformer
 from moelab.model.attention import set_documents
 from moelab.parallel.env import DistEnv
 from moelab.data.batches import check_data
-from moelab.train.loss import IGNORE_INDEX
+from moelab.backends.full_loss import IGNORE_INDEX
 from moelab.contract.stream import read_events
 from moelab.data.sft import load_chat_tokenizer, render
 from moelab.data.sft_batches import SFTData

@@ -1,4 +1,5 @@
-"""The language-model loss: token-mean cross entropy on fp32 logits.
+"""The full language-model loss (`backend.loss: full`, and the reference the fused loss is tested against):
+token-mean cross entropy on fp32 logits.
 
 Shapes: B batch, L sequence, V vocabulary.
 

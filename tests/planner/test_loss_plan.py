@@ -1,0 +1,27 @@
+"""The plan's logits term follows backend.loss: the whole logits for `full`, one chunk plus the head's gradients
+for the fused loss, which then no longer grows with the micro batch's logits."""
+from moelab.config import load_config
+from moelab.planner.loss import chunk_tokens, logits_bytes
+from moelab.planner.plan import plan
+
+MB4 = ("train.micro_batch_size=4", "train.global_batch_size=16")
+
+
+def _logits(*overrides):
+    return plan(load_config("qwen3-moe-30b-a3b-proxy", ["train.compile=true", *overrides]), gpus=1).memory["logits"]
+
+
+def test_fused_loss_counts_one_chunk_not_the_whole_logits():
+    cfg = load_config("qwen3-moe-30b-a3b-proxy", ["train.compile=true"])
+    V, D, L = cfg.model.vocab_size, cfg.model.hidden_size, cfg.train.seq_len
+    T = cfg.train.micro_batch_size * L
+    full, fused = _logits("backend.loss=full"), _logits()
+    assert full == T * V * 2 * 2  # bf16 logits and their bf16 gradient, compiled
+    assert fused == logits_bytes(cfg, T, 2) < full * 0.4
+    C = chunk_tokens(V, T)
+    assert fused >= C * V * 2 * 2 + V * D * 4  # the chunk's logits and gradient, the fp32 head gradient
+    # doubling the micro batch doubles full's term; the fused loss's grows only by the hidden gradient
+    full4, fused4 = _logits("backend.loss=full", *MB4), _logits(*MB4)
+    assert full4 == 2 * full and fused4 - fused == T * D * 2
+    assert "fused linear + cross-entropy" in " ".join(
+        plan(load_config("qwen3-moe-30b-a3b-proxy"), gpus=1).assumptions)
