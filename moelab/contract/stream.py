@@ -58,9 +58,9 @@ class MetricsWriter:
         append_line(self.path, encode(event))
         return event
 
-    def write(self, kind: str, **fields) -> Event:
-        """emit() of the event `kind` built from its JSON fields (checked as a reader would check them)."""
-        return self.emit(parse_event({"event": kind, **fields}))
+    def write(self, event: str, **fields) -> Event:
+        """emit() of the event of kind `event` built from its JSON fields (checked as a reader checks them)."""
+        return self.emit(parse_event({"event": event, **fields}))
 
     def close(self) -> None:
         pass
