@@ -519,4 +519,6 @@ def _nest(dotted: str, value: Any) -> dict:
 
 
 def save_config(cfg: Config, path: "str | Path") -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from moelab.contract.writes import write_atomic  # a run folder's writes go through one place
+
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

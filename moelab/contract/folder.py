@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moelab.contract.status import SLURM_ENDED, slurm_job_state
+from moelab.contract.writes import write_atomic, write_if_possible
+
 CONFIG = "config.yaml"       # the config the run trains (written before any rank starts)
 METRICS = "metrics.jsonl"    # the event stream (moelab.contract.stream)
 SUMMARY = "summary.json"     # written by rank 0 at the end
@@ -43,11 +46,9 @@ def read_json(path: "str | Path") -> Any:
 
 
 def write_json(path: "str | Path", data: Any) -> None:
-    """Write atomically (another kernel may be reading it): a temporary file, then os.replace."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    """Write atomically (another kernel may be reading it): a temporary file, then os.replace; a full or
+    read-only disk raises FolderWriteError and leaves no temporary file (moelab.contract.writes)."""
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 class RunFolder:
@@ -133,6 +134,14 @@ class RunFolder:
         self.write_info(info)
         return info
 
+    def note_info(self, **fields: Any) -> dict:
+        """What a reader learnt (a final status, an owner gone) merged into run.json where the folder can be
+        written, silently not where it cannot (a finished run in a read-only folder); returns the new info
+        either way. Readers use this, never update_info."""
+        info = {**self.read_info(), **fields}
+        write_if_possible(lambda: self.write_info(info))
+        return info
+
     def read_summary(self) -> dict | None:
         return read_json(self.summary)
 
@@ -195,31 +204,6 @@ def owner_gone(owner: dict) -> bool:
     pid = owner.get("pid")
     return pid is not None and owner.get("host", socket.gethostname()) == socket.gethostname() and \
         not pid_alive(pid)
-
-
-# SLURM job states (the controller's, squeue -t all, or accounting's, sacct) after which no process of the job runs
-SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY",
-               "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
-
-
-def slurm_job_state(job_id) -> str | None:
-    """A SLURM job's state from the controller (squeue -t all, which knows an end before accounting), else from
-    accounting (sacct, once the controller has forgotten the job); None when neither answers or knows it."""
-    import shutil
-    import subprocess
-
-    for cmd in (["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"],
-                ["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)]):
-        if shutil.which(cmd[0]) is None:
-            continue
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-        except (OSError, subprocess.SubprocessError):
-            continue
-        states = [line.split()[0].rstrip("+") for line in out.stdout.splitlines() if line.strip()]  # "CANCELLED by 0"
-        if out.returncode == 0 and states:
-            return states[-1]
-    return None
 
 
 def remote_owner(owner: dict) -> tuple[str, str]:

@@ -2,36 +2,11 @@
 
 A run folder holds ``metrics.jsonl``: one JSON object per line, appended and flushed as it happens.
 
-Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and ``time`` (unix seconds):
-- ``start``: config (dict), env (torch, python, host, device, gpu_name, world_size, layout), total_steps,
-  start_step (> 0 after a resume), resumed_from (the checkpoint folder, or null), flops_per_token,
-  flops_convention, activated_params, total_params.
-- ``step``: step (1-based optimizer step), loss, aux_loss, z_loss, lr, grad_norm, tokens (this step, global),
-  step_time_s, tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu (null where the peak is unknown),
-  skipped (true when a non-finite step was skipped),
-  memory: {peak_allocated_gb, peak_reserved_gb, rss_gb, max_peak_allocated_gb, per_rank: [{rank, ...}]},
-  routing: {tokens_per_expert: [moe_layers][num_experts] (global, after dropping: each layer sums to
-  tokens x top_k - dropped), routed_per_expert: [moe_layers][num_experts] (the same before dropping: the demand
-  the router placed), dropped_tokens: [moe_layers], entropy: [moe_layers], logit_norm: [moe_layers],
-  capacity_factor: [moe_layers]}, health: {dead_experts: [[layer, expert], ...] (no tokens for
-  model.moe.dead_expert_steps steps), overloaded: [[layer, expert, share], ...] (load > model.moe.overload_factor
-  x the mean; share of the layer's assignments)} (moelab.train.health; layer = index among MoE layers),
-  comm: {name: number or list} this step's communication counts summed over ranks (empty on one process; with
-  EP moelab.parallel.expert_parallel.DispatchCounts: dispatch_rows, dispatch_bytes, dispatch_token_ranks,
-  dispatch_once_per_rank_bytes, tokens_by_ranks_reached; with replicated experts the gradient exchange's
-  expert_grad_bytes and expert_grad_uncompressed_bytes, moelab.parallel.compression).
-- ``eval``: step (after that step's ``step`` event), loss (mean next-token cross entropy on the held-out data:
-  train.eval_batches fixed global batches, the same on every layout), perplexity (exp(loss)), batches, tokens
-  (moelab.train.evaluate; written every train.eval_every steps and after the last step).
-- ``warning``: step, kind, message. Reliability kinds (moelab.train.checkpoint): "preempted" (a stop signal;
-  a checkpoint was saved), "corrupt_checkpoint" (a damaged checkpoint was skipped on resume), "layout_changed"
-  (resumed onto another layout), "truncated_metrics_line" (a half-written last line was dropped on resume),
-  "damaged_metrics_line" (lines that are not valid events were kept as they are, and are skipped by readers).
-  Kinds "dead_expert" and "overloaded_expert" (emitted when an expert becomes dead or overloaded, not while it
-  stays so) also carry layer and expert, and "overloaded_expert" its share.
-- ``checkpoint``: step, path (written once the checkpoint folder is complete).
-- ``end``: step, status ("COMPLETED" | "PREEMPTED" | "STOPPED"), summary.
-- ``error``: step, rank, message, traceback.
+The events and their fields are classes: moelab.contract.events (StartEvent, StepEvent, EvalEvent,
+WarningEvent, CheckpointEvent, EndEvent, ErrorEvent, ControlEvent; SCHEMA_VERSION). Writers hand those to
+``MetricsWriter.emit`` / ``append_event``; readers get them back with ``read_events(..., typed=True)`` or
+``JsonlTail(..., typed=True)`` (the plain JSON objects without ``typed``, for tools and tests), or only the
+stream's last events with ``tail_events`` (a reader of a long run reads a bounded amount from its end).
 
 Readers must expect the last line to be half written while a run is live (``read_events(..., live=True)``):
 it is left out silently until its newline arrives. Any other line that is not a valid event (it does not parse,
@@ -52,16 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from pathlib import Path
 
-SCHEMA_VERSION = 1
-EVENTS = ("start", "step", "eval", "warning", "checkpoint", "end", "error")
+from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, parse_event
+from moelab.contract.writes import append_line, write_durably
 
-
-class MetricsError(ValueError):
-    """A metrics.jsonl line that is not a valid event (the message names the file and the line)."""
+__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "append_event",
+           "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
 
 
 class MetricsWarning(UserWarning):
@@ -70,33 +43,38 @@ class MetricsWarning(UserWarning):
 
 
 class MetricsWriter:
-    """Appends events to metrics.jsonl; one write() and one flush() per event, so a crash loses nothing that
-    was written and a reader never sees a partial line except the very last one."""
+    """Appends events to metrics.jsonl; one write and one flush per event, so a crash loses nothing that
+    was written and a reader never sees a partial line except the very last one. A failed write (disk full,
+    read-only) raises FolderWriteError (moelab.contract.writes) naming the path and the bytes.
+
+        w = MetricsWriter("runs/a/metrics.jsonl")
+        w.emit(EvalEvent(step=10, loss=2.1, perplexity=8.2, batches=2, tokens=4096))
+    """
 
     def __init__(self, path: "str | Path"):
         self.path = Path(path)
-        self._f = open(self.path, "a", buffering=1)
 
-    def write(self, event: str, **fields) -> dict:
-        record = {"event": event, "schema": SCHEMA_VERSION, "time": time.time(), **_finite(fields)}
-        self._f.write(json.dumps(record, allow_nan=False, default=_jsonable) + "\n")
-        self._f.flush()
-        return record
+    def emit(self, event: Event) -> Event:
+        append_line(self.path, encode(event))
+        return event
+
+    def write(self, event: str, **fields) -> Event:
+        """emit() of the event of kind `event` built from its JSON fields (checked as a reader checks them)."""
+        return self.emit(parse_event({"event": event, **fields}))
 
     def close(self) -> None:
-        self._f.close()
+        pass
 
 
-def append_event(path: "str | Path", event: str, **fields) -> None:
+def encode(event: Event) -> bytes:
+    """One stream line: the event's JSON, non-finite numbers as null (a non-finite loss is also an error event)."""
+    return (json.dumps(_finite(event.to_json()), allow_nan=False, default=_jsonable) + "\n").encode()
+
+
+def append_event(path: "str | Path", event: Event) -> None:
     """Append one event from any process (an error on a rank that is not the writer): a single O_APPEND
     write of one line, which does not interleave with the writer's lines."""
-    line = json.dumps({"event": event, "schema": SCHEMA_VERSION, "time": time.time(), **_finite(fields)},
-                      default=_jsonable) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    append_line(path, encode(event))
 
 
 def _finite(x):
@@ -118,52 +96,47 @@ def _jsonable(x):
     return str(x)
 
 
-def parse_line(line: "str | bytes", where: str) -> dict:
+def parse_line(line: "str | bytes", where: str, typed: bool = False) -> "dict | Event":
+    """One line as its typed event (`typed`) or its JSON object, checked against the event's class either way;
+    MetricsError names `where` and says what is wrong."""
     try:
         record = json.loads(line)
     except ValueError as e:
         raise MetricsError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(record, dict) or record.get("event") not in EVENTS:
-        raise MetricsError(f"{where}: not a moelab event (needs 'event' in {EVENTS})")
-    schema = record.get("schema", SCHEMA_VERSION)
-    if not isinstance(schema, int) or isinstance(schema, bool):
-        raise MetricsError(f"{where}: schema {schema!r} is not a version number")
-    if schema > SCHEMA_VERSION:
-        raise MetricsError(f"{where}: schema {record['schema']} is newer than this moelab reads "
-                           f"({SCHEMA_VERSION}); upgrade moelab")
-    step = record.get("step")
-    if record["event"] in ("step", "checkpoint") and (not isinstance(step, int) or isinstance(step, bool)):
-        raise MetricsError(f"{where}: a {record['event']} event without an integer step ({step!r})")
-    for key in ("memory", "routing", "config", "env", "summary"):
-        if record.get(key) is not None and not isinstance(record[key], dict):
-            raise MetricsError(f"{where}: {key} is {type(record[key]).__name__}, not an object")
-    return record
+    try:
+        event = parse_event(record)
+    except MetricsError as e:
+        raise MetricsError(f"{where}: {e}") from None
+    return event if typed else record
 
 
-def parse_lines(data: bytes, where: "str | Path") -> tuple[list[tuple[int, bytes, "dict | MetricsError"]], bytes]:
+def parse_lines(data: bytes, where: "str | Path", typed: bool = False, first_line: int = 1
+                ) -> tuple[list[tuple[int, bytes, "dict | Event | MetricsError"]], bytes]:
     """Split a stream's bytes into (line number, line, event or the MetricsError saying why it is none) for
     every complete non-blank line, and the bytes after the last newline (b"" when the stream ends cleanly)."""
     lines = data.split(b"\n")
     tail = lines.pop()
     out = []
-    for i, line in enumerate(lines, 1):
+    for i, line in enumerate(lines, first_line):
         if line.strip():
             try:
-                out.append((i, line, parse_line(line, f"{where}:{i}")))
+                out.append((i, line, parse_line(line, f"{where}:{i}", typed)))
             except MetricsError as e:
                 out.append((i, line, e))
     return out, tail
 
 
-def read_events(path: "str | Path", live: bool = False, strict: bool = False) -> list[dict]:
-    """All valid events of a metrics.jsonl. A damaged complete line is skipped with a MetricsWarning naming its
-    line (MetricsError if `strict`). A last line without its newline is left out silently when `live` (the
-    writer may be mid-line); otherwise it raises MetricsError (the stream was cut by a kill mid-write)."""
+def read_events(path: "str | Path", live: bool = False, strict: bool = False, typed: bool = False
+                ) -> "list[dict] | list[Event]":
+    """All valid events of a metrics.jsonl: typed (moelab.contract.events) when `typed`, else their JSON
+    objects. A damaged complete line is skipped with a MetricsWarning naming its line (MetricsError if
+    `strict`). A last line without its newline is left out silently when `live` (the writer may be mid-line);
+    otherwise it raises MetricsError (the stream was cut by a kill mid-write)."""
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
-    parsed, tail = parse_lines(data, path)
+    parsed, tail = parse_lines(data, path, typed)
     events = []
     for _, _, event in parsed:
         if isinstance(event, MetricsError):
@@ -181,13 +154,14 @@ def read_events(path: "str | Path", live: bool = False, strict: bool = False) ->
 
 
 class JsonlTail:
-    """Incremental reader for a live stream: returns new complete events on each poll, keeps a half-written
+    """Incremental reader for a live stream: returns new complete events on each poll (typed when `typed`; at
+    most about `chunk_bytes` of the file per poll: poll until it returns nothing to catch up), keeps a half-written
     last line for the next poll, and reports each damaged complete line once through `errors` (never raises).
     When the file is replaced (a resume rewinds it, see above) it is read again from the top and only events not
     delivered before are returned; `rewinds` counts such replacements."""
 
-    def __init__(self, path: "str | Path"):
-        self.path = Path(path)
+    def __init__(self, path: "str | Path", typed: bool = False, chunk_bytes: int = 16 << 20):
+        self.path, self.typed, self.chunk_bytes = Path(path), typed, chunk_bytes
         self._pos = 0
         self._partial = b""
         self._line = 0
@@ -198,7 +172,7 @@ class JsonlTail:
         self.rewinds = 0
         self.errors: list[str] = []
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> "list[dict] | list[Event]":
         try:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -207,7 +181,12 @@ class JsonlTail:
                     self.rewinds += 1
                 self._inode = st.st_ino
                 f.seek(self._pos)
-                chunk = f.read()
+                chunk = b""
+                while True:  # at most chunk_bytes per poll (memory stays bounded), but a whole line
+                    part = f.read(self.chunk_bytes)
+                    chunk += part
+                    if len(part) < self.chunk_bytes or b"\n" in part:
+                        break
                 self._pos = f.tell()
         except FileNotFoundError:
             return []
@@ -219,7 +198,7 @@ class JsonlTail:
             if line.strip():
                 key = hash(line)  # each line is one event, made unique by its time
                 try:
-                    event = parse_line(line, f"{self.path}:{self._line}")
+                    event = parse_line(line, f"{self.path}:{self._line}", self.typed)
                 except MetricsError as e:
                     self._copies[key] = self._copies.get(key, 0) + 1
                     if (key, self._copies[key]) not in self._damaged:  # once, even when a rewound file shows
@@ -231,6 +210,124 @@ class JsonlTail:
                 self._delivered.add(key)
                 out.append(event)
         return out
+
+
+# ---------------------------------------------------------------------- the end of a long stream
+TAIL_BYTES = 256 << 10  # tail_events reads this much from the end of the stream (more only for a longer line)
+
+
+def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_bytes: int = TAIL_BYTES,
+                first: "tuple[str, ...]" = ("start",), limit: "int | None" = None) -> tuple[list[Event], list[Event]]:
+    """The typed events of `kinds` (all when None) in the last `max_bytes` of a stream (the last `limit` of them
+    when given: only those lines are parsed), and the events of kinds `first` from its first 64 KiB (a run's
+    first `start`, which a long stream's end no longer holds). A reader of a run of a million steps reads a
+    bounded amount, whatever the file's size: `moelab status`, moelab.runs(), a Run's progress and status. The
+    window grows only while it holds no whole line (a single line longer than it). Damaged lines and a
+    half-written last line are left out (the full readers report them).
+
+        last, head = tail_events("runs/a/metrics.jsonl", kinds=("step",), limit=1)   # the last step, first start
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return [], []
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        while True:
+            start = max(size - max_bytes, 0)
+            f.seek(start)
+            data = f.read(size - start)
+            cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
+            if not start or 0 < cut < len(data):
+                break
+            max_bytes *= 2
+        lines = data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
+        last = []
+        for line in reversed(lines):
+            kind = _kind(line)
+            if kinds is not None and kind is not None and kind not in kinds:
+                continue
+            try:
+                event = parse_line(line, str(path), typed=True)
+            except MetricsError:
+                continue
+            if kinds is None or event.EVENT in kinds:
+                last.append(event)
+                if limit is not None and len(last) >= limit:
+                    break
+        last.reverse()
+        head = b""
+        if start and first:
+            f.seek(0)
+            head = f.read(min(64 * 1024, start))
+            head = head[:head.rfind(b"\n") + 1]
+    firsts = []
+    for line in head.split(b"\n")[:-1]:
+        if _kind(line) in (*first, None) and line.strip():
+            try:
+                event = parse_line(line, str(path), typed=True)
+            except MetricsError:
+                continue
+            if event.EVENT in first:
+                firsts.append(event)
+    return last, firsts
+
+
+def scan_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_steps: "int | None" = None
+                ) -> list[Event]:
+    """The typed events of `kinds` (all when None), read line by line (memory stays flat however long the
+    stream); only the lines of those kinds are parsed. With `max_steps`, a stream of more step events keeps
+    at most about that many, evenly spaced, the last one always (a table or a plot of a million steps).
+    Damaged lines and a half-written last line are left out (read_events reports them).
+
+        steps = scan_events("runs/a/metrics.jsonl", kinds=("step",), max_steps=10_000)
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    wanted = set(kinds or EVENTS)
+    stride = 1
+    if max_steps and "step" in wanted:
+        with open(path, "rb") as f:
+            n = sum(1 for line in f if _kind(line) in ("step", None))
+        stride = max(1, -(-n // max(max_steps - 1, 1)))  # room for the last step
+    out, seen, passed = [], 0, None
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break  # half written: the writer is mid-line
+            kind = _kind(line)
+            if kind is not None and kind not in wanted:
+                continue
+            if kind == "step" and stride > 1:
+                seen += 1
+                passed = (i, line, len(out)) if (seen - 1) % stride else None
+                if passed is not None:
+                    continue
+            try:
+                event = parse_line(line, f"{path}:{i}", typed=True)
+            except MetricsError:
+                continue
+            if event.EVENT in wanted:
+                out.append(event)
+    if passed is not None:  # the last step, which the stride passed over, in its place
+        try:
+            out.insert(passed[2], parse_line(passed[1], f"{path}:{passed[0]}", typed=True))
+        except MetricsError:
+            pass
+    return out
+
+
+_PREFIX = b'{"event": "'
+
+
+def _kind(line: bytes) -> "str | None":
+    """A line's event kind from the prefix every writer puts first (None when the line does not start so)."""
+    if not line.startswith(_PREFIX):
+        return None
+    end = line.find(b'"', len(_PREFIX))
+    return line[len(_PREFIX):end].decode(errors="replace") if end > 0 else None
 
 
 # ---------------------------------------------------------------------- the stream on resume
@@ -268,10 +365,3 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict
             f"and skipped by every reader")})
     return records, notes
 
-
-def write_durably(path: Path, data: "str | bytes") -> None:
-    """Write a whole file and fsync it before returning (callers then rename it into place)."""
-    with open(path, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())

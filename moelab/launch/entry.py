@@ -9,13 +9,12 @@ LOCAL_RANK, or SLURM's. Submitit's tasks call `train_rank` directly (moelab.laun
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from moelab.config import load_config
-from moelab.contract.folder import RunFolder, lock_folder
+from moelab.contract.folder import RunFolder, lock_folder, write_json
 
 BENCH_FILE = "bench.json"
 
@@ -51,7 +50,7 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
     folder = RunFolder(run_dir)
     record = dict(bench(load_config(folder.config), steps=steps, warmup=warmup, command=command))
     if int(os.environ.get("RANK", "0")) == 0:
-        (folder.path / BENCH_FILE).write_text(json.dumps(record, indent=1))
+        write_json(folder.path / BENCH_FILE, record)
     return record
 
 

@@ -23,19 +23,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from moelab.contract.events import EndEvent, ErrorEvent, Event, StartEvent
 from moelab.contract.folder import RunFolder, owner_gone
-from moelab.contract.stream import read_events
+from moelab.contract.status import STATES, TERMINAL, RunStatus, reconcile, slurm_job_state, stream_end_status
+from moelab.contract.stream import read_events, tail_events
 
-# PREEMPTED: stopped by a signal after saving a checkpoint, and not requeued (a SLURM job that requeues itself
-# goes back to PENDING and RUNNING under the same job id); run.resume() continues it.
-STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED")
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED"})
-# SLURM job states (sacct) -> Run states; anything not listed is PENDING
-SLURM_STATES = {"RUNNING": "RUNNING", "COMPLETING": "RUNNING", "SUSPENDED": "RUNNING", "STOPPED": "RUNNING",
-                "SIGNALING": "RUNNING", "STAGE_OUT": "RUNNING", "COMPLETED": "COMPLETED",
-                "CANCELLED": "CANCELLED", "TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT", "FAILED": "FAILED",
-                "NODE_FAIL": "FAILED", "OUT_OF_MEMORY": "FAILED", "BOOT_FAIL": "FAILED",
-                "PREEMPTED": "PREEMPTED"}
+__all__ = ["Job", "InlineJob", "ExternalJob", "LocalJob", "SlurmJob", "job_for", "STATES", "TERMINAL"]
 
 
 class Job:
@@ -57,10 +50,26 @@ class Job:
     def job_id(self) -> str | None:
         return self.info.get("job_id")
 
-    def events(self) -> list[dict]:
-        return read_events(self.folder.metrics, live=True)
+    def events(self) -> list[Event]:
+        """Every event of the stream, typed (moelab.contract.events)."""
+        return read_events(self.folder.metrics, live=True, typed=True)
 
-    def state(self) -> str:
+    def last_attempt(self) -> tuple[list[Event], "StartEvent | None"]:
+        """The `start`, `end` and `error` events of the stream's last attempt (everything after its last start,
+        read from the end of the stream: a bounded read whatever its length), and the run's first start."""
+        last, head = tail_events(self.folder.metrics, kinds=("start", "end", "error"))
+        starts = [i for i, e in enumerate(last) if isinstance(e, StartEvent)]
+        first = head[0] if head else (last[starts[0]] if starts else None)
+        return last[starts[-1] if starts else 0:], first
+
+    def stream_end(self) -> "RunStatus | None":
+        """How the stream's last attempt ended (its `end` status, FAILED after an error event); None while it
+        has not ended."""
+        attempt, _ = self.last_attempt()
+        end = next((e for e in reversed(attempt) if isinstance(e, EndEvent)), None)
+        return stream_end_status(end.status if end else None, any(isinstance(e, ErrorEvent) for e in attempt))
+
+    def state(self) -> RunStatus:
         return self.stream_state()
 
     def cancel(self) -> None:
@@ -78,7 +87,7 @@ class Job:
         """submitit turns the end-of-time-limit signal into UncompletedJobError('... timed-out ...') when the
         job cannot requeue itself."""
         _, text = self.outcome()
-        texts = [text or ""] + [e.get("message", "") for e in self.events() if e["event"] == "error"]
+        texts = [text or ""] + [e.message for e in self.last_attempt()[0] if isinstance(e, ErrorEvent)]
         if any("UncompletedJobError" in t and "timed-out" in t for t in texts):
             return True
         # the signal can also arrive before the training code runs (or be swallowed by an import): submitit's
@@ -96,31 +105,24 @@ class Job:
         """The run's summary.json (rank 0 writes it at the end), None before."""
         return self.folder.read_summary()
 
-    def settled(self, job_id, status: str) -> str:
-        """Accounting (sacct) lags the controller: a SLURM job that has ended can still read RUNNING there for a
-        while. Once the stream's last attempt has ended (an `end` or `error` event after its last `start`) and
-        sacct is not terminal yet, the controller's state (squeue) decides, or the stream's when the controller
-        no longer knows the job."""
-        events = self.events()
-        starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-        if status in TERMINAL or not any(e["event"] in ("end", "error") for e in events[starts[-1] if starts else 0:]):
-            return status
-        from moelab.launch.slurm_checks import queue_state
+    def settled(self, job_id, status: RunStatus) -> RunStatus:
+        """A SLURM job's status (sacct's, `status`) combined with its stream. Accounting lags the controller: a
+        job that has ended can still read RUNNING there for a while; once the stream's last attempt has ended
+        (an `end` or `error` event after its last `start`) and sacct is not terminal yet, the controller's state
+        (squeue) decides, or the stream's when the controller does not know the job. Then the stream says how a
+        cleanly exited job ended (moelab.contract.status.reconcile: PREEMPTED stays PREEMPTED)."""
+        ended = self.stream_end()
+        if ended is not None and status not in TERMINAL:
+            state = slurm_job_state(job_id, sources=("squeue",))
+            if state is None:
+                return ended
+            now = RunStatus.from_slurm(state)
+            status = now if now.terminal else status
+        return reconcile(status, ended)
 
-        state = queue_state(str(job_id))
-        if state == "":
-            return self.stream_state()
-        ended = SLURM_STATES.get(state or "")
-        return ended if ended in TERMINAL else status
-
-    def stream_state(self) -> str:
-        """For a run without a scheduler to ask: the last terminal event of its stream."""
-        for e in reversed(self.events()):
-            if e["event"] == "end":
-                return {"COMPLETED": "COMPLETED", "PREEMPTED": "PREEMPTED"}.get(e.get("status"), "CANCELLED")
-            if e["event"] == "error":
-                return "FAILED"
-        return "RUNNING"
+    def stream_state(self) -> RunStatus:
+        """For a run without a scheduler to ask: how the stream's last attempt ended, RUNNING while it has not."""
+        return self.stream_end() or RunStatus.RUNNING
 
 
 class InlineJob(Job):
@@ -139,13 +141,13 @@ class InlineJob(Job):
         except OSError:
             return ""
 
-    def state(self) -> str:
-        status = self.info.get("status") or self.stream_state()
+    def state(self) -> RunStatus:
+        status = RunStatus(self.info.get("status") or self.stream_state())
         if status not in TERMINAL and owner_gone(self.info):
             # killed (kill -9, a dead kernel) before it could record its end: nobody will ever write it
             status = self.stream_state()
-            status = status if status in TERMINAL else "FAILED"
-            self.info = self.folder.update_info(
+            status = status if status in TERMINAL else RunStatus.FAILED
+            self.info = self.folder.note_info(
                 status=status, error=f"owner process gone: pid {self.info.get('pid')} on "
                                      f"{self.info.get('host', 'this host')} ended without recording the run's end")
         return status
@@ -160,20 +162,15 @@ class ExternalJob(Job):
     """
 
     def slurm_id(self) -> str | None:
-        start = next((e for e in self.events() if e["event"] == "start"), None)
-        return ((start or {}).get("env") or {}).get("slurm_job_id")
+        _, start = self.last_attempt()
+        return start.env.slurm_job_id if start is not None and start.env is not None else None
 
-    def state(self) -> str:
+    def state(self) -> RunStatus:
         job_id = self.slurm_id()
         if not job_id:
             return self.stream_state()
-        try:
-            lines = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)],
-                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
-        except (OSError, subprocess.SubprocessError):
-            lines = []
-        states = [line.split()[0].rstrip("+") for line in lines if line.strip()]  # "CANCELLED by 0"
-        status = SLURM_STATES.get(states[-1], "PENDING") if states else self.stream_state()
+        state = slurm_job_state(job_id, sources=("sacct",))
+        status = RunStatus.from_slurm(state) if state else self.stream_state()
         return self.settled(job_id, status)
 
     def cancel(self) -> None:
@@ -222,25 +219,24 @@ class SubmititJob(Job):
         except OSError:
             return ""
 
-    def ended_state(self) -> str:
+    def ended_state(self) -> RunStatus:
         """Status of a job whose processes are gone, from the result files, the stream and run.json."""
         kind, _ = self.outcome()
-        events = self.events()
-        ends = [e for e in events if e["event"] == "end"]
-        preempted = bool(ends) and ends[-1].get("status") in ("PREEMPTED", "CANCELLED")
-        if ends and ends[-1].get("status") == "CANCELLED":
-            return "CANCELLED"  # checkpointed and ended at the step boundary after a cancel
-        if kind == "success" and not preempted:
-            return "COMPLETED"  # even if a cancel came too late to stop it
+        ends = [e for e in tail_events(self.folder.metrics, kinds=("end",))[0]]
+        last = RunStatus(ends[-1].status) if ends else None
+        if last == RunStatus.CANCELLED:
+            return RunStatus.CANCELLED  # checkpointed and ended at the step boundary after a cancel
+        if kind == "success" and last != RunStatus.PREEMPTED:
+            return RunStatus.COMPLETED  # even if a cancel came too late to stop it
         if self.folder.read_info().get("cancel_requested") or self.info.get("cancel_requested"):
-            return "CANCELLED"
+            return RunStatus.CANCELLED
         if kind == "success":
-            return "PREEMPTED"
+            return RunStatus.PREEMPTED
         if self.timed_out():
-            return "TIMEOUT"
-        if kind is None and any(e.get("status") == "COMPLETED" for e in ends):
-            return "COMPLETED"
-        return "FAILED"
+            return RunStatus.TIMEOUT
+        if kind is None and any(e.status == "COMPLETED" for e in ends):
+            return RunStatus.COMPLETED
+        return RunStatus.FAILED
 
 
 class LocalJob(SubmititJob):
@@ -256,8 +252,8 @@ class LocalJob(SubmititJob):
         proc = getattr(self.handle, "_process", None)
         return proc.poll() is None if proc is not None else controller_alive(self.job_id)
 
-    def state(self) -> str:
-        return "RUNNING" if self.alive() else self.ended_state()
+    def state(self) -> RunStatus:
+        return RunStatus.RUNNING if self.alive() else self.ended_state()
 
     def preempt(self, signum: int = signal.SIGTERM) -> None:
         """Send `signum` to the controller, which forwards it to every task: they checkpoint at the step
@@ -284,22 +280,14 @@ class SlurmJob(SubmititJob):
 
     executor = "slurm"
 
-    def state(self) -> str:
-        import submitit
-
-        if self.handle is None:
-            self.handle = submitit.SlurmJob(Path(self.info["submitit_folder"]), str(self.job_id))
-        try:
-            state = self.handle.get_info(mode="force").get("State")
-        except Exception:  # sacct unreachable: fall back to what the files say
-            state = None
-        state = (state or "UNKNOWN").split()[0].rstrip("+")
-        if state == "UNKNOWN":
+    def state(self) -> RunStatus:
+        state = slurm_job_state(self.job_id, sources=("sacct",))
+        if state is None or state == "UNKNOWN":
             # not in accounting yet (just submitted), or accounting is off: finished tasks leave result files
-            return self.ended_state() if self.outcome()[0] is not None else "PENDING"
-        status = self.settled(self.job_id, SLURM_STATES.get(state, "PENDING"))
-        if status == "FAILED" and self.timed_out():
-            status = "TIMEOUT"
+            return self.ended_state() if self.outcome()[0] is not None else RunStatus.PENDING
+        status = self.settled(self.job_id, RunStatus.from_slurm(state))
+        if status == RunStatus.FAILED and self.timed_out():
+            status = RunStatus.TIMEOUT
         return status
 
     def cancel(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from moelab.config import Config, save_config
 from moelab.contract.folder import RunFolder, lock_folder
+from moelab.contract.events import ErrorEvent
 from moelab.contract.stream import MetricsError, read_events
 from moelab.launch.warm import die_with_parent
 from moelab.layout.dims import ParallelDims
@@ -132,11 +133,11 @@ def _failure_message(rank: int, procs: list, log_dir: Path, metrics_path) -> str
     tb = None
     if metrics_path is not None:
         try:
-            events = read_events(metrics_path, live=True)  # live: a killed writer may leave half a line
+            events = read_events(metrics_path, live=True, typed=True)  # live: a killed writer may leave half a line
         except MetricsError:
             events = []
-        errors = [e for e in events if e.get("event") == "error" and e.get("rank") == rank]
-        tb = errors[-1].get("traceback") if errors else None
+        errors = [e for e in events if isinstance(e, ErrorEvent) and e.rank == rank]
+        tb = errors[-1].traceback if errors else None
     if not tb:
         err = (log_dir / f"rank{rank}.err").read_text(errors="replace").strip()
         tb = "\n".join(err.splitlines()[-40:]) or "(no traceback: the process wrote nothing to stderr)"

@@ -18,13 +18,10 @@ from moelab.contract.folder import RunFolder
 
 def reached_step(folder: RunFolder) -> int:
     """The last step the folder's stream recorded (0 before the first)."""
-    from moelab.contract.stream import MetricsError, read_events
+    from moelab.contract.stream import tail_events
 
-    try:
-        steps = [e["step"] for e in read_events(folder.metrics, live=True) if e["event"] == "step"]
-    except MetricsError:
-        return 0
-    return int(steps[-1]) if steps else 0
+    steps = tail_events(folder.metrics, kinds=("step",))[0]  # read from the end of the stream
+    return int(steps[-1].step) if steps else 0
 
 
 def checkpoint_step(folder: RunFolder) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.jobs import Job, job_for
 from moelab.contract.folder import RunFolder, lock_folder
-from moelab.contract.stream import MetricsError, read_events
+from moelab.contract.stream import MetricsError, tail_events
 
 
 def resume_config(run_dir: "str | Path", steps: int | None = None):
@@ -31,11 +31,9 @@ def resume_config(run_dir: "str | Path", steps: int | None = None):
 
 def previous_world_size(run_dir: "str | Path") -> int:
     """How many ranks the run last trained on (its last `start` event; 1 if unknown)."""
-    try:
-        starts = [e for e in read_events(RunFolder(run_dir).metrics, live=True) if e["event"] == "start"]
-    except MetricsError:
-        return 1
-    return int(starts[-1].get("env", {}).get("world_size") or 1) if starts else 1
+    last, first = tail_events(RunFolder(run_dir).metrics, kinds=("start",))
+    starts = last or first
+    return int((starts[-1].env.world_size if starts[-1].env else None) or 1) if starts else 1
 
 
 def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = None, **cluster_options) -> Job:

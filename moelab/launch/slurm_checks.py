@@ -8,7 +8,7 @@ SLURM client, or the controller does not answer), it checks nothing: submission 
     check_request({"nodes": 2, "cpus_per_task": 8}, partition=None)   # None: the default partition
     # ConfigError: nodes=2: partition 'debug' has 1 node; ask for nodes <= 1 (or another partition: gpu)
     pending_reason("1234")   # "Resources (waiting for resources to be free)", None when not pending
-    queue_state("1234")      # "COMPLETED": the controller's state, which accounting (sacct) may lag
+(A job's state is asked in one place: moelab.contract.status.slurm_job_state.)
 
 Torch-free; uses only the SLURM command-line clients.
 """
@@ -151,23 +151,6 @@ def pending_reason(job_id: "str | int") -> "str | None":
             meaning = REASONS.get(reason.split(",")[0])
             return f"{reason} ({meaning})" if meaning else reason
     return None
-
-
-def queue_state(job_id: "str | int") -> "str | None":
-    """The controller's own state of a job ("RUNNING", "COMPLETED", "CANCELLED", ...; squeue -t all), which it
-    knows before accounting (sacct) does and keeps for MinJobAge after the end; "" when the controller no longer
-    knows the job (purged, or never submitted); None when squeue is missing or does not answer."""
-    if shutil.which("squeue") is None:
-        return None
-    try:
-        out = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"], capture_output=True,
-                             text=True, timeout=_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return "" if "Invalid job id" in out.stderr else None
-    states = out.stdout.split()
-    return states[-1] if states else ""
 
 
 def _int(text: str) -> int:

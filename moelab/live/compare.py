@@ -34,6 +34,7 @@ from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 from moelab.contract.folder import RunFolder, read_json
 from moelab.run.run import Run
+from moelab.contract.stream import scan_events
 from moelab.train.summary import demand_ME, step_balance
 
 COLUMNS = ("run", "status", "steps", "final_loss", "eval_loss", "max_over_mean", "final_max_over_mean", "cv",
@@ -199,12 +200,12 @@ class _RunData:
     """What the comparison reads from one run's step events, as arrays over steps."""
 
     def __init__(self, run):
-        steps = [e for e in run.events if e["event"] == "step"]
-        self.steps = [e["step"] for e in steps]
-        self.loss = [e.get("loss") for e in steps]
-        evals = [e for e in run.events if e["event"] == "eval"]
-        self.eval_steps, self.eval_loss = [e["step"] for e in evals], [e.get("loss") for e in evals]
-        routing = [e.get("routing") or {} for e in steps]
+        metrics = Path(run.folder) / "metrics.jsonl"
+        steps = scan_events(metrics, kinds=("step",))
+        self.steps = [e.step for e in steps]
+        self.loss = [e.loss for e in steps]
+        evals = scan_events(metrics, kinds=("eval",))
+        self.eval_steps, self.eval_loss = [e.step for e in evals], [e.loss for e in evals]
         demand = [demand_ME(e) for e in steps]
         self.load_IME = np.asarray(demand, dtype=np.float64) if steps and all(demand) else run.routing()
         if self.load_IME.ndim != 3:
@@ -212,9 +213,9 @@ class _RunData:
         per_step = [step_balance(c) for c in self.load_IME] if self.load_IME.size else [None] * len(steps)
         self.max_over_mean_I = [b["max_over_mean"] if b else None for b in per_step]
         self.cv_I = [b["cv"] if b else None for b in per_step]
-        self.dropped = sum(sum(r.get("dropped_tokens") or []) for r in routing)
+        self.dropped = sum(sum(e.routing.dropped_tokens_M or []) for e in steps if e.routing is not None)
         self.assignments = float(self.load_IME.sum())
-        self.dead_at_end = len((steps[-1].get("health") or {}).get("dead_experts", [])) if steps else 0
+        self.dead_at_end = len(steps[-1].health.dead_experts) if steps and steps[-1].health is not None else 0
 
 
 # ---------------------------------------------------------------------- opening runs

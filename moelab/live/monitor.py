@@ -46,7 +46,7 @@ class Target:
         self.run = run
         self.path = run_folder(run) / "metrics.jsonl"
         self.state = DashState(name=str(getattr(run, "name", "") or self.path.parent.name))
-        self.tail = JsonlTail(self.path)
+        self.tail = JsonlTail(self.path, typed=True)
         self.has_status = hasattr(run, "status")
         self._inode = None
 
@@ -61,10 +61,11 @@ class Target:
             old = self.state
             self.state = DashState(name=old.name, run_status=old.run_status, run_error=old.run_error,
                                    version=old.version + 1)
-            self.tail = JsonlTail(self.path)
+            self.tail = JsonlTail(self.path, typed=True)
         self._inode = inode if inode is not None else self._inode
-        for event in self.tail.poll():
-            self.state.apply(event)
+        while events := self.tail.poll():  # in bounded chunks, until caught up
+            for event in events:
+                self.state.apply(event)
         self.state.set_corrupt(self.tail.errors)
 
     def refresh_status(self) -> None:

@@ -149,8 +149,8 @@ def mark_health(ax, st: DashState, layer: "int | None" = None) -> None:
     step axis."""
     colors = {"dead_expert": "tab:red", "overloaded_expert": "tab:orange"}
     for kind, color in colors.items():
-        steps = [e.get("step") for e in st.health_warnings() if e.get("kind") == kind and e.get("step")
-                 and (layer is None or e.get("layer") == layer)]
+        steps = [e.step for e in st.health_warnings() if e.kind == kind and e.step
+                 and (layer is None or e.layer == layer)]
         if steps:
             ax.plot(steps, [1.0] * len(steps), "v", color=color, ms=5, clip_on=False,
                     transform=ax.get_xaxis_transform(), label=f"{kind.replace('_', ' ')} warning")
@@ -170,7 +170,7 @@ def draw_balance_history(ax, st: DashState) -> None:
 
 
 def draw_tflops(ax, st: DashState) -> None:
-    mfu = st.last.get("mfu")
+    mfu = st.last.mfu if st.last is not None else None
     title = "TFLOPs per GPU" + (f" (MFU {100 * mfu:.1f}% at the last step)" if mfu is not None else "")
     draw_series(ax, st, st.tflops_per_gpu, title, "", "tab:purple")
 

@@ -1,14 +1,16 @@
 """Dashboard state: the metrics stream of one run folded into plain Python (no widgets, no threads).
 
-Every view (widget, text, static plots) reads a `DashState`; only `apply()` knows the event schema
-(moelab/contract/stream.py), so a view never parses events itself.
+Every view (widget, text, static plots) reads a `DashState`; only `apply()` reads events (the typed classes of
+moelab.contract.events), so a view never parses events itself. The per-step histories keep at most MAX_POINTS
+points: a longer run is thinned (every other older point dropped, the latest kept), so a run of a million steps
+folds in flat memory.
 
     state = DashState()
-    for event in JsonlTail("runs/tiny/metrics.jsonl").poll():
+    for event in JsonlTail("runs/tiny/metrics.jsonl", typed=True).poll():
         state.apply(event)
     print(state.status_line())
 
-Shape legend: L = MoE layers, E = experts per layer, R = ranks.
+Shape legend: L = MoE layers (M in docs/shapes.md), E = experts per layer, R = ranks.
 """
 from __future__ import annotations
 
@@ -19,18 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
+from moelab.contract.events import (ControlEvent, EndEvent, ErrorEvent, EvalEvent, Event, Health, StartEvent,
+                                    StepEvent, WarningEvent, parse_event)
+from moelab.contract.status import SLURM_ENDED, TERMINAL
 from moelab.contract.stream import JsonlTail
 from moelab.train.summary import BALANCE_KEYS, balance, balance_M, demand_ME, mean_balance, step_balance, timed_steps
 
-# Run statuses after which nothing more will be written (SLURM's names, submitit's, the trainer's).
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CANCELED", "TIMEOUT", "PREEMPTED", "STOPPED",
-                      "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "ERROR", "INTERRUPTED"})
+MAX_POINTS = 20_000  # per-step histories longer than this are thinned (every other older point dropped)
 ROUTING_WINDOW = 20  # the dashboard's "last N steps": its routing heatmap, histogram, balance and throughput
 HISTORY_BUCKETS = 240  # the load-over-steps heatmap keeps at most this many columns (neighbours merge)
 
 
 def is_terminal(status: "str | None") -> bool:
-    return bool(status) and str(status).upper() in TERMINAL
+    """A status after which nothing more will be written: a RunStatus's terminal set, or SLURM's end states."""
+    return bool(status) and (str(status).upper() in TERMINAL or str(status).upper() in SLURM_ENDED)
 
 
 class StepBuckets:
@@ -93,7 +97,7 @@ class DashState:
     eval_loss: list = field(default_factory=list)
     tokens_per_s_per_gpu: list = field(default_factory=list)
     tflops_per_gpu: list = field(default_factory=list)
-    last: dict = field(default_factory=dict)  # the latest step event
+    last: "StepEvent | None" = None  # the latest step event
     memory_key: str = ""  # "peak_allocated_gb" on GPUs, "rss_gb" where the allocator reports nothing
     memory_peak_R: list = field(default_factory=list)  # running peak per rank
     memory_max: list = field(default_factory=list)  # per step: the max over ranks
@@ -103,6 +107,7 @@ class DashState:
     dropped_pct: "float | None" = None  # share of the last step's routed assignments dropped by capacity
     warnings: list = field(default_factory=list)  # warning events
     errors: list = field(default_factory=list)  # error events
+    controls: list = field(default_factory=list)  # control events: live changes of config fields
     corrupt: list = field(default_factory=list)  # messages about lines that did not parse
     summary: dict = field(default_factory=dict)  # from the `end` event
     first_time: float = 0.0
@@ -120,71 +125,78 @@ class DashState:
     balance_I: list = field(default_factory=list)
     balance_IM: list = field(default_factory=list)
     load_history: StepBuckets = field(default_factory=StepBuckets)  # the load-over-steps heatmap
-    health: dict = field(default_factory=dict)  # the last step's health (dead_experts, overloaded)
+    health: Health = field(default_factory=Health)  # the last step's health (dead_experts, overloaded)
     health_I: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
     device: str = ""  # from the start event: "cpu", "cuda", ...
 
     # ------------------------------------------------------------------ folding
-    def apply(self, event: dict) -> None:
-        """Fold one event of the stream (schema in moelab/contract/stream.py) into the state."""
-        kind = event.get("event")
-        t = event.get("time") or 0.0
+    def apply(self, event: "Event | dict") -> None:
+        """Fold one event of the stream (a moelab.contract.events class, or its JSON object) into the state."""
+        ev = event if isinstance(event, Event) else parse_event(event)
+        t = ev.time or 0.0
         self.first_time = self.first_time or t
         self.last_time = max(self.last_time, t)
-        if kind == "start":
-            cfg = event.get("config") or {}
-            self.name = self.name or cfg.get("name", "")
-            self.total_steps = event.get("total_steps") or self.total_steps
-            self.step = max(self.step, event.get("start_step") or 0)
-            self.device = str((event.get("env") or {}).get("device") or self.device)
+        if isinstance(ev, StartEvent):
+            self.name = self.name or ev.config.get("name", "")
+            self.total_steps = ev.total_steps or self.total_steps
+            self.step = max(self.step, ev.start_step or 0)
+            self.device = str((ev.env.device if ev.env else None) or self.device)
             self.event_status = "RUNNING"
-        elif kind == "step":
-            self._apply_step(event, t)
-        elif kind == "eval":
-            self._apply_eval(event)
-        elif kind == "warning":
-            self.warnings.append(event)
-        elif kind == "error":
-            self.errors.append(event)
+        elif isinstance(ev, StepEvent):
+            self._apply_step(ev, t)
+        elif isinstance(ev, EvalEvent):
+            self._apply_eval(ev)
+        elif isinstance(ev, WarningEvent):
+            self.warnings.append(ev)
+        elif isinstance(ev, ErrorEvent):
+            self.errors.append(ev)
             self.event_status = "FAILED"
-        elif kind == "end":
-            self.event_status = event.get("status") or "COMPLETED"
-            self.summary = event.get("summary") or {}
+        elif isinstance(ev, ControlEvent):
+            self.controls.append(ev)
+        elif isinstance(ev, EndEvent):
+            self.event_status = ev.status or "COMPLETED"
+            self.summary = ev.summary or {}
         self.version += 1
 
-    def _apply_step(self, ev: dict, t: float) -> None:
-        step = ev["step"]
+    def _histories(self) -> tuple:
+        """Every per-step list (cut together on a rewind, thinned together past MAX_POINTS)."""
+        return (self.steps, self.loss, self.tokens_per_s_per_gpu, self.tflops_per_gpu, self.memory_max,
+                self.memory_min, *self._curves())
+
+    def _apply_step(self, ev: StepEvent, t: float) -> None:
+        step = ev.step
         if self.steps and step <= self.steps[-1]:  # a requeued run repeats steps from its last checkpoint
             cut = next(i for i, s in enumerate(self.steps) if s >= step)
-            for hist in (self.steps, self.loss, self.tokens_per_s_per_gpu, self.tflops_per_gpu,
-                         self.memory_max, self.memory_min, *self._curves()):
+            for hist in self._histories():
                 del hist[cut:]
             self.load_history.truncate(step)
             self._rate.clear()
             keep = sum(1 for s in self.eval_steps if s < step)
             del self.eval_steps[keep:], self.eval_loss[keep:]
+        if len(self.steps) >= MAX_POINTS:
+            for hist in self._histories():
+                hist[:] = hist[0:-1:2] + hist[-1:]
         self.step, self.last = step, ev
         self.steps.append(step)
-        self.loss.append(ev.get("loss"))
-        self.tokens_per_s_per_gpu.append(ev.get("tokens_per_s_per_gpu"))
-        self.tflops_per_gpu.append(ev.get("tflops_per_gpu"))
+        self.loss.append(ev.loss)
+        self.tokens_per_s_per_gpu.append(ev.tokens_per_s_per_gpu)
+        self.tflops_per_gpu.append(ev.tflops_per_gpu)
         self._rate.append((t, step))
-        per_rank = (ev.get("memory") or {}).get("per_rank") or []
+        per_rank = ev.memory.per_rank if ev.memory is not None else []
         if per_rank:
             if not self.memory_key:
-                gpu = any((r.get("peak_allocated_gb") or 0) > 0 for r in per_rank)
+                gpu = any((r.peak_allocated_gb or 0) > 0 for r in per_rank)
                 self.memory_key = "peak_allocated_gb" if gpu else "rss_gb"
-            vals_R = [r.get(self.memory_key) or 0.0 for r in per_rank]
+            vals_R = [getattr(r, self.memory_key) or 0.0 for r in per_rank]
             if len(self.memory_peak_R) != len(vals_R):
                 self.memory_peak_R = [0.0] * len(vals_R)
             self.memory_peak_R = [max(a, b) for a, b in zip(self.memory_peak_R, vals_R)]
             self.memory_max.append(max(vals_R))
             self.memory_min.append(min(vals_R))
-        routing = ev.get("routing") or {}
         # the router's demand (before capacity drops: a capacity factor must not hide an imbalance); streams
         # written before routed_per_expert existed only have what the experts computed
         counts_ME = demand_ME(ev)
-        dropped = routing.get("dropped_tokens")
+        dropped = ev.routing.dropped_tokens_M if ev.routing is not None else None
         self.dropped_pct = None
         if counts_ME and dropped is not None:
             demand = sum(sum(c) for c in counts_ME)
@@ -202,23 +214,23 @@ class DashState:
         return (self.aux_loss, self.z_loss, self.grad_norm, self.lr, self.dropped_pct_I, self.balance_I,
                 self.balance_IM, self.health_I)
 
-    def _apply_curves(self, ev: dict, counts_ME) -> None:
+    def _apply_curves(self, ev: StepEvent, counts_ME) -> None:
         for key in ("aux_loss", "z_loss", "grad_norm", "lr"):
-            getattr(self, key).append(ev.get(key))
+            getattr(self, key).append(getattr(ev, key))
         self.dropped_pct_I.append(self.dropped_pct)
         self.balance_I.append(step_balance(counts_ME) if counts_ME else None)
         per_M = balance_M(counts_ME) if counts_ME else None
         self.balance_IM.append(np.asarray([per_M[k] for k in BALANCE_KEYS], dtype=np.float64).T if per_M else None)
         if counts_ME:
-            self.load_history.add(ev["step"], counts_ME)
-        self.health = ev.get("health") or {}
-        self.health_I.append((len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])))
+            self.load_history.add(ev.step, counts_ME)
+        self.health = ev.health or Health()
+        self.health_I.append((len(self.health.dead_experts or []), len(self.health.overloaded or [])))
 
-    def _apply_eval(self, ev: dict) -> None:
-        keep = sum(1 for s in self.eval_steps if s < ev["step"])  # a repeated step replaces its evaluation
+    def _apply_eval(self, ev: EvalEvent) -> None:
+        keep = sum(1 for s in self.eval_steps if s < ev.step)  # a repeated step replaces its evaluation
         del self.eval_steps[keep:], self.eval_loss[keep:]
-        self.eval_steps.append(ev["step"])
-        self.eval_loss.append(ev.get("loss"))
+        self.eval_steps.append(ev.step)
+        self.eval_loss.append(ev.loss)
 
     def set_run(self, status: "str | None", error: "str | None" = None) -> None:
         """Record what the Run object says (it knows about jobs that never wrote a line, and cancellations)."""
@@ -312,7 +324,7 @@ class DashState:
 
     def mfu_text(self) -> str:
         """MFU of the last step as a percentage, or why there is none."""
-        mfu = self.last.get("mfu")
+        mfu = self.last.mfu if self.last is not None else None
         if mfu is not None:
             return f"{100 * mfu:.1f}%"
         if not self.last:
@@ -321,7 +333,7 @@ class DashState:
 
     def health_now(self) -> str:
         """The experts' health at the last step: "healthy", or how many are dead / overloaded now."""
-        dead, over = len(self.health.get("dead_experts") or []), len(self.health.get("overloaded") or [])
+        dead, over = len(self.health.dead_experts or []), len(self.health.overloaded or [])
         if not self.steps:
             return "–"
         parts = [f"{dead} dead" if dead else "", f"{over} overloaded" if over else ""]
@@ -329,7 +341,7 @@ class DashState:
 
     def health_warnings(self) -> list:
         """The dead / overloaded expert warning events so far (the history; health_now() is the present)."""
-        return [e for e in self.warnings if e.get("kind") in ("dead_expert", "overloaded_expert")]
+        return [e for e in self.warnings if e.kind in ("dead_expert", "overloaded_expert")]
 
     def seconds_per_step(self) -> "float | None":
         if len(self._rate) < 2:
@@ -356,7 +368,7 @@ class DashState:
         """The first error event (message and traceback), else what the Run object reported."""
         if self.errors:
             e = self.errors[0]
-            return f"rank {e.get('rank', '?')}, step {e.get('step', '?')}: {e.get('message', '')}"
+            return f"rank {or_unknown(e.rank)}, step {or_unknown(e.step)}: {e.message}"
         return self.run_error
 
     def status_line(self) -> str:
@@ -365,15 +377,15 @@ class DashState:
         parts = [self.name or "run", self.status]
         if self.total_steps:
             parts.append(f"step {self.step}/{self.total_steps} ({100 * self.step / self.total_steps:.0f}%)")
-        last = self.last
-        if last.get("loss") is not None:
-            parts.append(f"loss {last['loss']:.4g}")
-        if last.get("tokens_per_s_per_gpu") is not None:
-            parts.append(f"{last['tokens_per_s_per_gpu']:,.0f} tok/s/GPU")
-        if last.get("tflops_per_gpu") is not None:
-            parts.append(f"{fmt_tflops(last['tflops_per_gpu'])} TFLOPs/GPU")
-        if last.get("mfu") is not None:
-            parts.append(f"MFU {100 * last['mfu']:.1f}%")
+        last = self.last or StepEvent(step=self.step)
+        if last.loss is not None:
+            parts.append(f"loss {last.loss:.4g}")
+        if last.tokens_per_s_per_gpu is not None:
+            parts.append(f"{last.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+        if last.tflops_per_gpu is not None:
+            parts.append(f"{fmt_tflops(last.tflops_per_gpu)} TFLOPs/GPU")
+        if last.mfu is not None:
+            parts.append(f"MFU {100 * last.mfu:.1f}%")
         if self.peak_memory_gb() is not None:
             parts.append(f"mem {self.peak_memory_gb():.2f} GB")
         if self.eta_s() is not None:
@@ -397,11 +409,16 @@ def load_state(run) -> DashState:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_folder(run)} a run folder?")
     st = DashState(name=str(getattr(run, "name", "") or ""))
-    tail = JsonlTail(path)
-    for event in tail.poll():
-        st.apply(event)
+    tail = JsonlTail(path, typed=True)
+    while events := tail.poll():  # in bounded chunks (JsonlTail.chunk_bytes)
+        for event in events:
+            st.apply(event)
     st.set_corrupt(tail.errors)
     return st
+
+
+def or_unknown(value, missing: str = "?") -> str:
+    return missing if value is None else str(value)
 
 
 def fmt_duration(seconds: float) -> str:

@@ -37,11 +37,11 @@ class TextView:
         w0, c0, e0 = self._seen[i]
         self._seen[i] = (len(st.warnings), len(st.corrupt), len(st.errors))
         name = st.name or "run"
-        out = [f"{name}: warning at step {e.get('step', '?')}: {e.get('kind', '')}: {e.get('message', '')}"
+        out = [f"{name}: warning at step {'?' if e.step is None else e.step}: {e.kind}: {e.message}"
                for e in st.warnings[w0:]]
         out += [f"{name}: skipped a corrupt metrics line: {m}" for m in st.corrupt[c0:]]
-        out += [f"{name}: error on rank {e.get('rank', '?')} at step {e.get('step', '?')}: {e.get('message', '')}"
-                for e in st.errors[e0:]]
+        out += [f"{name}: error on rank {'?' if e.rank is None else e.rank} at step "
+                f"{'?' if e.step is None else e.step}: {e.message}" for e in st.errors[e0:]]
         return out
 
     def update(self, states: list, final: bool = False) -> None:

@@ -13,7 +13,7 @@ import time
 import ipywidgets as w
 
 from moelab.live import plots
-from moelab.live.state import ROUTING_WINDOW, DashState, fmt_duration, fmt_tflops
+from moelab.live.state import ROUTING_WINDOW, DashState, fmt_duration, fmt_tflops, or_unknown
 
 STATUS_COLORS = {"RUNNING": "#1f77b4", "COMPLETED": "#2ca02c", "PENDING": "#7f7f7f", "WAITING": "#7f7f7f"}
 BAR_STYLES = {"RUNNING": "info", "COMPLETED": "success"}
@@ -35,7 +35,7 @@ def stats_html(st: DashState) -> str:
     ROUTING_WINDOW steps with the run's mean below; MFU (or why there is none); peak memory per rank; dropped
     tokens; s/step; expert health now; status."""
     last = st.last
-    num = lambda key, fmt: fmt(last[key]) if last.get(key) is not None else "–"
+    num = lambda key, fmt: fmt(getattr(last, key)) if last is not None and getattr(last, key) is not None else "–"
     mem = "–"
     if st.memory_peak_R:
         per = st.memory_peak_R
@@ -85,10 +85,10 @@ def health_html(st: DashState) -> str:
     now = st.health_now()
     if not history and now in ("healthy", "–"):
         return ""
-    lines = "<br>".join(html.escape(f"step {e.get('step', '?')}: {e.get('message', '')}") for e in history[-10:])
+    lines = "<br>".join(html.escape(f"step {or_unknown(e.step)}: {e.message}") for e in history[-10:])
     more = f" (latest 10 of {len(history)})" if len(history) > 10 else ""
     folded = (f"<details><summary>{len(history)} health warning(s) so far, last at step "
-              f"{history[-1].get('step', '?')}{more}</summary>{lines}</details>") if history else ""
+              f"{or_unknown(history[-1].step)}{more}</summary>{lines}</details>") if history else ""
     if now == "healthy":
         return _box("#2ca02c", "#eef7ee", f"<b>experts healthy now</b> (at step {st.step}){folded}")
     return _box("#ff9800", "#fff4e5", f"<b>experts now: {html.escape(now)}</b> (at step {st.step}){folded}")
@@ -100,7 +100,7 @@ def messages_html(st: DashState) -> str:
     out = []
     if st.failed and (st.error_text() or st.status != "CANCELLED"):  # a plain cancel: the badge says it all
         first, _, rest = (st.error_text() or f"the run ended with status {st.status}").partition("\n")
-        detail = st.errors[0].get("traceback", "") if st.errors else rest  # a Run's error: its stderr tail
+        detail = st.errors[0].traceback if st.errors else rest  # a Run's error: its stderr tail
         body = f"<b>{html.escape(st.status)}</b>: {html.escape(first)}"
         if detail.strip():
             body += ("<details><summary>traceback</summary><pre style='font-size:11px'>"
@@ -110,8 +110,8 @@ def messages_html(st: DashState) -> str:
     others = [e for e in st.warnings if e not in st.health_warnings()]
     if others:
         shown = others[-3:]
-        lines = "<br>".join(html.escape(f"step {e.get('step', '?')}: {e.get('kind', 'warning')}: "
-                                        f"{e.get('message', '')}") for e in shown)
+        lines = "<br>".join(html.escape(f"step {or_unknown(e.step)}: {e.kind or 'warning'}: {e.message}")
+                            for e in shown)
         more = f" (latest {len(shown)} of {len(others)})" if len(others) > len(shown) else ""
         out.append(_box("#ff9800", "#fff4e5", f"<b>warnings{more}</b><br>{lines}"))
     if st.corrupt:
@@ -255,7 +255,7 @@ def sweep_table_html(states: list, labels: "list | None" = None) -> str:
         b = st.balance_summary()
         rate = st.throughput()["recent"]
         cells = [html.escape(label), badge(st.status), f"{st.step}/{st.total_steps or '?'}",
-                 f"{st.last['loss']:.4g}" if st.last.get("loss") is not None else "–",
+                 f"{st.last.loss:.4g}" if st.last is not None and st.last.loss is not None else "–",
                  f"{rate:,.0f}" if rate is not None else "–",
                  *((f"{b['max_over_mean']:.2f}", f"{b['cv']:.2f}", f"{b['entropy']:.3f}", str(b["dead"]))
                    if b else ("–",) * 4)]

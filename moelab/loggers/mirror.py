@@ -17,7 +17,8 @@ import threading
 from pathlib import Path
 
 from moelab.config import Config, ConfigError
-from moelab.contract.stream import JsonlTail, read_events
+from moelab.contract.events import EvalEvent, Event, StepEvent
+from moelab.contract.stream import JsonlTail, scan_events
 
 STEP_SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "z_loss": "train/z_loss", "lr": "train/lr",
                 "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
@@ -26,23 +27,24 @@ STEP_SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "z_loss": "t
 EVAL_SCALARS = {"loss": "eval/loss", "perplexity": "eval/perplexity"}
 
 
-def scalars(event: dict) -> dict[str, float]:
+def scalars(event: Event) -> dict[str, float]:
     """The scalars of one step or eval event ({} for other events), by tag."""
-    kind = event.get("event")
-    if kind == "eval":
-        return {tag: float(event[k]) for k, tag in EVAL_SCALARS.items() if event.get(k) is not None}
-    if kind != "step":
+    if isinstance(event, EvalEvent):
+        return {tag: float(getattr(event, k)) for k, tag in EVAL_SCALARS.items() if getattr(event, k) is not None}
+    if not isinstance(event, StepEvent):
         return {}
-    out = {tag: float(event[k]) for k, tag in STEP_SCALARS.items() if event.get(k) is not None}
-    mem = (event.get("memory") or {}).get("max_peak_allocated_gb")
+    out = {tag: float(getattr(event, k)) for k, tag in STEP_SCALARS.items() if getattr(event, k) is not None}
+    mem = event.memory.max_peak_allocated_gb if event.memory is not None else None
     if mem is not None:
         out["memory/max_peak_allocated_gb"] = float(mem)
-    routing = event.get("routing") or {}
-    for layer, counts in enumerate(routing.get("routed_per_expert") or routing.get("tokens_per_expert") or []):
+    routing = event.routing
+    if routing is None:
+        return out
+    for layer, counts in enumerate(routing.routed_per_expert_ME or routing.tokens_per_expert_ME or []):
         mean = sum(counts) / len(counts) if counts else 0.0
         if mean > 0:
             out[f"routing/max_over_mean/layer_{layer}"] = max(counts) / mean
-    for layer, dropped in enumerate(routing.get("dropped_tokens") or []):
+    for layer, dropped in enumerate(routing.dropped_tokens_M or []):
         out[f"routing/dropped/layer_{layer}"] = float(dropped)
     return out
 
@@ -131,7 +133,7 @@ class StreamMirror:
     def __init__(self, run_dir: "str | Path", cfg: Config, poll_s: float = 1.0, after_step: int = 0):
         self.run_dir, self.poll_s, self.after_step = Path(run_dir), poll_s, after_step  # resumed: mirrored before
         self.sinks = sinks_for(cfg, self.run_dir)
-        self.tail = JsonlTail(self.run_dir / "metrics.jsonl")
+        self.tail = JsonlTail(self.run_dir / "metrics.jsonl", typed=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moelab-export", daemon=True)
 
@@ -142,9 +144,9 @@ class StreamMirror:
     def _drain(self) -> None:
         for event in self.tail.poll():
             values = scalars(event)
-            if values and event["step"] > self.after_step:
+            if values and event.step > self.after_step:
                 for sink in self.sinks:
-                    sink.write(values, int(event["step"]))
+                    sink.write(values, int(event.step))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -181,10 +183,10 @@ def export_run(run_dir: "str | Path", to: str = "tensorboard", out: "str | Path 
     else:
         raise ValueError(f"export: to={to!r}; choose 'tensorboard' or 'wandb'")
     try:
-        for event in read_events(run_dir / "metrics.jsonl", live=True):
+        for event in scan_events(run_dir / "metrics.jsonl", kinds=("step", "eval")):  # line by line
             values = scalars(event)
             if values:
-                sink.write(values, int(event["step"]))
+                sink.write(values, int(event.step))
     finally:
         sink.close()
     return folder

@@ -15,15 +15,24 @@ its Job (moelab.launch.jobs: the scheduler combined with the stream and submitit
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from moelab.launch.jobs import STATES, TERMINAL, Job, job_for
+from moelab.contract.events import Memory, StepEvent
 from moelab.contract.folder import RunFolder
+from moelab.contract.status import STATES, TERMINAL, RunStatus
+from moelab.contract.stream import scan_events, tail_events
+from moelab.launch.jobs import Job, job_for
 
 __all__ = ["Run", "STATES", "TERMINAL"]
 _POLL_S = 1.0  # a scheduler is asked at most this often per Run
+METRICS_ROWS = 5_000  # Run.metrics keeps at most this many steps of a longer run (evenly spaced; metrics_table(None): all)
+# the columns of Run.metrics: a step event's scalar fields, and memory.* (rank 0's and the max over ranks)
+_STEP_COLUMNS = [f.name for f in dataclasses.fields(StepEvent) if f.name not in ("schema", "routing", "health",
+                                                                                  "memory", "extra")]
+_MEMORY_COLUMNS = [f.name for f in dataclasses.fields(Memory) if f.name not in ("per_rank", "extra")]
 
 
 class Run:
@@ -69,10 +78,10 @@ class Run:
 
     # ------------------------------------------------------------------ state
     @property
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         final = self._info.get("status")
         if final in TERMINAL:
-            return final
+            return RunStatus(final)
         when, cached = self._checked
         if cached is not None and time.monotonic() - when < _POLL_S:
             return cached
@@ -80,13 +89,13 @@ class Run:
         self._info = self.run_folder.read_info() or self._info
         final = self._info.get("status")
         if final in TERMINAL:
-            return final
+            return RunStatus(final)
         job = self.job
         status = job.state()
         self._info = job.info  # what the job recorded (e.g. an owner gone)
         self._checked = (time.monotonic(), status)
-        if status in TERMINAL and job.records_status:
-            self._update_info(status=status)
+        if status in TERMINAL and job.records_status and self.executor != "external":
+            self._info = self.run_folder.note_info(status=str(status))  # not where the folder is read-only
         return status
 
     @property
@@ -141,22 +150,27 @@ class Run:
     # ------------------------------------------------------------------ what the run wrote
     @property
     def events(self) -> list[dict]:
-        """All events of metrics.jsonl so far (see moelab.contract.stream for the schema)."""
+        """All events of metrics.jsonl so far, as their JSON objects (moelab.contract.events has the classes)."""
         from moelab.contract.stream import read_events
 
         return read_events(self.run_folder.metrics, live=True)
 
     @property
     def metrics(self):
+        """The step events as a table (metrics_table(): at most METRICS_ROWS evenly spaced steps of a longer run,
+        the last one always)."""
+        return self.metrics_table()
+
+    def metrics_table(self, max_rows: "int | None" = METRICS_ROWS):
         """The step events as a table: scalar fields and memory.* columns (routing is in .routing()); `time` is
         a UTC datetime (a float of unix seconds without pandas) and `elapsed_s` the seconds since the first step
-        event."""
+        event. A run of more than `max_rows` steps gives about `max_rows` evenly spaced ones (None: every step);
+        the stream is read line by line, so memory stays flat."""
         rows = []
-        for e in self.events:
-            if e["event"] != "step":
-                continue
-            row = {k: v for k, v in e.items() if k not in ("event", "schema", "routing", "health", "memory")}
-            row.update({f"memory.{k}": v for k, v in (e.get("memory") or {}).items() if k != "per_rank"})
+        for e in scan_events(self.run_folder.metrics, kinds=("step",), max_steps=max_rows):
+            row = {**{k: getattr(e, k) for k in _STEP_COLUMNS}, **e.extra}
+            if e.memory is not None:
+                row.update({f"memory.{k}": getattr(e.memory, k) for k in _MEMORY_COLUMNS})
             rows.append(row)
         for row in rows:
             row["elapsed_s"] = row["time"] - rows[0]["time"]
@@ -173,8 +187,8 @@ class Run:
     @property
     def evals(self):
         """The held-out evaluations (train.eval_every): step, loss, perplexity, batches, tokens per eval event."""
-        rows = [{k: e.get(k) for k in ("step", "loss", "perplexity", "batches", "tokens")}
-                for e in self.events if e["event"] == "eval"]
+        rows = [{k: getattr(e, k) for k in ("step", "loss", "perplexity", "batches", "tokens")}
+                for e in scan_events(self.run_folder.metrics, kinds=("eval",))]
         try:
             import pandas as pd
         except ImportError:
@@ -198,7 +212,8 @@ class Run:
         """Tokens routed to each expert: a numpy array [steps, moe_layers, num_experts]."""
         import numpy as np
 
-        steps = [e["routing"]["tokens_per_expert"] for e in self.events if e["event"] == "step" and e.get("routing")]
+        steps = [e.routing.tokens_per_expert_ME for e in scan_events(self.run_folder.metrics, kinds=("step",))
+                 if e.routing is not None and e.routing.tokens_per_expert_ME]
         if steps:
             return np.asarray(steps, dtype=np.float64)
         m = self.config.model
@@ -209,20 +224,17 @@ class Run:
         data = self.run_folder.read_summary()
         if data is not None:
             return data
-        for e in reversed(self.events):
-            if e["event"] == "end":
-                return e.get("summary")
-        return None
+        ends = tail_events(self.run_folder.metrics, kinds=("end",))[0]
+        return ends[-1].summary if ends else None
 
     @property
     def error(self) -> str | None:
         """The failing rank's traceback (from the stream's error event, else submitit's record of the
         exception, else the tail of rank 0's stderr); None while nothing failed."""
-        errors = [e for e in self.events if e["event"] == "error"]
+        errors = tail_events(self.run_folder.metrics, kinds=("error",))[0]  # the last attempt's, read from the end
         if errors:
             first = errors[0]
-            return f"rank {first.get('rank')} at step {first.get('step')}: {first.get('message')}\n" \
-                   f"{first.get('traceback', '')}"
+            return f"rank {first.rank} at step {first.step}: {first.message}\n{first.traceback}"
         kind, text = self.job.outcome()
         if kind == "error":
             return text
@@ -281,12 +293,16 @@ class Run:
     def progress(self) -> dict:
         """The latest facts for a progress line: status, step, total_steps, loss, tokens_per_s (and
         pending_reason while a SLURM job waits)."""
-        events = self.events
-        total = next((e.get("total_steps") for e in events if e["event"] == "start"), None)
-        last = next((e for e in reversed(events) if e["event"] == "step"), None)
+        # read from the end of the stream (and its first start): a bounded read however long the run
+        steps, _ = tail_events(self.run_folder.metrics, kinds=("step",), limit=1, first=())
+        starts, head = tail_events(self.run_folder.metrics, kinds=("start",), limit=1)
+        starts = starts or head
+        total = starts[-1].total_steps if starts else None
+        last = steps[-1] if steps else None
         status = self.status
-        return {"status": status, "step": last["step"] if last else 0, "total_steps": total,
-                "loss": last.get("loss") if last else None, "tokens_per_s": last.get("tokens_per_s") if last else None,
+        return {"status": str(status), "step": last.step if last else (starts[-1].start_step if starts else 0),
+                "total_steps": total, "loss": last.loss if last else None,
+                "tokens_per_s": last.tokens_per_s if last else None,
                 "pending_reason": self.pending_reason if status == "PENDING" else None}
 
     def __repr__(self) -> str:

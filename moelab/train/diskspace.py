@@ -13,10 +13,11 @@ its exception (no_space_error: ENOSPC / EDQUOT anywhere in the chain, as torch's
 from __future__ import annotations
 
 import errno
-import shutil
 from pathlib import Path
 
 import torch
+
+from moelab.contract.writes import free_bytes  # noqa: F401 - one definition, used here and by checkpoint.py
 
 # Measured on torch 2.13's FileSystemWriter (tiny preset, 2 layers, 126 tensors: 3.51 MB of tensors, 3.75 MB on
 # disk): each tensor costs ~1.4 kB of container header and .metadata entry; each rank writes ~36 kB of RNG state
@@ -41,14 +42,6 @@ def state_bytes(state) -> int:
             local = node.to_local() if hasattr(node, "to_local") else node
             total += local.numel() * local.element_size() + PER_TENSOR_BYTES
     return total
-
-
-def free_bytes(path: "str | Path") -> int:
-    """Free bytes (for this user) on the file system of `path`, or of its nearest existing parent."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def folder_bytes(path: "str | Path") -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moelab.contract.writes import append_line
 from moelab.data.batches import micro_batch
 from moelab.train.evaluate import inspect_forward, inspecting, rank_micro_batches
 
@@ -74,8 +75,7 @@ class ExpertTokenRecorder:
             layers.append(_top(c_EV))
         record = {"step": step, "layers": layers}
         if tr.writer is not None:
-            with open(tr.run_dir / FILE, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_line(tr.run_dir / FILE, (json.dumps(record) + "\n").encode())
         return record
 
 

@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from moelab.config import Config
+from moelab.contract.events import MetricsError, StepEvent
 
 
 def balance_M(counts_ME) -> dict:
@@ -60,10 +61,22 @@ def mean_balance(per_step: list) -> "dict | None":
     return {k: sum(b[k] for b in steps) / len(steps) for k in BALANCE_KEYS}
 
 
-def demand_ME(record: dict):
-    """The router's demand of a step event: routed_per_expert, or tokens_per_expert in older streams."""
-    routing = record.get("routing") or {}
-    return routing.get("routed_per_expert") or routing.get("tokens_per_expert")
+def demand_ME(step: StepEvent):
+    """The router's demand of a step event ([MoE layer][expert]): routed_per_expert, or tokens_per_expert in
+    older streams; [] without routing."""
+    routing = step.routing
+    return (routing.routed_per_expert_ME or routing.tokens_per_expert_ME or []) if routing is not None else []
+
+
+def as_step(record: "StepEvent | dict") -> "StepEvent | None":
+    """A step record as its StepEvent (the trainer's own records are; a dict is read as the stream's JSON);
+    None when it cannot be one."""
+    if isinstance(record, StepEvent):
+        return record
+    try:
+        return StepEvent.from_json(record)
+    except (MetricsError, TypeError):
+        return None
 
 
 def timed_steps(records: list) -> list:
@@ -71,32 +84,36 @@ def timed_steps(records: list) -> list:
     return records[2:] if len(records) > 3 else records
 
 
-def _well_formed(r: dict, layers: int) -> bool:
+def _well_formed(r: "StepEvent | None", layers: int) -> bool:
     """A step record with every field the summary reads, `layers` MoE layers of routing (a step event read
     back from a damaged stream may parse and still lack them)."""
     num = (int, float)
-    routing, memory = r.get("routing"), r.get("memory")
-    return (isinstance(r.get("loss"), num) and isinstance(memory, dict)
-            and isinstance(memory.get("max_peak_allocated_gb"), num) and isinstance(routing, dict)
-            and isinstance(routing.get("tokens_per_expert"), list) and len(routing["tokens_per_expert"]) == layers
+    if r is None:
+        return False
+    routing, memory = r.routing, r.memory
+    return (isinstance(r.loss, num) and memory is not None
+            and isinstance(memory.max_peak_allocated_gb, num) and routing is not None
+            and isinstance(routing.tokens_per_expert_ME, list) and len(routing.tokens_per_expert_ME) == layers
             and all(isinstance(c, list) and all(isinstance(x, num) for x in c)
-                    for c in routing["tokens_per_expert"])
-            and isinstance(routing.get("dropped_tokens"), list)
-            and all(isinstance(x, num) for x in routing["dropped_tokens"]))
+                    for c in routing.tokens_per_expert_ME)
+            and isinstance(routing.dropped_tokens_M, list)
+            and all(isinstance(x, num) for x in routing.dropped_tokens_M))
 
 
-def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0,
-              evals: list[dict] | None = None) -> dict:
+def summarize(cfg: Config, records: "list[StepEvent | dict]", status: str, start_step: int = 0,
+              evals: "list | None" = None) -> dict:
     """Throughput is averaged over timed_steps (all but the first two of this process); balance is
     mean_balance over every step, per MoE layer in routing_balance and over layers in `balance`. Records that
     lack a field the summary reads (read back from a damaged stream) are left out and counted in
     `unreadable_steps`. With `evals` (the ``eval`` events) also first_eval_loss, eval_loss and eval_perplexity
     (the last eval)."""
-    counts = [len(r["routing"]["tokens_per_expert"]) for r in records
-              if isinstance(r.get("routing"), dict) and isinstance(r["routing"].get("tokens_per_expert"), list)]
+    steps = [as_step(r) for r in records]
+    counts = [len(r.routing.tokens_per_expert_ME) for r in steps
+              if r is not None and r.routing is not None and isinstance(r.routing.tokens_per_expert_ME, list)]
     layers = max(set(counts), key=counts.count) if counts else 0  # what nearly every record has
-    usable = [r for r in records if _well_formed(r, layers)]
-    out: dict = {"name": cfg.name, "status": status, "steps": records[-1]["step"] if records else start_step,
+    usable = [r for r in steps if _well_formed(r, layers)]
+    last = steps[-1].step if steps and steps[-1] is not None else (records[-1].get("step") if records else None)
+    out: dict = {"name": cfg.name, "status": str(status), "steps": last if records else start_step,
                  "total_steps": cfg.train.steps, "start_step": start_step}
     if len(usable) < len(records):
         out["unreadable_steps"] = len(records) - len(usable)
@@ -104,24 +121,24 @@ def summarize(cfg: Config, records: list[dict], status: str, start_step: int = 0
     timed = timed_steps(records)
     if not records:
         return out
-    mean = lambda key: sum(r[key] for r in timed if r.get(key) is not None) / max(
-        sum(1 for r in timed if r.get(key) is not None), 1)
+    mean = lambda key: sum(getattr(r, key) for r in timed if getattr(r, key) is not None) / max(
+        sum(1 for r in timed if getattr(r, key) is not None), 1)
     per_step_M = [balance_M(demand_ME(r)) for r in records]
     totals = [[sum(c) for c in zip(*(demand_ME(r)[i] for r in records))] for i in range(layers)]
     routing_balance = [{"layer": i, **mean_balance([{k: b[k][i] for k in BALANCE_KEYS} for b in per_step_M]),
                         "dead": balance(totals[i])["dead"]} for i in range(layers)]
     out.update(
-        first_loss=records[0]["loss"], final_loss=records[-1]["loss"],
+        first_loss=records[0].loss, final_loss=records[-1].loss,
         tokens_per_s=mean("tokens_per_s"), tokens_per_s_per_gpu=mean("tokens_per_s_per_gpu"),
-        tflops_per_gpu=mean("tflops_per_gpu"), mfu=mean("mfu") if records[-1].get("mfu") is not None else None,
+        tflops_per_gpu=mean("tflops_per_gpu"), mfu=mean("mfu") if records[-1].mfu is not None else None,
         step_time_s=mean("step_time_s"),
-        peak_memory_gb=max(r["memory"]["max_peak_allocated_gb"] for r in records),
-        dropped_tokens=sum(sum(r["routing"]["dropped_tokens"]) for r in records),
-        skipped_steps=sum(1 for r in records if r.get("skipped")),
+        peak_memory_gb=max(r.memory.max_peak_allocated_gb for r in records),
+        dropped_tokens=sum(sum(r.routing.dropped_tokens_M) for r in records),
+        skipped_steps=sum(1 for r in records if r.skipped),
         routing_balance=routing_balance, balance=mean_balance([step_balance(demand_ME(r)) for r in records]))
-    if evals:
-        out.update(first_eval_loss=evals[0]["loss"], eval_loss=evals[-1]["loss"],
-                   eval_perplexity=evals[-1]["perplexity"], eval_step=evals[-1]["step"])
+    if evals:  # EvalEvents
+        out.update(first_eval_loss=evals[0].loss, eval_loss=evals[-1].loss,
+                   eval_perplexity=evals[-1].perplexity, eval_step=evals[-1].step)
     return out
 
 

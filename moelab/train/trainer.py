@@ -9,7 +9,6 @@ same read, before the optimizer steps.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -35,7 +34,11 @@ from moelab.loggers.mirror import StreamMirror, check_export
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.backends.full_loss import loss_mask
-from moelab.contract.stream import MetricsWriter, append_event, read_events
+from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalEvent, RunEnv, StartEvent,
+                                    WarningEvent, parse_event)
+from moelab.contract.folder import write_json
+from moelab.contract.stream import MetricsWriter, append_event, scan_events
+from moelab.contract.writes import write_atomic
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
@@ -118,24 +121,23 @@ class Trainer:
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         # the eval events kept by the rewind above (steps <= start_step), for the summary
-        self.evals = [e for e in read_events(self.folder.metrics, live=True)
-                      if e["event"] == "eval"] if self.start_step and env.rank == 0 else []
+        self.evals = scan_events(self.folder.metrics, kinds=("eval",)) if self.start_step and env.rank == 0 else []
         if env.rank == 0:
             tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
             if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)
-                (self.folder.path / "tokenizer.json").write_bytes(Path(tok).read_bytes())
+                write_atomic(self.folder.path / "tokenizer.json", Path(tok).read_bytes())
             self.writer = MetricsWriter(self.folder.metrics)
-            self.writer.write(
-                "start", config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
+            self.writer.emit(StartEvent(
+                config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
                 resumed_from=str(self.restored.path) if self.restored.path else None,
                 flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
                 total_params=params.total, activated_params=params.activated,
-                env={"torch": torch.__version__, "python": platform.python_version(), "host": socket.gethostname(),
-                     "device": env.device, "gpu_name": self.gpu_name, "world_size": env.world_size,
-                     "layout": {k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
-                     "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+                env=RunEnv(torch=torch.__version__, python=platform.python_version(), host=socket.gethostname(),
+                           device=env.device, gpu_name=self.gpu_name, world_size=env.world_size,
+                           layout={k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                           pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"))))
             for w in self.restored.warnings:
-                self.writer.write("warning", **w)
+                self.writer.emit(WarningEvent(**w))
             if cfg.train.tensorboard or cfg.train.wandb != "off":
                 self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
 
@@ -322,11 +324,12 @@ class Trainer:
             rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
                        tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
                        mfu=tflops / self.peak if self.peak else None, memory=self.memory())
+            event = parse_event({"event": "step", **rec})  # the StepEvent, checked as a reader checks it
             if self.writer:
-                self.writer.write("step", **rec)
+                self.writer.emit(event)
                 for w in warnings:
-                    self.writer.write("warning", **w)
-            records.append(rec)
+                    self.writer.emit(WarningEvent(**w))
+            records.append(event)
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
@@ -344,8 +347,8 @@ class Trainer:
             bar.close()
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)
         if self.writer:
-            self.writer.write("end", step=self.step, status=status, summary=summary)
-            self.folder.summary.write_text(json.dumps(summary, indent=1))
+            self.writer.emit(EndEvent(step=self.step, status=status, summary=summary))
+            write_json(self.folder.summary, summary)
         close_dispatchers(self.par.moe_layers)  # DeepEP's buffer: freed by all EP ranks together
         self.env.shutdown()
         return summary
@@ -354,10 +357,10 @@ class Trainer:
         """Held-out evaluation and expert-token records, every N steps and after the last step (all ranks)."""
         t = self.cfg.train
         if self.evaluator is not None and (step % t.eval_every == 0 or last):
-            rec = self.evaluator.run(step)
-            self.evals.append(rec)
+            event = EvalEvent(**self.evaluator.run(step))
+            self.evals.append(event)
             if self.writer:
-                self.writer.write("eval", **rec)
+                self.writer.emit(event)
         if self.expert_tokens is not None and (step % t.expert_tokens_every == 0 or last):
             self.expert_tokens.record(step)
 
@@ -368,13 +371,13 @@ class Trainer:
                                           rank_state=self.par.rank_state())
             self.saved_step = step
             if self.writer:
-                self.writer.write("checkpoint", step=step, path=str(path))
+                self.writer.emit(CheckpointEvent(step=step, path=str(path)))
         if self.writer and self.stop_requested:
-            self.writer.write("warning", step=step, kind="preempted", message=(
+            self.writer.emit(WarningEvent(step=step, kind="preempted", message=(
                 f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: "
                 + ("checkpoint saved, run CANCELLED" if saved and self.folder.read_info().get("cancel_requested") else
                    f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
-                   "run PREEMPTED without a checkpoint (train.save_checkpoints=false)")))
+                   "run PREEMPTED without a checkpoint (train.save_checkpoints=false)"))))
 
     def memory_now(self) -> list[float]:
         """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,
@@ -398,7 +401,8 @@ class Trainer:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            append_event(self.folder.metrics, "error", step=self.step, rank=self.env.rank,
-                         message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            append_event(self.folder.metrics, ErrorEvent(step=self.step, rank=self.env.rank,
+                                                         message=f"{type(e).__name__}: {e}",
+                                                         traceback=traceback.format_exc()))
         except OSError:
             pass

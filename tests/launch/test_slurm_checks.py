@@ -162,11 +162,12 @@ def _finished_job() -> str:
 
 
 def test_the_controller_knows_a_job_has_ended_before_accounting_may(slurm_cluster):
-    from moelab.launch.slurm_checks import queue_state
+    from moelab.contract.status import slurm_job_state
 
     job = _finished_job()
-    assert queue_state(job) == "COMPLETED"
-    assert queue_state("999999999") == ""  # not known to the controller
+    assert slurm_job_state(job, sources=("squeue",)) == "COMPLETED"
+    assert slurm_job_state("999999999", sources=("squeue",)) is None  # not known to the controller
+    assert slurm_job_state(job) == "COMPLETED"  # the controller first, then accounting
 
 
 @pytest.fixture
@@ -203,3 +204,22 @@ def test_a_run_whose_job_ended_is_not_running_while_accounting_lags(slurm_cluste
     assert Run.load(tmp_path / "gone").status == "COMPLETED"  # the controller forgot it: the stream's end
     _external_run(tmp_path / "live", job, None)
     assert Run.load(tmp_path / "live").status == "RUNNING"  # no end in the stream: accounting is not overruled
+
+
+def test_a_stream_that_ended_preempted_is_preempted_whatever_slurm_says(slurm_cluster, tmp_path):
+    """Issue 33.4: `scancel --signal=TERM` lets the trainer checkpoint, write `end` PREEMPTED and exit 0, so
+    SLURM (squeue and sacct) says COMPLETED; the run is PREEMPTED (resumable), in Run.status and `moelab status`."""
+    import sys
+
+    from moelab import Run
+
+    job = _finished_job()  # a real job that exited 0: COMPLETED to the controller and to accounting
+    _external_run(tmp_path / "pre", job, "PREEMPTED")
+    assert Run.load(tmp_path / "pre").status == "PREEMPTED"
+    out = subprocess.run([sys.executable, "-m", "moelab", "status", str(tmp_path / "pre")], capture_output=True,
+                         text=True, timeout=120)
+    assert "[PREEMPTED]  step 1/1" in out.stdout, out.stdout + out.stderr
+    _external_run(tmp_path / "cancel", job, "CANCELLED")
+    assert Run.load(tmp_path / "cancel").status == "CANCELLED"
+    _external_run(tmp_path / "done", job, "COMPLETED")
+    assert Run.load(tmp_path / "done").status == "COMPLETED"

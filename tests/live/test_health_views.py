@@ -53,10 +53,10 @@ def test_throughput_is_shown_recent_and_as_the_run_mean(stream):
 def test_mfu_on_cpu_says_why_it_is_missing(stream):
     start = {**stream.start(total=5), "env": {"device": "cpu"}}
     st = fold([start, stream.step(1)])
-    assert st.last["mfu"] is None and st.mfu_text() == "n/a on CPU: no peak FLOP/s"
+    assert st.last.mfu is None and st.mfu_text() == "n/a on CPU: no peak FLOP/s"
     st.device = "cuda"
     assert st.mfu_text() == "n/a: unknown peak FLOP/s"
-    st.last = {**st.last, "mfu": 0.412}
+    st.last.mfu = 0.412
     assert st.mfu_text() == "41.2%"
 
 

@@ -29,7 +29,7 @@ def test_a_completed_run_is_folded_into_progress_stats_memory_and_routing(stream
     assert st.layer_balance(0)["dead"] == 1 and st.layer_balance(1)["cv"] == 0.0
     assert st.worst_layer() == 0 and st.layer_name(0) == "MoE layer 0"
     assert st.balance_summary()["dead"] == 0  # dead at the last step comes from its health, absent here
-    assert [w["kind"] for w in st.warnings] == ["dead_expert"] and st.summary == {"final_loss": 4.5}
+    assert [w.kind for w in st.warnings] == ["dead_expert"] and st.summary == {"final_loss": 4.5}
     assert st.eta_s() is None  # done
     line = st.status_line()
     assert "synthetic  COMPLETED  step 5/5 (100%)" in line and "loss 4.5" in line and "mem 1.00 GB" in line

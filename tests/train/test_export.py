@@ -22,7 +22,7 @@ def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _stream(run):
-    return read_events(Path(run) / "metrics.jsonl")
+    return read_events(Path(run) / "metrics.jsonl", typed=True)
 
 
 def test_live_tensorboard_files_hold_the_streams_losses(tmp_path):
@@ -30,8 +30,8 @@ def test_live_tensorboard_files_hold_the_streams_losses(tmp_path):
     Trainer(load_config("tiny", FAST + ["train.tensorboard=true"]), tmp_path / "run").run()
     got = _tensorboard_scalars(tmp_path / "run" / "tensorboard")
     events = _stream(tmp_path / "run")
-    steps = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
-    evals = [(e["step"], e["loss"]) for e in events if e["event"] == "eval"]
+    steps = [(e.step, e.loss) for e in events if e.EVENT == "step"]
+    evals = [(e.step, e.loss) for e in events if e.EVENT == "eval"]
     assert [s for s, _ in got["train/loss"]] == [s for s, _ in steps]
     assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in steps], rel=1e-6)
     assert [v for _, v in got["eval/loss"]] == pytest.approx([v for _, v in evals], rel=1e-6)
@@ -48,7 +48,7 @@ def test_moelab_export_writes_the_same_scalars_after_the_fact(tmp_path, capsys):
     want = {}
     for e in _stream(tmp_path / "run"):
         for tag, v in scalars(e).items():
-            want.setdefault(tag, []).append((e["step"], v))
+            want.setdefault(tag, []).append((e.step, v))
     assert got.keys() == want.keys()
     for tag in want:
         assert [s for s, _ in got[tag]] == [s for s, _ in want[tag]], tag
