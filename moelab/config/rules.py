@@ -18,6 +18,14 @@ class ConfigError(ValueError):
         Session("tiny", train={"steps": 0})   # ConfigError: train.steps=0: must be >= 1
     """
 
+    MAX_CHARS = 1000  # a message stays readable: a longer one keeps its start and end
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        if len(message) > self.MAX_CHARS:
+            message = f"{message[:700]} ... ({len(message)} characters) ... {message[-200:]}"
+        super().__init__(message)
+
     def _render_traceback_(self) -> list:
         """How IPython and Jupyter show it: the message and where it was raised, the traceback folded away."""
         tb, where = self.__traceback__, ""
@@ -31,7 +39,14 @@ class ConfigError(ValueError):
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
-    raise ConfigError(f"{field_name}={value!r}: {fix}")
+    raise ConfigError(f"{field_name}={shown(value)}: {fix}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters, saying how long it was: an error stays one readable line (a 1 MB
+    value is not echoed back)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _sections(obj, prefix: str = ""):
@@ -44,11 +59,16 @@ def _sections(obj, prefix: str = ""):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (sqrt(n) steps: n may be as large as the bounds allow)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def check(cfg) -> None:
     """Every rule of Config.validate (ConfigError naming the field, the value and the fix)."""
+    from moelab.config.bounds import check_bounds
+
+    check_bounds(cfg)  # first: some rules below loop over divisors of these sizes
     m, moe, p, t, b = cfg.model, cfg.model.moe, cfg.parallel, cfg.train, cfg.backend
     _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                  ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
