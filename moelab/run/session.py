@@ -74,12 +74,12 @@ class Session:
         from moelab.launch.submit import prepare_folder, submit_folders, validate
         from moelab.run.run import Run
 
-        from moelab.contract.folder import lock_folder
+        from moelab.launch.claim import claim_folder
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
         path = Path(folder) if folder else _default_folder(self._config.name)
         existed = path.exists()
-        with lock_folder(path, "submit"):  # a second submit to this folder is refused until run.json exists
+        with claim_folder(path):  # the lock first (moelab.launch.claim); a folder holding a run is refused
             folder = prepare_folder(path, self._config)
             try:
                 job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
