@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from moelab.config.rules import _fail, _sections
+
 INT32_MAX = 2**31 - 1   # torch kernels index one dimension, and the step counter is kept, as int32
 SEED_LIMIT = 2**62      # seeds derived from train.seed (seed + offsets, numpy's SeedSequence) stay within int64
 MAX_TENSOR = 2**40      # elements of one weight (4 TiB in fp32): larger than any machine's memory
@@ -24,8 +26,6 @@ NAME_MAX = 128          # the run folder is <name>-<time>-<id>: well below a fil
 def check_name(name) -> None:
     """config.name: a safe file name (letters, digits and . _ + = , @ -), at most NAME_MAX characters, that
     never leaves the runs folder (no '/', '..' or NUL)."""
-    from moelab.config.rules import _fail
-
     if not isinstance(name, str) or len(name) > NAME_MAX or not NAME.fullmatch(name):
         _fail("name", name, f"must be 1-{NAME_MAX} characters of letters, digits and . _ + = , @ - (starting with "
                             f"a letter or digit): it names the run folder runs/<name>-<time>")
@@ -39,8 +39,6 @@ def safe_name(stem: str) -> str:
 
 def check_bounds(cfg) -> None:
     """Every bound of the module docstring (ConfigError naming the first field past its bound)."""
-    from moelab.config.rules import _fail, _sections
-
     check_name(cfg.name)
     for section, obj in _sections(cfg):
         for f in dataclasses.fields(obj):

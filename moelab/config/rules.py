@@ -66,9 +66,6 @@ def _divisors(n: int) -> list[int]:
 
 def check(cfg) -> None:
     """Every rule of Config.validate (ConfigError naming the field, the value and the fix)."""
-    from moelab.config.bounds import check_bounds
-
-    check_bounds(cfg)  # first: some rules below loop over divisors of these sizes
     m, moe, p, t, b = cfg.model, cfg.model.moe, cfg.parallel, cfg.train, cfg.backend
     _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                  ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),

@@ -22,7 +22,7 @@ import yaml
 
 from moelab.config.rules import ConfigError, _fail, check, shown  # noqa: F401 (ConfigError: moelab.config's name)
 from moelab.config.lora import LoRAConfig, check_lora
-from moelab.config.bounds import safe_name
+from moelab.config.bounds import check_bounds, safe_name
 from moelab.config.yaml_io import load_yaml, read_text
 
 
@@ -308,6 +308,7 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config.rules)."""
+        check_bounds(self)  # first: some rules loop over divisors of these sizes
         check(self)
         check_lora(self)
 

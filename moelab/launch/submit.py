@@ -21,13 +21,13 @@ from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.executors import (TrainJob, check_options, make_executor, parse_time_s, resolve_executor,
                                      world_size)
 from moelab.launch.jobs import InlineJob, Job, job_for
-from moelab.layout.dims import check_layout
+from moelab.train.preflight import preflight
 from moelab.contract.folder import RunFolder
 
 
 def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[str, int]:
-    """Check executor, options and every config's layout for the world size BEFORE anything is submitted;
-    returns (executor without 'auto', world size)."""
+    """Check executor and options, and every config's preflight (moelab.train.preflight) for the world size,
+    BEFORE anything is submitted; returns (executor without 'auto', world size)."""
     kind = resolve_executor(executor)
     check_options(kind, options)
     if "time" in options:
@@ -37,21 +37,8 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
         from moelab.launch.executors import tasks_per_node
         from moelab.launch.slurm_checks import check_request
         check_request({**options, "tasks_per_node": tasks_per_node(nproc, options)}, options.get("partition"))
-    for cfg in configs:
-        try:
-            check_layout(cfg, world)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (config {cfg.name!r} on {world} rank(s) = executor={kind!r}, nproc/nodes/"
-                              f"gpus_per_node as given)") from None
-    from moelab.data.batches import check_data
-
-    for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
-        check_data(cfg, progress=False)
-    for cfg in configs:  # a train.init_from checkpoint that does not fit the model (moelab.hf.sharded_load)
-        if cfg.train.init_from:
-            from moelab.hf.sharded_load import check_init
-
-            check_init(cfg)
+    for cfg in configs:  # layout, packages, data, init checkpoint: moelab.train.preflight
+        preflight(cfg, world, kind)
     return kind, world
 
 

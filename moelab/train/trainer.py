@@ -25,14 +25,14 @@ from moelab.config import Config, ConfigError, save_config
 from moelab.model.attention import set_documents
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
-from moelab.layout.dims import ParallelDims
+from moelab.train.preflight import preflight
 from moelab.parallel.env import DistEnv
 from moelab.contract.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer, list_checkpoints
 from moelab.data.batches import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
-from moelab.loggers.mirror import StreamMirror, check_export
+from moelab.loggers.mirror import StreamMirror
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.train.loss import cross_entropy, loss_mask
@@ -78,7 +78,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.stop.install()
         env.init(cfg.train.collective_timeout_s)
-        self.dims = ParallelDims.build(cfg, env.world_size)  # the one layout validator
+        self.dims = preflight(cfg, env.world_size, "rank")  # the layout, the packages (moelab.train.preflight)
         self.layout = self.dims.layout
         torch.manual_seed(cfg.train.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +112,6 @@ class Trainer:
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
         self.evaluator = Evaluator(self) if cfg.train.eval_every else None
         self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
-        check_export(cfg)  # on every rank: a missing package stops them all here
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
         for moe in self.par.moe_layers:
