@@ -17,7 +17,7 @@ from moelab.config.rules import _fail, _sections
 
 INT32_MAX = 2**31 - 1   # torch kernels index one dimension, and the step counter is kept, as int32
 SEED_LIMIT = 2**62      # seeds derived from train.seed (seed + offsets, numpy's SeedSequence) stay within int64
-MAX_TENSOR = 2**40      # elements of one weight (4 TiB in fp32): larger than any machine's memory
+MAX_TENSOR = 2**36      # elements of one weight (256 GiB in fp32): past any GPU; the largest published are ~2**34
 MAX_LAYERS = 2**16
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
 NAME_MAX = 128          # the run folder is <name>-<time>-<id>: well below a file name's 255 bytes
@@ -59,5 +59,5 @@ def check_bounds(cfg) -> None:
                            ("model.moe.num_experts", m.moe.num_experts * m.hidden_size * m.moe.expert_ffn_size)):
         if elements > MAX_TENSOR:
             _fail(name, getattr(m, "vocab_size") if name == "model.vocab_size" else m.moe.num_experts,
-                  f"with model.hidden_size={m.hidden_size} makes a weight of {elements} elements, past 2**40 "
-                  f"(4 TiB in fp32, more than any machine holds); lower the sizes")
+                  f"with model.hidden_size={m.hidden_size} makes a weight of {elements} elements, past 2**36 "
+                  f"(256 GiB in fp32, more than any GPU holds; the largest published are ~2**34); lower the sizes")

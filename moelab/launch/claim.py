@@ -32,7 +32,8 @@ def live_owner(folder: RunFolder) -> tuple[dict, str] | None:
         return None
     info = job.info
     owner = {"pid": info.get("pid") or (info.get("job_id") if job.executor == "local" else None),
-             "host": info.get("host", socket.gethostname()), "job_id": info.get("job_id"), "since": info.get("created", 0),
+             "host": info.get("host", socket.gethostname()), "job_id": info.get("job_id"),
+             "since": info.get("created", 0),
              "role": f"{job.executor} job, {state}"}
     cancel = f"`moelab cancel {folder.path}`" if job.executor != "inline" else "Ctrl-C in the process that runs it"
     return owner, f"its job is {state}: wait for it to end (`moelab status {folder.path}`) or cancel it ({cancel})"
