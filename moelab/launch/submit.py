@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -110,41 +111,62 @@ def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)
 
 
 class Tee:
-    """A text stream that writes to `stream` (the notebook cell, the terminal) and to `file` as well; every
-    other attribute is the stream's.
+    """A text stream that writes to `stream` (the notebook cell, the terminal) and, for a thread that trains an
+    inline run (tee_output registers it in `files`), to that run's log file as well; every other attribute is
+    the stream's. One Tee serves every inline run of the process, so runs in threads neither mix their logs nor
+    leave a closed file behind.
 
-        sys.stdout = Tee(sys.stdout, open("logs/rank0.out", "a", buffering=1))
+        sys.stdout = Tee(sys.stdout); sys.stdout.files[threading.get_ident()] = open("logs/rank0.out", "a")
     """
 
-    def __init__(self, stream, file):
-        self.stream, self.file = stream, file
+    def __init__(self, stream):
+        self.stream = stream
+        self.files: dict = {}  # thread ident -> the log file of the run that thread trains
 
     def write(self, text: str) -> int:
-        self.file.write(text)
+        file = self.files.get(threading.get_ident())
+        if file is not None:
+            file.write(text)
         return self.stream.write(text)
 
     def flush(self) -> None:
-        self.file.flush()
+        file = self.files.get(threading.get_ident())
+        if file is not None:
+            file.flush()
         self.stream.flush()
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
 
+_TEES = threading.Lock()  # guards installing, registering in and removing the Tees of sys.stdout / sys.stderr
+
+
 @contextlib.contextmanager
 def tee_output(folder: RunFolder):
-    """While an inline run trains, what this process prints (the progress bar, warnings) goes to the cell or
+    """While an inline run trains, what its thread prints (the progress bar, warnings) goes to the cell or
     terminal as before and to logs/rank0.out / rank0.err, as the other executors' ranks write theirs (a resumed
-    run appends); yields the stderr log file."""
+    run appends); yields the stderr log file. The last run to end puts the original streams back."""
     folder.logs.mkdir(parents=True, exist_ok=True)
     with open(folder.rank_log(0, "out"), "a", buffering=1) as out, open(folder.rank_log(0, "err"), "a",
                                                                          buffering=1) as err:
-        previous = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Tee(previous[0], out), Tee(previous[1], err)
+        me, tees = threading.get_ident(), {}
+        with _TEES:
+            for name, file in (("stdout", out), ("stderr", err)):
+                tee = getattr(sys, name)
+                if not isinstance(tee, Tee):
+                    tee = Tee(tee)
+                    setattr(sys, name, tee)
+                tee.files[me] = file
+                tees[name] = tee
         try:
             yield err
         finally:
-            sys.stdout, sys.stderr = previous
+            with _TEES:
+                for name, tee in tees.items():
+                    tee.files.pop(me, None)
+                    if not tee.files and getattr(sys, name) is tee:
+                        setattr(sys, name, tee.stream)
 
 
 def unlink_logs(folder: RunFolder) -> None:

@@ -344,7 +344,7 @@ class Trainer:
             t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
                 # a cancel (Run.cancel / moelab cancel writes cancel_requested, then signals) ends CANCELLED
-                status = "CANCELLED" if self.folder.read_info().get("cancel_requested") else "PREEMPTED"
+                status = "CANCELLED" if self.cancelled() else "PREEMPTED"
                 break
             if t.checkpoint_every and step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)
@@ -382,9 +382,13 @@ class Trainer:
         if self.writer and self.stop_requested:
             self.writer.write("warning", step=step, kind="preempted", message=(
                 f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: "
-                + ("checkpoint saved, run CANCELLED" if saved and self.folder.read_info().get("cancel_requested") else
+                + ("checkpoint saved, run CANCELLED" if saved and self.cancelled() else
                    f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
                    "run PREEMPTED without a checkpoint (train.save_checkpoints=false)")))
+
+    def cancelled(self) -> bool:
+        """The stop is a cancel (Run.cancel / moelab cancel wrote cancel_requested) or a Ctrl-C: it ends CANCELLED."""
+        return self.stop.interrupted or bool(self.folder.read_info().get("cancel_requested"))
 
     def memory_now(self) -> list[float]:
         """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,
