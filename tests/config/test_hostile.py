@@ -94,3 +94,9 @@ def test_a_hostile_name_on_the_command_line_is_one_line_and_writes_nothing(tmp_p
     out = moelab("run", "tiny", *SMALL_CLI, "--set", "name=../../x", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("moelab: config error: name='../../x'"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_yaml_files_stem_becomes_a_safe_default_name(tmp_path):
+    path = tmp_path / "my run (v2).yaml"
+    path.write_text("base: tiny\n")
+    assert load_config(path).name == "my-run--v2-"
