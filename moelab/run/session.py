@@ -97,7 +97,8 @@ class Session:
             s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3], "model.moe.top_k": [1, 2]})   # 4 runs
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
-        from moelab.contract.folder import RunFolder, lock_folder, write_json
+        from moelab.contract.folder import RunFolder, write_json
+        from moelab.launch.claim import claim_folder
         from moelab.run.run import Run
         from moelab.run.sweep import Sweep
 
@@ -119,7 +120,7 @@ class Session:
                  for i, p in enumerate(points)]
         with contextlib.ExitStack() as locks:
             for n in names:
-                locks.enter_context(lock_folder(root / n, "submit"))
+                locks.enter_context(claim_folder(root / n))
             folders = [prepare_folder(root / n, cfg) for n, cfg in zip(names, configs)]
             write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
                                                            "runs": names, "executor": kind, "created": time.time()})
