@@ -7,9 +7,10 @@ so a signal goes straight to the previous handler, or gets its default action: a
 time SLURM grants between the signal and the kill (submitit's signal_delay_s).
 
 Ctrl-C (SIGINT) is a stop request too once the loop runs: an inline run checkpoints at the step boundary and ends
-CANCELLED (`interrupted`). A second signal while the run is stopping ends the process at once with that
-signal's default action, even inside a step that would take hours to reach its boundary (a huge batch); the last
-complete checkpoint stays as it was (a save is atomic).
+CANCELLED (`interrupted`). A second signal while the run is stopping gets at once what it would have got
+without us (SIGTERM's default action ends the process; a second Ctrl-C raises KeyboardInterrupt, which a notebook
+kernel survives), even inside a step that would take hours to reach its boundary (a huge batch); the last complete
+checkpoint stays as it was (a save is atomic).
 
     stop = StopSignals().install()   # in the main thread; a no-op elsewhere (a notebook's worker thread)
     stop.deferring = True            # when the step loop starts
@@ -49,9 +50,8 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if not self.deferring:
             _pass_on(signum, self._previous.get(signum), frame)
-        elif self.received:  # stopping already: end now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        elif self.received:  # stopping already: what the signal would have done without us, now
+            _pass_on(signum, self._previous.get(signum), frame)
         else:
             self.received.append(signum)
 

@@ -1,7 +1,9 @@
-"""moelab.train.signals (issue 33.5): a second SIGTERM while a run is stopping ends the process at once, even
-inside a step that would take long to reach its boundary, and leaves the checkpoints as they were."""
+"""moelab.train.signals (issues 33.5, 33.7): Ctrl-C in the step loop is a stop request (CANCELLED); a second
+SIGTERM or Ctrl-C while a run is stopping acts at once, even inside a step that would take long to reach its
+boundary, and leaves the checkpoints as they were."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,12 +12,43 @@ import time
 import pytest
 
 from moelab.contract.stream import read_events
+from moelab.train.signals import StopSignals
 
 from support import SMALL_CLI
 
-pytestmark = pytest.mark.slow
+def test_ctrl_c_is_a_stop_request_in_the_loop_and_a_second_one_interrupts_at_once():
+    stop = StopSignals().install()
+    try:
+        with pytest.raises(KeyboardInterrupt):  # before the step loop: as without us
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.deferring = True
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert stop.requested and stop.interrupted  # the run ends CANCELLED at the step boundary
+        with pytest.raises(KeyboardInterrupt):  # while stopping: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopSignals().install()
+        stop.deferring = True
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert not stop.requested
+        stop.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.slow
 def test_a_second_sigterm_while_stopping_ends_the_process_at_once(tmp_path):
     out = tmp_path / "d"
     # 256 micro batches a step: seconds to the first step boundary, long after the second signal
