@@ -59,6 +59,28 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
     return None
 
 
+def check_packages(cfg: Config) -> None:
+    """Refuse (BackendUnavailable, with the install hint) a backend the config asks for whose package is not
+    installed on this machine: moelab.train.preflight calls it where the ranks will run here, before anything is
+    submitted. With backend.fallback=true the ranks fall back to the torch path instead (check_backends)."""
+    if cfg.backend.fallback:
+        return
+    b = cfg.backend
+    for (field_name, value), key in REQUESTS.items():
+        if getattr(b, field_name) == value and not _DETECTED[key]:
+            raise BackendUnavailable(_unavailable(field_name, value, _missing(key)))
+
+
+def _missing(key: str) -> str:
+    p = PACKAGES[key]
+    return f"the package {p.pip!r} is not installed (install: {p.install})"
+
+
+def _unavailable(field_name: str, value: str, problem: str) -> str:
+    return (f"backend.{field_name}={value!r}: {problem}. Set backend.{field_name}={TORCH_PATH[field_name]!r} for the "
+            f"torch path, or backend.fallback=true to fall back to it with a warning.")
+
+
 def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dict[str, str]:
     """The effective switchboard for a run: each requested backend if installed and supported; otherwise raise
     BackendUnavailable, or, with backend.fallback=true, the torch path with a warning."""
@@ -67,15 +89,13 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
     for (field_name, value), key in REQUESTS.items():
         if chosen[field_name] != value:
             continue
-        p = PACKAGES[key]
-        problem = None if _DETECTED[key] else f"the package {p.pip!r} is not installed (install: {p.install})"
+        problem = None if _DETECTED[key] else _missing(key)
         problem = problem or unsupported_reason(key, cfg, device, world_size)
         if problem is None:
             continue
         fix = f"backend.{field_name}={TORCH_PATH[field_name]!r}"
         if not b.fallback:
-            raise BackendUnavailable(f"backend.{field_name}={value!r}: {problem}. Set {fix} for the torch path, "
-                                     f"or backend.fallback=true to fall back to it with a warning.")
+            raise BackendUnavailable(_unavailable(field_name, value, problem))
         warnings.warn(f"backend.{field_name}={value!r} unavailable ({problem}); falling back to {fix} "
                       f"because backend.fallback=true", RuntimeWarning, stacklevel=2)
         chosen[field_name] = TORCH_PATH[field_name]

@@ -41,12 +41,17 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a run's step loop (it checkpoints and stops once the loop runs)
+        if debug:
+            raise
+        print("moelab: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - the errors a user meets get one line; --debug shows the traceback
         line = one_line_error(e)
         if debug or line is None:
             raise
         print(f"moelab: {line}", file=sys.stderr)
-        return 2 if isinstance(e, (ConfigError, FolderLocked, FileNotFoundError)) else 1
+        return 2 if isinstance(e, (ConfigError, FolderLocked, FileNotFoundError)) or line.startswith("refused") else 1
     finally:
         warnings.showwarning = previous
 
@@ -55,12 +60,13 @@ def one_line_error(e: BaseException) -> str | None:
     """The one line a known error is shown as (None: an unexpected error, shown with its traceback)."""
     from submitit.core.utils import FailedJobError
 
+    from moelab.launch.jobs import NotCancellable
     from moelab.launch.local import RankFailed
     from moelab.train.checkpoint import CheckpointError
 
     if isinstance(e, ConfigError):
         return f"config error: {e}"
-    if isinstance(e, FolderLocked):
+    if isinstance(e, (FolderLocked, NotCancellable)):
         return f"refused: {e}"
     if isinstance(e, FileNotFoundError):
         return str(e)

@@ -119,6 +119,11 @@ def progress_line(run: Run) -> str:
 
 def _report(run: Run, failed_code: int = 1) -> int:
     status = run.status
+    if status == "CANCELLED" and run.executor == "inline":  # only Ctrl-C in this process cancels an inline run
+        print(f"moelab: interrupted at step {run.progress()['step']}: run CANCELLED at the step boundary (with a "
+              f"checkpoint unless train.save_checkpoints=false); continue with `moelab resume {run.folder}`",
+              file=sys.stderr)
+        return 130
     if status == "COMPLETED" and run.summary:
         from moelab.train.summary import format_summary
 

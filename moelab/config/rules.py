@@ -18,6 +18,14 @@ class ConfigError(ValueError):
         Session("tiny", train={"steps": 0})   # ConfigError: train.steps=0: must be >= 1
     """
 
+    MAX_CHARS = 1000  # a message stays readable: a longer one keeps its start and end
+
+    def __init__(self, message: str = ""):
+        message = str(message)
+        if len(message) > self.MAX_CHARS:
+            message = f"{message[:700]} ... ({len(message)} characters) ... {message[-200:]}"
+        super().__init__(message)
+
     def _render_traceback_(self) -> list:
         """How IPython and Jupyter show it: the message and where it was raised, the traceback folded away."""
         tb, where = self.__traceback__, ""
@@ -31,7 +39,14 @@ class ConfigError(ValueError):
 
 
 def _fail(field_name: str, value: Any, fix: str) -> typing.NoReturn:
-    raise ConfigError(f"{field_name}={value!r}: {fix}")
+    raise ConfigError(f"{field_name}={shown(value)}: {fix}")
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters, saying how long it was: an error stays one readable line (a 1 MB
+    value is not echoed back)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _sections(obj, prefix: str = ""):
@@ -44,11 +59,14 @@ def _sections(obj, prefix: str = ""):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (sqrt(n) steps: n may be as large as the bounds allow)."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def check(cfg) -> None:
-    """Every rule of Config.validate (ConfigError naming the field, the value and the fix)."""
+    """Every rule of Config.validate (ConfigError naming the field, the value and the fix), section by section;
+    the bounds (moelab.config.bounds) ran first."""
     m, moe, p, t, b = cfg.model, cfg.model.moe, cfg.parallel, cfg.train, cfg.backend
     _positive = [("model.vocab_size", m.vocab_size), ("model.hidden_size", m.hidden_size),
                  ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
@@ -70,9 +88,16 @@ def check(cfg) -> None:
     for name, v in _positive:
         if v < 1:
             _fail(name, v, "must be >= 1")
-    if moe.top_k > moe.num_experts:
-        _fail("model.moe.top_k", moe.top_k,
-              f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
+    _check_model(m)
+    _check_moe(moe, p, b)
+    _check_train(t, b)
+    _check_parallel(cfg)
+    _check_backend(cfg)
+    _check_data(cfg)
+
+
+def _check_model(m: "ModelConfig") -> None:
+    """model.*: attention shapes, dense layers, rotary embeddings (model.moe: _check_moe)."""
     if m.num_heads % m.num_kv_heads:
         _fail("model.num_kv_heads", m.num_kv_heads,
               f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each kv head "
@@ -92,12 +117,23 @@ def check(cfg) -> None:
                 _fail(f"model.{name}", getattr(m, name), "must be >= 1 when model.attention='mla'")
         if m.qk_rope_head_dim % 2:
             _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even")
-    if m.attention_sinks and b.attention not in ("eager", "flex", "te"):
-        _fail("backend.attention", b.attention,
-              "attention sinks need backend.attention='eager', 'flex' or 'te' (SDPA has no sink logits)")
-    if b.te_fp8 != "off" and (b.attention != "te" or m.attention == "mla"):
-        _fail("backend.te_fp8", b.te_fp8, "TE's FP8 recipes run the TE Linear projections of "
-              "backend.attention='te' on GQA/MHA models; set backend.attention=te, or backend.te_fp8=off")
+    for name, v in (("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps)):
+        if v <= 0:
+            _fail(name, v, "must be > 0")
+    rs = m.rope_scaling
+    if rs.kind == "yarn":
+        if rs.factor < 1:
+            _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
+        if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
+            _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
+                  f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
+
+
+def _check_moe(moe: "MoEConfig", p: "ParallelConfig", b: "BackendConfig") -> None:
+    """model.moe.*: routing (top-k, groups, node limits), balancing, capacity, per-expert learning rates."""
+    if moe.top_k > moe.num_experts:
+        _fail("model.moe.top_k", moe.top_k,
+              f"cannot exceed model.moe.num_experts={moe.num_experts}; lower top_k or add experts")
     if moe.num_experts % moe.num_groups:
         _fail("model.moe.num_groups", moe.num_groups, f"must divide model.moe.num_experts={moe.num_experts}")
     if not 1 <= moe.topk_groups <= moe.num_groups:
@@ -106,10 +142,10 @@ def check(cfg) -> None:
     if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
         _fail("model.moe.top_k", moe.top_k,
               "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
+    if moe.score_func == "softmax_topk" and moe.num_groups > 1:
+        _fail("model.moe.num_groups", moe.num_groups,
+              "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
     _check_node_limited(moe, p, b)
-    _check_replication(p, t)
-    _check_deepep(cfg)
-    _check_ep_overlap(p, b)
     if moe.capacity_factor < 0:
         _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
     if moe.dynamic_capacity and moe.capacity_factor == 0:
@@ -123,16 +159,12 @@ def check(cfg) -> None:
             _fail(f"model.moe.{name}", getattr(moe, name), fix)
     if moe.route_scale <= 0:
         _fail("model.moe.route_scale", moe.route_scale, "must be > 0")
-    if moe.score_func == "softmax_topk" and moe.num_groups > 1:
-        _fail("model.moe.num_groups", moe.num_groups,
-              "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
-    rs = m.rope_scaling
-    if rs.kind == "yarn":
-        if rs.factor < 1:
-            _fail("model.rope_scaling.factor", rs.factor, "must be >= 1 for yarn")
-        if rs.original_max_len < 1 or rs.beta_fast <= 0 or rs.beta_slow <= 0:
-            _fail("model.rope_scaling", f"original_max_len={rs.original_max_len} beta_fast={rs.beta_fast} "
-                  f"beta_slow={rs.beta_slow}", "yarn needs original_max_len >= 1 and betas > 0")
+    if moe.expert_lr_max_scale < 1:
+        _fail("model.moe.expert_lr_max_scale", moe.expert_lr_max_scale, "must be >= 1")
+
+
+def _check_train(t: "TrainConfig", b: "BackendConfig") -> None:
+    """train.*: batches, optimizer, dtypes and FP8, checkpoints."""
     if t.global_batch_size % t.micro_batch_size:
         _fail("train.global_batch_size", t.global_batch_size,
               f"must be a multiple of train.micro_batch_size={t.micro_batch_size}")
@@ -142,15 +174,11 @@ def check(cfg) -> None:
     if t.init_from and not t.init_from.startswith("hf:"):
         _fail("train.init_from", t.init_from, "give '' (random weights from train.seed) or hf:PATH (a Hugging "
               "Face checkpoint folder)")
-    for name, v, ok, fix in (("model.rope_theta", m.rope_theta, m.rope_theta > 0, "must be > 0"),
-                             ("model.norm_eps", m.norm_eps, m.norm_eps > 0, "must be > 0"),
-                             ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),
+    for name, v, ok, fix in (("train.beta1", t.beta1, 0 <= t.beta1 < 1, "must be within [0, 1)"),
                              ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "must be within [0, 1)"),
                              ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0"),
                              ("train.collective_timeout_s", t.collective_timeout_s,
-                              t.collective_timeout_s > 0, "must be > 0 seconds"),
-                             ("model.moe.expert_lr_max_scale", moe.expert_lr_max_scale,
-                              moe.expert_lr_max_scale >= 1, "must be >= 1"),):
+                              t.collective_timeout_s > 0, "must be > 0 seconds")):
         if not ok:
             _fail(name, v, fix)
     if not 0 <= t.min_lr_ratio <= 1:
@@ -180,6 +208,11 @@ def check(cfg) -> None:
               "train.fp8=off on CPU")
     if t.keep_checkpoints < 1:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+
+
+def _check_parallel(cfg: "Config") -> None:
+    """parallel.*: the layout's own rules (those that need the world size: moelab.layout.dims)."""
+    p, t, moe = cfg.parallel, cfg.train, cfg.model.moe
     if p.fsdp == 0 or p.fsdp < -1:
         _fail("parallel.fsdp", p.fsdp, "must be >= 1, or -1 to fill the world size")
     if moe.num_experts % p.ep:
@@ -192,16 +225,36 @@ def check(cfg) -> None:
     if p.tp > 1:
         _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
               "(supported: ep, fsdp, pp with vp)")
+    _check_replication(p, t)
+    _check_ep_overlap(p, cfg.backend)
+
+
+def _check_backend(cfg: "Config") -> None:
+    """backend.*: what each kernel choice takes (its package: moelab.backends, checked by the preflight)."""
+    m, b = cfg.model, cfg.backend
+    if m.attention_sinks and b.attention not in ("eager", "flex", "te"):
+        _fail("backend.attention", b.attention,
+              "attention sinks need backend.attention='eager', 'flex' or 'te' (SDPA has no sink logits)")
+    if b.te_fp8 != "off" and (b.attention != "te" or m.attention == "mla"):
+        _fail("backend.te_fp8", b.te_fp8, "TE's FP8 recipes run the TE Linear projections of "
+              "backend.attention='te' on GQA/MHA models; set backend.attention=te, or backend.te_fp8=off")
     if b.fake_gate_noise < 0:
         _fail("backend.fake_gate_noise", b.fake_gate_noise, "must be >= 0")
     if b.fake_gate_noise > 0 and not b.fake_balanced_gate:
         _fail("backend.fake_gate_noise", b.fake_gate_noise, "only shifts the fake balanced gate's round-robin "
               "routing; set backend.fake_balanced_gate=true as well, or leave the noise at 0 for the learned router")
+    _check_deepep(cfg)
+
+
+def _check_data(cfg: "Config") -> None:
+    """data.*: the kind and its paths, evaluation splits, noise."""
     if cfg.data.kind == "tokens" and not cfg.data.path:
         _fail("data.path", cfg.data.path, "data.kind='tokens' needs data.path to a token file")
     _validate_data(cfg)
     if not 0 <= cfg.data.noise <= 1:
         _fail("data.noise", cfg.data.noise, "must be within [0, 1]")
+
+
 
 
 def _validate_data(cfg: "Config") -> None:

@@ -20,9 +20,10 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from moelab.config.rules import ConfigError, _fail, check  # noqa: F401 (ConfigError: moelab.config's name)
+from moelab.config.rules import ConfigError, _fail, check, shown  # noqa: F401 (ConfigError: moelab.config's name)
 from moelab.config.lora import LoRAConfig, check_lora
-from moelab.config.yaml_io import load_yaml
+from moelab.config.bounds import check_bounds, safe_name
+from moelab.config.yaml_io import load_yaml, read_text
 
 
 @dataclass
@@ -330,6 +331,7 @@ class Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError naming the field, the value and the fix (the rules: moelab.config.rules)."""
+        check_bounds(self)  # first: some rules loop over divisors of these sizes
         check(self)
         check_lora(self)
 
@@ -427,7 +429,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def parse_override(text: str) -> tuple[str, Any]:
     """'model.moe.num_experts=16' -> ('model.moe.num_experts', 16); the value is parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example model.moe.num_experts=16")
+        raise ConfigError(f"--set {shown(text)}: expected KEY=VALUE, for example model.moe.num_experts=16")
     key, raw = text.split("=", 1)
     try:
         value = load_yaml(raw, f"--set {key.strip()}", file=False) if raw.strip() else ""
@@ -465,6 +467,9 @@ def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) 
             raise ConfigError(f"{source!r}: hf: checkpoints are read by moelab.Session, `moelab run` and "
                               f"moelab.hf.source.load_config; pass readers=moelab.run.session.SOURCE_READERS")
         return readers["hf"](source)
+    if "\0" in source or len(source) > 4096:
+        raise ConfigError(f"config source {shown(source)}: not a preset name or a path (a NUL byte, or longer "
+                          f"than a path can be)")
     path = Path(source)
     if source in preset_names():
         path = preset_path(source)
@@ -477,19 +482,17 @@ def _read_source(source: str, _seen: tuple = (), readers: "dict | None" = None) 
         raise ConfigError(f"unknown preset {source!r}.{hint} Presets: {', '.join(preset_names())} "
                           f"(or give a path to a YAML file)")
     try:
-        data = load_yaml(path.read_text(), str(path))
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
-    if data is None:
-        data = {}
+        data = load_yaml(read_text(path), str(path))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {shown(str(e), 300)}") from None
+    if not data:  # an empty or comment-only file would silently train the built-in default model
+        raise ConfigError(f"{path}: the file sets nothing; give at least `base: PRESET` (see `moelab presets`)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    data.setdefault("name", path.stem)
+    data.setdefault("name", safe_name(path.stem))
     base = data.pop("base", None)  # a YAML file may start from a preset: `base: qwen3-moe-30b-a3b`
     if base is not None and not isinstance(base, str):
-        raise ConfigError(f"{path}: base={base!r}: expected a preset name or a YAML path")
+        raise ConfigError(f"{path}: base={shown(base)}: expected a preset name or a YAML path")
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: its `base:` chain loops back to this file; break the loop")
     d = _read_source(base, _seen + (path.resolve(),), readers) if base else Config().to_dict()

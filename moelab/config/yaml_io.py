@@ -4,13 +4,21 @@ a mapping with the same key twice, where PyYAML keeps the last one silently.
     yaml.load("train: {steps: 5}", Loader=UniqueKeyLoader)            # {'train': {'steps': 5}}
     yaml.load("steps: 5\nsteps: 50", Loader=UniqueKeyLoader)          # DuplicateKey: 'steps', line 2, first 1
 
-load_yaml turns DuplicateKey into a ConfigError naming the file, the key and the lines.
+load_yaml turns DuplicateKey into a ConfigError naming the file, the key and the lines. It also refuses a
+document whose aliases expand to more than MAX_NODES nodes (an alias bomb, `a: &a [x, x]`, `b: &b [*a, *a]`, ...,
+would take the later steps forever) or that refers to itself, and read_text refuses any file that is not a
+regular file of at most MAX_BYTES (`base: /dev/zero` would read without end).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
-from moelab.config.rules import ConfigError
+from moelab.config.rules import ConfigError, shown
+
+MAX_BYTES = 1 << 20   # a config file (the largest preset is a few KB)
+MAX_NODES = 100_000   # YAML nodes once aliases are expanded (a full config has a few hundred)
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -51,9 +59,65 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(text: str, where: str, file: bool = True):
     """YAML text -> Python, refusing duplicated keys with a ConfigError naming the key (and its lines in a
     `file`)."""
+    loader = UniqueKeyLoader(text)
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
+        node = loader.get_single_node()
+        if node is not None and expanded_size(node) > MAX_NODES:
+            raise ConfigError(f"{where}: its aliases (*name) expand to more than {MAX_NODES} values; a config "
+                              f"needs a few hundred: write the values out")
+        return loader.construct_document(node) if node is not None else None
     except DuplicateKey as e:
         lines = f"{where}:{e.line}: key {e.key!r} is given twice (first on line {e.first})" if file else \
             f"{where}: key {e.key!r} is given twice"
         raise ConfigError(f"{lines}; keep one of them (YAML would silently use the last)") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read; a config is a few levels deep") from None
+    finally:
+        loader.dispose()
+
+
+def expanded_size(node, limit: int = MAX_NODES) -> int:
+    """How many nodes the YAML graph under `node` has with every alias written out (each shared node counted
+    once per reference), stopping past `limit`; ConfigError for a node that contains itself."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+
+    def size(n) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if id(n) in open_ids:
+            raise ConfigError(f"a YAML alias refers to a value that contains it (at line {n.start_mark.line + 1});"
+                              f" a config is a tree")
+        open_ids.add(id(n))
+        children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+            n.value if isinstance(n, yaml.SequenceNode) else []
+        total = 1
+        for c in children:
+            total += size(c)
+            if total > limit:
+                break
+        open_ids.discard(id(n))
+        sizes[id(n)] = total
+        return total
+
+    return size(node)
+
+
+def read_text(path: "str | Path", what: str = "config file") -> str:
+    """A config file's text: a regular file of at most MAX_BYTES, else a ConfigError naming it."""
+    path = Path(path)
+    try:
+        if not path.is_file():
+            raise ConfigError(f"{what} {shown(str(path))} cannot be read (not a regular file); give a YAML "
+                              f"file or a preset name")
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{what} {shown(str(path))} cannot be read ({e.strerror})") from None
+    if len(data) > MAX_BYTES:
+        raise ConfigError(f"{what} {shown(str(path))} is larger than {MAX_BYTES} bytes; a config is a few KB")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {shown(str(path))}: not valid YAML (not UTF-8 text: {e.reason} at byte "
+                          f"{e.start})") from None

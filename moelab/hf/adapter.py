@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from moelab.config import ConfigError
+from moelab.config.bounds import safe_name
 from moelab.hf.safetensors_folder import Rows
 from moelab.model.layers import HIDDEN_ACTS
 
@@ -96,7 +97,8 @@ class FamilyAdapter:
         self.family_from_hf(hf, model, moe, backend)
         model["moe"] = moe
         name = hf.get("_name_or_path") or hf.get("model_type")
-        return {"name": str(name).rstrip("/").rsplit("/", 1)[-1] or "hf", "model": model, "backend": backend}
+        return {"name": safe_name(str(name).rstrip("/").rsplit("/", 1)[-1] or "hf"), "model": model,
+                "backend": backend}
 
     def family_from_hf(self, hf: dict, model: dict, moe: dict, backend: dict) -> None:
         """Fill the family's model, moe and backend fields (subclasses)."""

@@ -31,6 +31,14 @@ from moelab.contract.stream import read_events, tail_events
 __all__ = ["Job", "InlineJob", "ExternalJob", "LocalJob", "SlurmJob", "job_for", "STATES", "TERMINAL"]
 
 
+class NotCancellable(RuntimeError):
+    """A run that only the process training it can stop (an inline run, a run started without a scheduler).
+
+        try: job_for(RunFolder("runs/inline-run")).cancel()
+        except NotCancellable as e: print(e)   # ... only that process can stop it (Ctrl-C there, ...)
+    """
+
+
 class Job:
     """What every executor's job answers; this base knows only the run's stream (each executor adds its own).
 
@@ -40,6 +48,7 @@ class Job:
 
     executor = "external"
     records_status = False  # whether a terminal state is written back to run.json
+    cancellable = False  # whether cancel() can stop it from another process (else it raises NotCancellable)
 
     def __init__(self, folder: "RunFolder | str | Path", info: dict | None = None, handle=None):
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
@@ -73,8 +82,11 @@ class Job:
         return self.stream_state()
 
     def cancel(self) -> None:
-        raise RuntimeError(f"run {self.folder.name} runs {self.executor} (in some process' foreground); it can only "
-                           f"be stopped there (Ctrl-C)")
+        pid = self.info.get("pid")
+        where, how = ((f"pid {pid} on {self.info.get('host', 'this host')}", f"Ctrl-C there, or `kill -INT {pid}`")
+                      if pid else ("some process' foreground", "Ctrl-C there"))
+        raise NotCancellable(f"run {self.folder.name} runs {self.executor} in {where}; only that process can stop it "
+                             f"({how})")
 
     def outcome(self) -> tuple[str | None, str | None]:
         return None, None
@@ -161,6 +173,10 @@ class ExternalJob(Job):
         job.state()    # sacct's state when the stream names a SLURM job, else the stream's
     """
 
+    @property
+    def cancellable(self) -> bool:
+        return bool(self.slurm_id())
+
     def slurm_id(self) -> str | None:
         _, start = self.last_attempt()
         return start.env.slurm_job_id if start is not None and start.env is not None else None
@@ -187,6 +203,7 @@ class SubmititJob(Job):
     """
 
     records_status = True
+    cancellable = True
 
     def paths(self, task: int):
         """submitit's files of `task` (stdout, stderr, result pickle)."""

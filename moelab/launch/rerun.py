@@ -2,6 +2,7 @@
 --executor, resume): a folder that holds a run is never started afresh, and the refusal, decided before any
 rank starts, changes nothing in it.
 
+- a run whose job is pending or running: refused, "wait for it to end or cancel it" (never "resume it");
 - the same config, run COMPLETED: refused, "already COMPLETED at step N: nothing to do";
 - the same config, run stopped (PREEMPTED, FAILED, ...): refused, "continue it with `moelab resume D`";
 - only train.steps differs: refused, pointing at `moelab resume D --steps M`, which says it resumes from step
@@ -50,7 +51,7 @@ def config_diff(old, new) -> dict:
 
 def rerun_refusal(folder: RunFolder, cfg) -> str:
     """Why `cfg` cannot start afresh in `folder`, which holds a run, and what to do instead."""
-    from moelab.launch.jobs import job_for
+    from moelab.launch.jobs import TERMINAL, job_for
 
     where = str(folder.path)
     try:
@@ -62,6 +63,9 @@ def rerun_refusal(folder: RunFolder, cfg) -> str:
     start, note = resume_point(folder) if status != "COMPLETED" else (step, "")
     note = f" ({note})" if note else ""
     diff = config_diff(old, cfg)
+    if status not in TERMINAL:  # a live job (it may not hold the lock yet): resuming it would be a second writer
+        return (f"folder={where!r} holds a run that is {status} at step {step}/{old.train.steps}; wait for it to "
+                f"end (`moelab status {where}`) or cancel it (`moelab cancel {where}`), or choose a new folder")
     if not diff:
         if status == "COMPLETED":
             return (f"folder={where!r} already holds this run, COMPLETED at step {step}/{old.train.steps}: nothing "

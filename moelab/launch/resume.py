@@ -17,8 +17,9 @@ from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.jobs import Job, job_for
-from moelab.contract.folder import RunFolder, lock_folder
+from moelab.contract.folder import RunFolder
 from moelab.contract.stream import MetricsError, tail_events
+from moelab.launch.claim import claim_folder
 
 
 def resume_config(run_dir: "str | Path", steps: int | None = None):
@@ -48,25 +49,28 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
     from moelab.launch.rerun import extension_note, reached_step, resume_point
 
     folder = RunFolder(run_dir)
-    cfg = resume_config(folder.path, steps)
-    reached = reached_step(folder)
-    start, behind = resume_point(folder)  # the newest intact checkpoint's step, not the stream's last
-    note = extension_note(resume_config(folder.path), cfg, start)  # refuses steps below the checkpoint's
-    if reached >= cfg.train.steps and job_for(folder).state() == "COMPLETED":
-        raise ConfigError(f"{folder.path}: the run is already COMPLETED at step {reached}/{cfg.train.steps}; "
-                          f"nothing to resume (give --steps M / resume(steps=M) to train further)")
-    info = folder.read_info()
-    kind = info.get("executor")
-    if kind in ("local", "slurm"):
-        options = {**info.get("options", {}), **cluster_options}
-        nproc = nproc or (1 if options.get("gpus_per_node") else
-                          int(info.get("ntasks", 1)) // int(options.get("nodes", 1)))
-    else:
-        options = dict(cluster_options)
-        nproc = nproc or previous_world_size(folder.path)
-        kind = "inline" if nproc == 1 and not options else "local"
-    kind, world = validate(kind, nproc, options, [cfg])
-    with lock_folder(folder.path, "submit"):  # FolderLocked while the run's owner still runs
+    resume_config(folder.path)  # not a run folder: refused before the claim creates anything
+    with claim_folder(folder):  # FolderLocked while a job of the run is pending or running (moelab.launch.claim)
+        # every check that can refuse, before the first write: a refusal leaves the folder as it was
+        cfg = resume_config(folder.path, steps)
+        reached = reached_step(folder)
+        start, behind = resume_point(folder)  # the newest intact checkpoint's step, not the stream's last
+        note = extension_note(resume_config(folder.path), cfg, start)  # refuses steps below the checkpoint's
+        if reached >= cfg.train.steps and job_for(folder).state() == "COMPLETED":
+            raise ConfigError(f"{folder.path}: the run is already COMPLETED at step {reached}/{cfg.train.steps}; "
+                              f"nothing to resume (give --steps M / resume(steps=M) to train further)")
+        check_resumable(folder)
+        info = folder.read_info()
+        kind = info.get("executor")
+        if kind in ("local", "slurm"):
+            options = {**info.get("options", {}), **cluster_options}
+            nproc = nproc or (1 if options.get("gpus_per_node") else
+                              int(info.get("ntasks", 1)) // int(options.get("nodes", 1)))
+        else:
+            options = dict(cluster_options)
+            nproc = nproc or previous_world_size(folder.path)
+            kind = "inline" if nproc == 1 and not options else "local"
+        kind, world = validate(kind, nproc, options, [cfg])
         for line in (behind, note):
             if line:
                 print(f"moelab: {line}", file=sys.stderr)
@@ -77,3 +81,15 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
             return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
         root = Path(info.get("submitit_folder") or folder.submitit)
         return submit_folders(kind, [folder], nproc, options, root, world)[0]
+
+
+def check_resumable(folder: RunFolder) -> None:
+    """CheckpointError when the folder has checkpoints and none is intact: the ranks would refuse at restore
+    (moelab.train.checkpoint.Checkpointer.restore), after the resume had rewritten the folder."""
+    from moelab.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, verify
+
+    found = list_checkpoints(folder.path)
+    if found and latest_checkpoint(folder.path) is None:
+        problems = " | ".join(f"{p.name}: {'; '.join(verify(p))}" for p in reversed(found))
+        raise CheckpointError(f"{folder.checkpoints}: no usable checkpoint ({problems}); nothing was changed. Move "
+                              f"the checkpoints folder away to train again from step 0")

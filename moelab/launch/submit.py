@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -21,13 +22,13 @@ from moelab.config import ConfigError, load_config, save_config
 from moelab.launch.executors import (TrainJob, check_options, make_executor, parse_time_s, resolve_executor,
                                      world_size)
 from moelab.launch.jobs import InlineJob, Job, job_for
-from moelab.layout.dims import check_layout
+from moelab.train.preflight import preflight
 from moelab.contract.folder import RunFolder
 
 
 def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[str, int]:
-    """Check executor, options and every config's layout for the world size BEFORE anything is submitted;
-    returns (executor without 'auto', world size)."""
+    """Check executor and options, and every config's preflight (moelab.train.preflight) for the world size,
+    BEFORE anything is submitted; returns (executor without 'auto', world size)."""
     kind = resolve_executor(executor)
     check_options(kind, options)
     if "time" in options:
@@ -37,21 +38,8 @@ def validate(executor: str, nproc: int, options: dict, configs: list) -> tuple[s
         from moelab.launch.executors import tasks_per_node
         from moelab.launch.slurm_checks import check_request
         check_request({**options, "tasks_per_node": tasks_per_node(nproc, options)}, options.get("partition"))
-    for cfg in configs:
-        try:
-            check_layout(cfg, world)
-        except ConfigError as e:
-            raise ConfigError(f"{e} (config {cfg.name!r} on {world} rank(s) = executor={kind!r}, nproc/nodes/"
-                              f"gpus_per_node as given)") from None
-    from moelab.data.batches import check_data
-
-    for cfg in configs:  # every check the ranks make on the data (missing file, ids out of range, vocabulary)
-        check_data(cfg, progress=False)
-    for cfg in configs:  # a train.init_from checkpoint that does not fit the model (moelab.hf.sharded_load)
-        if cfg.train.init_from:
-            from moelab.hf.sharded_load import check_init
-
-            check_init(cfg)
+    for cfg in configs:  # layout, packages, data, init checkpoint: moelab.train.preflight
+        preflight(cfg, world, kind)
     return kind, world
 
 
@@ -123,41 +111,62 @@ def run_inline(folder: "RunFolder | str | Path", reraise: tuple = (ConfigError,)
 
 
 class Tee:
-    """A text stream that writes to `stream` (the notebook cell, the terminal) and to `file` as well; every
-    other attribute is the stream's.
+    """A text stream that writes to `stream` (the notebook cell, the terminal) and, for a thread that trains an
+    inline run (tee_output registers it in `files`), to that run's log file as well; every other attribute is
+    the stream's. One Tee serves every inline run of the process, so runs in threads neither mix their logs nor
+    leave a closed file behind.
 
-        sys.stdout = Tee(sys.stdout, open("logs/rank0.out", "a", buffering=1))
+        sys.stdout = Tee(sys.stdout); sys.stdout.files[threading.get_ident()] = open("logs/rank0.out", "a")
     """
 
-    def __init__(self, stream, file):
-        self.stream, self.file = stream, file
+    def __init__(self, stream):
+        self.stream = stream
+        self.files: dict = {}  # thread ident -> the log file of the run that thread trains
 
     def write(self, text: str) -> int:
-        self.file.write(text)
+        file = self.files.get(threading.get_ident())
+        if file is not None:
+            file.write(text)
         return self.stream.write(text)
 
     def flush(self) -> None:
-        self.file.flush()
+        file = self.files.get(threading.get_ident())
+        if file is not None:
+            file.flush()
         self.stream.flush()
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
 
+_TEES = threading.Lock()  # guards installing, registering in and removing the Tees of sys.stdout / sys.stderr
+
+
 @contextlib.contextmanager
 def tee_output(folder: RunFolder):
-    """While an inline run trains, what this process prints (the progress bar, warnings) goes to the cell or
+    """While an inline run trains, what its thread prints (the progress bar, warnings) goes to the cell or
     terminal as before and to logs/rank0.out / rank0.err, as the other executors' ranks write theirs (a resumed
-    run appends); yields the stderr log file."""
+    run appends); yields the stderr log file. The last run to end puts the original streams back."""
     folder.logs.mkdir(parents=True, exist_ok=True)
     with open(folder.rank_log(0, "out"), "a", buffering=1) as out, open(folder.rank_log(0, "err"), "a",
                                                                          buffering=1) as err:
-        previous = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Tee(previous[0], out), Tee(previous[1], err)
+        me, tees = threading.get_ident(), {}
+        with _TEES:
+            for name, file in (("stdout", out), ("stderr", err)):
+                tee = getattr(sys, name)
+                if not isinstance(tee, Tee):
+                    tee = Tee(tee)
+                    setattr(sys, name, tee)
+                tee.files[me] = file
+                tees[name] = tee
         try:
             yield err
         finally:
-            sys.stdout, sys.stderr = previous
+            with _TEES:
+                for name, tee in tees.items():
+                    tee.files.pop(me, None)
+                    if not tee.files and getattr(sys, name) is tee:
+                        setattr(sys, name, tee.stream)
 
 
 def unlink_logs(folder: RunFolder) -> None:

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from moelab.config import Config, ConfigError, ParallelConfig
+from moelab.config.rules import _divisors, _fail
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,6 @@ class Coords:
     cp: int
     ep: int
     efsdp: int
-
-
-def _fail(field_name: str, value, fix: str):
-    raise ConfigError(f"{field_name}={value!r}: {fix}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _batch_fixes(gbs: int, mbs: int, dp: int) -> str:

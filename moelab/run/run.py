@@ -125,6 +125,8 @@ class Run:
         step boundary and write an `end` event CANCELLED. Its status becomes CANCELLED once the scheduler confirms."""
         if self.status in TERMINAL:
             return
+        if not self.job.cancellable:
+            self.job.cancel()  # NotCancellable, saying who can stop it; nothing is written
         self._update_info(cancel_requested=True)
         self._checked = (0.0, None)
         self.job.cancel()

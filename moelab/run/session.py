@@ -79,12 +79,12 @@ class Session:
         from moelab.launch.submit import prepare_folder, submit_folders, validate
         from moelab.run.run import Run
 
-        from moelab.contract.folder import lock_folder
+        from moelab.launch.claim import claim_folder
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
         path = Path(folder) if folder else _default_folder(self._config.name)
         existed = path.exists()
-        with lock_folder(path, "submit"):  # a second submit to this folder is refused until run.json exists
+        with claim_folder(path):  # the lock first (moelab.launch.claim); a folder holding a run is refused
             folder = prepare_folder(path, self._config)
             try:
                 job = submit_folders(kind, [folder], nproc, cluster_options, folder.submitit, world)[0]
@@ -102,7 +102,8 @@ class Session:
             s.sweep({"model.moe.aux_loss_coeff": [0, 1e-3], "model.moe.top_k": [1, 2]})   # 4 runs
         """
         from moelab.launch.submit import prepare_folder, submit_folders, validate
-        from moelab.contract.folder import RunFolder, lock_folder, write_json
+        from moelab.contract.folder import RunFolder, write_json
+        from moelab.launch.claim import claim_folder
         from moelab.run.run import Run
         from moelab.run.sweep import Sweep
 
@@ -124,7 +125,7 @@ class Session:
                  for i, p in enumerate(points)]
         with contextlib.ExitStack() as locks:
             for n in names:
-                locks.enter_context(lock_folder(root / n, "submit"))
+                locks.enter_context(claim_folder(root / n))
             folders = [prepare_folder(root / n, cfg) for n, cfg in zip(names, configs)]
             write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
                                                            "runs": names, "executor": kind, "created": time.time()})

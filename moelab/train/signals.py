@@ -6,6 +6,12 @@ checkpoint. Before the loop starts (`deferring` False: setup, loading a checkpoi
 so a signal goes straight to the previous handler, or gets its default action: a slow setup never outlives the
 time SLURM grants between the signal and the kill (submitit's signal_delay_s).
 
+Ctrl-C (SIGINT) is a stop request too once the loop runs: an inline run checkpoints at the step boundary and ends
+CANCELLED (`interrupted`). A second signal while the run is stopping gets at once what it would have got
+without us (SIGTERM's default action ends the process; a second Ctrl-C raises KeyboardInterrupt, which a notebook
+kernel survives), even inside a step that would take hours to reach its boundary (a huge batch); the last complete
+checkpoint stays as it was (a save is atomic).
+
     stop = StopSignals().install()   # in the main thread; a no-op elsewhere (a notebook's worker thread)
     stop.deferring = True            # when the step loop starts
     ... if stop.requested: save, end the loop ...
@@ -19,14 +25,14 @@ import threading
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 / submitit's preemption signal, turned into a stop at the next step boundary.
+    """SIGTERM / SIGUSR1 / submitit's preemption signal / SIGINT, turned into a stop at the next step boundary.
 
         stop = StopSignals(); stop.install()
         ...; stop.requested                 # True once a signal came; the trainer checkpoints and stops
         stop.restore()
     """
     def __init__(self):
-        names = ["SIGTERM", "SIGUSR1", "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+        names = ["SIGTERM", "SIGUSR1", "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), "SIGINT"]
         self.signals = [getattr(signal, n) for n in dict.fromkeys(names) if hasattr(signal, n)]
         self.received: list[int] = []
         self._previous: dict[int, object] = {}  # while installed
@@ -36,18 +42,27 @@ class StopSignals:
     def install(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
+                if s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN:
+                    continue  # a process started to ignore Ctrl-C (a background job) keeps ignoring it
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.deferring:
-            self.received.append(signum)
-        else:
+        if not self.deferring:
             _pass_on(signum, self._previous.get(signum), frame)
+        elif self.received:  # stopping already: what the signal would have done without us, now
+            _pass_on(signum, self._previous.get(signum), frame)
+        else:
+            self.received.append(signum)
 
     @property
     def requested(self) -> bool:
         return bool(self.received)
+
+    @property
+    def interrupted(self) -> bool:
+        """A Ctrl-C (SIGINT) asked for the stop: the run ends CANCELLED rather than PREEMPTED."""
+        return signal.SIGINT in self.received
 
     @property
     def names(self) -> list[str]:
@@ -64,7 +79,7 @@ class StopSignals:
         (submitit's checkpoint-and-requeue handler, which may exit the process)."""
         for s in dict.fromkeys(self.received):
             previous = self._chain_to.get(s)
-            if callable(previous):
+            if callable(previous) and s != signal.SIGINT:  # Python's SIGINT handler would raise KeyboardInterrupt
                 previous(s, None)
 
 

@@ -23,14 +23,14 @@ from moelab.config import Config, ConfigError, save_config
 from moelab.model.batch_context import BatchContext
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
-from moelab.layout.dims import ParallelDims
+from moelab.train.preflight import preflight
 from moelab.parallel.env import DistEnv
 from moelab.contract.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer, list_checkpoints
 from moelab.data.batches import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
-from moelab.loggers.mirror import StreamMirror, check_export
+from moelab.loggers.mirror import StreamMirror
 from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.backends.full_loss import loss_mask
@@ -80,7 +80,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.stop.install()
         env.init(cfg.train.collective_timeout_s)
-        self.dims = ParallelDims.build(cfg, env.world_size)  # the one layout validator
+        self.dims = preflight(cfg, env.world_size, "rank")  # the layout, the packages (moelab.train.preflight)
         self.layout = self.dims.layout
         torch.manual_seed(cfg.train.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,6 @@ class Trainer:
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
         self.evaluator = Evaluator(self) if cfg.train.eval_every else None
         self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
-        check_export(cfg)  # on every rank: a missing package stops them all here
         t = cfg.train
         self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
         params = count_params(cfg.model)
@@ -337,7 +336,7 @@ class Trainer:
             t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
                 # a cancel (Run.cancel / moelab cancel writes cancel_requested, then signals) ends CANCELLED
-                status = "CANCELLED" if self.folder.read_info().get("cancel_requested") else "PREEMPTED"
+                status = "CANCELLED" if self.cancelled() else "PREEMPTED"
                 break
             if t.checkpoint_every and step % t.checkpoint_every == 0:
                 self.save_checkpoint(step)
@@ -375,9 +374,13 @@ class Trainer:
         if self.writer and self.stop_requested:
             self.writer.emit(WarningEvent(step=step, kind="preempted", message=(
                 f"stop signal ({', '.join(self.stop.names) or 'on another rank'}) at step {step}: "
-                + ("checkpoint saved, run CANCELLED" if saved and self.folder.read_info().get("cancel_requested") else
+                + ("checkpoint saved, run CANCELLED" if saved and self.cancelled() else
                    f"checkpoint saved, run PREEMPTED; continue with `moelab resume {self.run_dir}`" if saved else
                    "run PREEMPTED without a checkpoint (train.save_checkpoints=false)"))))
+
+    def cancelled(self) -> bool:
+        """The stop is a cancel (Run.cancel / moelab cancel wrote cancel_requested) or a Ctrl-C: it ends CANCELLED."""
+        return self.stop.interrupted or bool(self.folder.read_info().get("cancel_requested"))
 
     def memory_now(self) -> list[float]:
         """[peak allocated, peak reserved, peak RSS] of this rank in GiB: allocator counters kept on the host,

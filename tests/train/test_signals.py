@@ -1,0 +1,77 @@
+"""moelab.train.signals (issues 33.5, 33.7): Ctrl-C in the step loop is a stop request (CANCELLED); a second
+SIGTERM or Ctrl-C while a run is stopping acts at once, even inside a step that would take long to reach its
+boundary, and leaves the checkpoints as they were."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moelab.contract.stream import read_events
+from moelab.train.signals import StopSignals
+
+from support import SMALL_CLI
+
+def test_ctrl_c_is_a_stop_request_in_the_loop_and_a_second_one_interrupts_at_once():
+    stop = StopSignals().install()
+    try:
+        with pytest.raises(KeyboardInterrupt):  # before the step loop: as without us
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.deferring = True
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert stop.requested and stop.interrupted  # the run ends CANCELLED at the step boundary
+        with pytest.raises(KeyboardInterrupt):  # while stopping: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopSignals().install()
+        stop.deferring = True
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert not stop.requested
+        stop.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_while_stopping_ends_the_process_at_once(tmp_path):
+    out = tmp_path / "d"
+    # 256 micro batches a step: seconds to the first step boundary, long after the second signal
+    p = subprocess.Popen([sys.executable, "-m", "moelab", "run", "tiny", *SMALL_CLI, "--set",
+                          "train.global_batch_size=512", "--steps", "1000", "--out", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not any(
+                e["event"] == "start" for e in read_events(out / "metrics.jsonl", live=True)):
+            assert time.monotonic() < end and p.poll() is None, p.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the step loop
+        p.send_signal(signal.SIGTERM)  # a stop at the next step boundary
+        time.sleep(1.5)
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)  # while it stops: now
+        second = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        if p.poll() is None:
+            p.kill()
+    steps = [e for e in read_events(out / "metrics.jsonl", live=True) if e["event"] == "step"]
+    assert p.returncode == -signal.SIGTERM and took < 5, (p.returncode, took, p.stderr.read()[-2000:])
+    assert not steps and not list((out / "checkpoints").glob("step_*"))  # no step finished, nothing saved
