@@ -32,6 +32,8 @@ Schema version 1 (``SCHEMA_VERSION``); every event has ``event``, ``schema`` and
 - ``checkpoint``: step, path (written once the checkpoint folder is complete).
 - ``end``: step, status ("COMPLETED" | "PREEMPTED" | "STOPPED"), summary.
 - ``error``: step, rank, message, traceback.
+- ``control``: step (the boundary: after that step, before the next), field, old, new, who: a change made while
+  the run trained (moelab.train.controls; the requests are RUN/controls.jsonl, moelab.contract.controls).
 
 Readers must expect the last line to be half written while a run is live (``read_events(..., live=True)``):
 it is left out silently until its newline arrives. Any other line that is not a valid event (it does not parse,
@@ -40,7 +42,8 @@ by file and line number, once (``read_events`` as a MetricsWarning, ``JsonlTail`
 ``damaged_metrics_line`` warning event); ``read_events(..., strict=True)`` raises MetricsError instead.
 
 Resume (rewind_metrics, below): a run continued from its checkpoint at step k first rewrites
-this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k
+this file once, atomically (temp file + rename), without the ``step``, ``checkpoint``, ``eval`` and ``control``
+events after k
 (the run computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
 in any metrics.jsonl every step appears at most once, in order, and steps 1..k are contiguous at a resume; the
@@ -57,7 +60,7 @@ import warnings
 from pathlib import Path
 
 SCHEMA_VERSION = 1
-EVENTS = ("start", "step", "eval", "warning", "checkpoint", "end", "error")
+EVENTS = ("start", "step", "eval", "warning", "checkpoint", "end", "error", "control")
 
 
 class MetricsError(ValueError):
@@ -251,7 +254,7 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict
             damaged_why.append(str(event).split(": ", 1)[-1])
         elif event["event"] == "step" and event["step"] <= step:
             records.append(event)
-        elif event["event"] in ("step", "checkpoint", "eval") and event.get("step", 0) > step:
+        elif event["event"] in ("step", "checkpoint", "eval", "control") and event.get("step", 0) > step:
             continue
         kept.append(line)
     tmp = path.with_name(path.name + ".rewind")
