@@ -58,12 +58,11 @@ def live_config(folder: "str | Path"):
 def request(run, changes: dict, origin: str = "notebook", at: int | None = None) -> str:
     """Check `changes` and append them as one request; returns its id. ConfigError, with nothing written, for
     a field that cannot change, a bad value, or a run that has COMPLETED."""
-    status = run.status
-    if status == "COMPLETED":
-        raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; fork it from a "
-                          f"checkpoint with the change instead (run.fork(step=..., **changes))")
     cfg = live_config(run.folder)
     _, checked = check_changes(cfg, resolve(changes, cfg))
+    if run.status == "COMPLETED":
+        raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; fork it from a "
+                          f"checkpoint with the change instead (run.fork(step=..., **changes))")
     return append_request(run.folder, checked, who=who_is(origin), at=at)
 
 
