@@ -123,6 +123,7 @@ class DashState:
     health: dict = field(default_factory=dict)  # the last step's health (dead_experts, overloaded)
     health_S: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
     device: str = ""  # from the start event: "cpu", "cuda", ...
+    controls: list = field(default_factory=list)  # `control` events (step, field, old, new, who): chart marks
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: dict) -> None:
@@ -144,6 +145,8 @@ class DashState:
             self._apply_eval(event)
         elif kind == "warning":
             self.warnings.append(event)
+        elif kind == "control":
+            self.controls.append(event)
         elif kind == "error":
             self.errors.append(event)
             self.event_status = "FAILED"
@@ -163,6 +166,7 @@ class DashState:
             self._rate.clear()
             keep = sum(1 for s in self.eval_steps if s < step)
             del self.eval_steps[keep:], self.eval_loss[keep:]
+            self.controls[:] = [c for c in self.controls if (c.get("step") or 0) < step]  # applied again
         self.step, self.last = step, ev
         self.steps.append(step)
         self.loss.append(ev.get("loss"))

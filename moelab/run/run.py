@@ -139,7 +139,8 @@ class Run:
         return self
 
     # ------------------------------------------------------------------ steering (moelab.run.controls, .fork)
-    def set(self, changes: dict | None = None, /, wait: float | None = None, **fields: Any) -> "str | dict | None":
+    def set(self, changes: dict | None = None, /, wait: float | None = None, origin: str = "notebook",
+            **fields: Any) -> "str | dict | None":
         """Change fields while the run trains (moelab.config.live.LIVE_FIELDS; short names such as
         `aux_loss_coeff` work): every rank applies them at the next step boundary, each recorded as a `control`
         event. A field that cannot change or a bad value raises ConfigError and writes nothing. Returns the
@@ -150,7 +151,7 @@ class Run:
         """
         from moelab.run.controls import request, wait_outcome
 
-        rid = request(self, {**(changes or {}), **fields}, origin="notebook")
+        rid = request(self, {**(changes or {}), **fields}, origin=origin)
         return rid if wait is None else wait_outcome(self.folder, rid, timeout=wait, run=self)
 
     @property

@@ -66,7 +66,8 @@ def test_changes_land_at_their_step_as_control_events(steered, tmp_path):
                    (3, "model.moe.capacity_factor", 1.25, 1.5)]
     assert all(e["who"] == "test" for e in events)
     # the values live in the trainer's config, which the routers read
-    assert trainer.cfg.model.moe.aux_loss_coeff == 0.05 and trainer.par.moe_layers[0].router.cfg.bias_update_rate == 0.02
+    assert trainer.cfg.model.moe.aux_loss_coeff == 0.05
+    assert trainer.par.moe_layers[0].router.cfg.bias_update_rate == 0.02
     # the folder's config.yaml is the run's as started
     assert load_config(run_dir / "config.yaml").model.moe.aux_loss_coeff == base.model.moe.aux_loss_coeff != 0.05
     steps = [e for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "step"]
