@@ -15,7 +15,7 @@ A fork without changes trains exactly the parent's steps k+1.. (the checkpoint h
 needs). Changes are the fields a running run can change (moelab.config.live), plus train.steps, parallel.* and
 backend.*, which a resume may change as well.
 
-    child = fork(Run.load("runs/tiny"), step=20, name="aux10x", changes={"aux_loss_coeff": 0.01})
+    job = fork(Run.load("runs/tiny"), step=20, name="aux10x", changes={"aux_loss_coeff": 0.01})
 """
 from __future__ import annotations
 
@@ -125,10 +125,10 @@ def live_config_at(folder: "str | Path", step: int, cfg):
 
 def fork(parent, step: int | None = None, name: str | None = None, folder: "str | Path | None" = None,
          executor: str | None = None, nproc: int | None = None, changes: dict | None = None, **cluster_options):
-    """Start a fork of `parent` (a Run) from its checkpoint at `step` (default: the newest) and return its Run.
-    executor (default the parent's), nproc and cluster_options as for a resume (moelab.launch.resume)."""
+    """Start a fork of `parent` (a Run) from its checkpoint at `step` (default: the newest) and return its Job
+    (Run.fork wraps it in a Run). executor (default the parent's), nproc and cluster_options as for a resume
+    (moelab.launch.resume)."""
     from moelab.launch.resume import previous_world_size, resume
-    from moelab.run.run import Run
 
     changes = dict(changes or {})
     if step is None:
@@ -146,4 +146,4 @@ def fork(parent, step: int | None = None, name: str | None = None, folder: "str 
         job = resume(dest.path, nproc=nproc or world)
     else:
         job = resume(dest.path, nproc=nproc or previous_world_size(parent.folder), **cluster_options)
-    return Run(dest.path, job.info, job)
+    return job

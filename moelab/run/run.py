@@ -176,7 +176,8 @@ class Run:
         """
         from moelab.run.fork import fork
 
-        return fork(self, step, name, folder, executor, nproc, changes, **(cluster or {}))
+        job = fork(self, step, name, folder, executor, nproc, changes, **(cluster or {}))
+        return Run(job.folder.path, job.info, job)
 
     # ------------------------------------------------------------------ what the run wrote
     @property
