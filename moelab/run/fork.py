@@ -70,12 +70,9 @@ def _events_up_to(metrics: Path, step: int) -> bytes:
     return b"".join(line + b"\n" for line in kept)
 
 
-def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) -> tuple[RunFolder, dict, dict]:
-    """Check everything, then write the fork's folder (see the module docstring); returns (folder, the
-    config changes, the live changes). ConfigError, with nothing written, for a missing checkpoint, a field a
-    fork cannot change, a bad value or a folder that already holds a run."""
-    from moelab.train.checkpoint import step_dir_name
-
+def check_fork(parent, step: int | None, changes: dict) -> tuple[int, object, dict, dict]:
+    """(the step, the fork's config, its config changes, its live changes checked); ConfigError for a missing
+    checkpoint, a field a fork cannot change or a bad value."""
     steps = checkpoint_steps(parent.folder)
     if not steps:
         raise ConfigError(f"run {parent.name} has no intact checkpoint to fork from; set train.checkpoint_every "
@@ -93,6 +90,16 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
         raise ConfigError(f"train.steps={cfg.train.steps}: a fork at step {step} needs more steps to train; "
                           f"give train.steps > {step}")
     checked = check_changes(live_config_at(parent.folder, step, cfg), live)[1] if live else {}
+    return step, cfg, config_changes, checked
+
+
+def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) -> tuple[RunFolder, dict, dict]:
+    """Check everything, then write the fork's folder (see the module docstring); returns (folder, the
+    config changes, the live changes). ConfigError, with nothing written, for a missing checkpoint, a field a
+    fork cannot change, a bad value or a folder that already holds a run."""
+    from moelab.train.checkpoint import step_dir_name
+
+    step, cfg, config_changes, checked = check_fork(parent, step, changes)
     dest = RunFolder(folder)
     if dest.holds_run():
         raise ConfigError(f"folder={str(dest.path)!r} already holds a run; choose a new folder for the fork")
@@ -147,3 +154,29 @@ def fork(parent, step: int | None = None, name: str | None = None, folder: "str 
     else:
         job = resume(dest.path, nproc=nproc or previous_world_size(parent.folder), **cluster_options)
     return job
+
+
+def fork_points(parent, grid: dict, step: int | None = None, folder: "str | Path | None" = None,
+                executor: str | None = None, nproc: int | None = None, **cluster_options) -> tuple[Path, list]:
+    """One fork of `parent` at `step` per point of `grid` (the cartesian product of its value lists), in one
+    sweep folder (sweep.json names the parent and the step); every point is checked before any is written.
+    Returns (the sweep folder, the forks' Jobs); Sweep.fork wraps them."""
+    import itertools
+
+    if not isinstance(grid, dict) or not grid or not all(isinstance(v, (list, tuple)) and v for v in grid.values()):
+        raise ConfigError(f"grid={grid!r}: give a dict of fields to non-empty lists of values, e.g. "
+                          f"{{'model.moe.aux_loss_coeff': [1e-3, 1e-2]}}")
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    for p in points:
+        step = check_fork(parent, step, p)[0]  # every point checked first; the step resolved once
+    root = Path(folder) if folder else parent.folder.parent / f"{parent.folder.name}-forks{step}"
+    if RunFolder(root).is_sweep():
+        raise ConfigError(f"folder={str(root)!r} already holds a sweep; choose a new folder")
+    names = [f"{i:02d}-" + ",".join(f"{k.rsplit('.', 1)[-1]}={v:g}" if isinstance(v, float) else
+                                    f"{k.rsplit('.', 1)[-1]}={v}" for k, v in p.items()) for i, p in enumerate(points)]
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
+                                            "runs": names, "parent": str(parent.folder.resolve()), "step": step,
+                                            "created": time.time()})
+    jobs = [fork(parent, step, n, root / n, executor, nproc, p, **cluster_options) for n, p in zip(names, points)]
+    return root, jobs

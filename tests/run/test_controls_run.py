@@ -102,3 +102,18 @@ def test_set_while_a_local_run_trains(tmp_path):
     controls = [(e["field"], e["new"], e["who"].split()[-1]) for e in run.controls]
     assert controls == [("model.moe.aux_loss_coeff", 0.05, "notebook"), ("model.moe.bias_update_rate", 0.01, "cli")]
     assert run.controls[0]["step"] == outcome["step"] <= run.controls[1]["step"]
+
+
+def test_a_sweep_of_forks_is_compared_by_its_changes(parent, tmp_path):
+    from moelab.run.sweep import Sweep
+
+    forks = Sweep.fork(parent, {"model.moe.aux_loss_coeff": [0.0, 0.3]}, step=4, folder=tmp_path / "forks",
+                       executor="inline")
+    assert forks.status == ["COMPLETED", "COMPLETED"] and [f.parent["step"] for f in forks] == [4, 4]
+    table = forks.compare().table
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    assert [r["model.moe.aux_loss_coeff"] for r in rows] == [0.0, 0.3]
+    assert Sweep.load(tmp_path / "forks").folder == tmp_path / "forks"
+    with pytest.raises(ConfigError, match="model.moe.num_experts=8: cannot change"):
+        Sweep.fork(parent, {"num_experts": [8]}, step=4, folder=tmp_path / "bad", executor="inline")
+    assert not (tmp_path / "bad").exists()
