@@ -19,6 +19,7 @@ backend.*, which a resume may change as well.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -89,7 +90,7 @@ def check_fork(parent, step: int | None, changes: dict) -> tuple[int, object, di
     if cfg.train.steps <= step:
         raise ConfigError(f"train.steps={cfg.train.steps}: a fork at step {step} needs more steps to train; "
                           f"give train.steps > {step}")
-    checked = check_changes(live_config_at(parent.folder, step, cfg), live)[1] if live else {}
+    checked = check_changes(live_config_at(parent.folder, step, copy.deepcopy(cfg)), live)[1] if live else {}
     return step, cfg, config_changes, checked
 
 
