@@ -39,6 +39,8 @@ class ControlsBar:
                              tooltip="a new run from the newest checkpoint, with the change above if a value is "
                                      "given", **small)
         self.note = w.HTML()
+        self.history = w.HTML()  # the changes applied so far, as the stream's `control` events record them
+        self._shown = -1
         self.apply.add_class("moelab-apply")  # found by the browser test
         self.apply.on_click(self._on_apply)
         self.checkpoint.on_click(lambda _b: self._act(lambda: self.run.set(checkpoint=True),
@@ -47,7 +49,8 @@ class ControlsBar:
         self.field.observe(lambda _c: setattr(self.field, "tooltip", LIVE_FIELDS.get(self.field.value, "")),
                            names="value")
         self.box = w.VBox([w.HBox([self.field, self.value, self.apply, self.checkpoint, self.fork_name, self.fork],
-                                  layout=w.Layout(align_items="center", flex_flow="row wrap")), self.note])
+                                  layout=w.Layout(align_items="center", flex_flow="row wrap")),
+                           self.note, self.history])
 
     def changes(self) -> dict:
         """{field: value} from the two inputs (the value read as YAML, as `--set` reads it); {} without a value."""
@@ -80,6 +83,17 @@ class ControlsBar:
             self.note.value = (f"<span style='color:#2ca02c;font-size:12px'>fork {html.escape(child.name)} from step "
                                f"{child.parent['step']}: Run.load({html.escape(repr(str(child.folder)))})"
                                f".dashboard()</span>")
+
+    def show(self, controls: list) -> None:
+        """The applied changes (`control` events), one line each: after step N: field old -> new (who)."""
+        if len(controls) == self._shown:
+            return
+        self._shown = len(controls)
+        lines = [f"after step {c.get('step')}: {html.escape(str(c.get('field')))} {c.get('old')!r} &rarr; "
+                 f"{c.get('new')!r} <span style='color:#777'>({html.escape(str(c.get('who', '')))})</span>"
+                 for c in controls[-5:]]
+        self.history.value = (f"<div style='color:#9467bd;font-size:11px'>{'<br>'.join(lines)}</div>"
+                              if lines else "")
 
     def finished(self, status: str) -> None:
         """The run ended: nothing left to change (a fork still can be made)."""

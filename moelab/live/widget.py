@@ -198,6 +198,8 @@ class RunPanel:
         if st.last or st.done:
             self.stats.value = stats_html(st)
         self.messages.value = messages_html(st) + self._notes
+        if self.controls:
+            self.controls.show(st.controls)
         if st.done:
             if self.controls:
                 self.controls.finished(st.status)
