@@ -52,6 +52,11 @@ class ControlsBar:
                                   layout=w.Layout(align_items="center", flex_flow="row wrap")),
                            self.note, self.history])
 
+    def widgets(self) -> list:
+        """Every widget of the bar (the dashboard routes their messages to a kernel subshell: moelab.live.kernel)."""
+        return [self.field, self.value, self.apply, self.checkpoint, self.fork_name, self.fork, self.note,
+                self.history]
+
     def changes(self) -> dict:
         """{field: value} from the two inputs (the value read as YAML, as `--set` reads it); {} without a value."""
         text = self.value.value.strip()

@@ -170,7 +170,8 @@ class RunPanel:
 
     def widgets(self) -> list:
         return [self.header, self.cancel_button, self.progress, self.progress_text, self.stats, self.placeholder,
-                self.train_chart, self.layer, self.balance, self.routing_chart, self.messages]
+                self.train_chart, self.layer, self.balance, self.routing_chart, self.messages,
+                *(self.controls.widgets() if self.controls else [])]
 
     # ------------------------------------------------------------------ callbacks (kernel main thread)
     def _on_cancel(self, _button) -> None:

@@ -387,8 +387,9 @@ def test_a_knob_set_from_the_dashboard_during_a_blocking_wait(lab, tmp_path):
             page.wait_for_function(KNOB_SHOWN, timeout=120_000, polling=250)
             shown = time.monotonic() - clicked
             still_waiting = "[*]" in page.evaluate(CELL_PROMPT, 1)
-            page.screenshot(path=str(tmp_path / "knob.png"))
         finally:
+            page.screenshot(path=str(tmp_path / "knob.png"))
+            (tmp_path / "knob.json").write_text(json.dumps(page.evaluate(PROBE), indent=1))
             Run.load(folder).cancel()
             ctx.close()
     (control,) = [json.loads(line) for line in (folder / "metrics.jsonl").open() if '"event": "control"' in line]
