@@ -85,8 +85,15 @@ def test_a_fork_with_a_change_applies_it_at_k(parent, tmp_path):
 
 
 @pytest.mark.slow
-def test_set_while_a_local_run_trains(tmp_path):
-    run = _session(steps=400).submit("local", folder=tmp_path / "live")
+@pytest.mark.parametrize("executor", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_set_while_a_run_trains(tmp_path, request, executor):
+    """Run.set and `moelab set` reach a running run through its folder; on SLURM on two EP ranks."""
+    if executor == "slurm":
+        request.getfixturevalue("slurm_cluster")
+        run = _session(steps=2000).set("parallel.ep", 2).submit("slurm", nproc=2, folder=tmp_path / "live",
+                                                                time=10)
+    else:
+        run = _session(steps=2000).submit("local", folder=tmp_path / "live")
     try:
         deadline = time.monotonic() + 240
         while not any(e["event"] == "step" for e in run.events) and time.monotonic() < deadline:
@@ -102,6 +109,9 @@ def test_set_while_a_local_run_trains(tmp_path):
     controls = [(e["field"], e["new"], e["who"].split()[-1]) for e in run.controls]
     assert controls == [("model.moe.aux_loss_coeff", 0.05, "notebook"), ("model.moe.bias_update_rate", 0.01, "cli")]
     assert run.controls[0]["step"] == outcome["step"] <= run.controls[1]["step"]
+    events = run.events
+    assert not [e for e in events if e["event"] == "error"]
+    assert max(e["step"] for e in events if e["event"] == "step") > run.controls[1]["step"]  # trained on after it
 
 
 def test_a_sweep_of_forks_is_compared_by_its_changes(parent, tmp_path):
