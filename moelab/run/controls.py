@@ -13,9 +13,9 @@ changeable field; `checkpoint=True` asks for a checkpoint at the next boundary.
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
-from typing import Any
 
 from moelab.config import ConfigError, flatten, load_config
 from moelab.config.live import LIVE_FIELDS, check_changes, set_dotted
@@ -43,15 +43,17 @@ def resolve(changes: dict, cfg) -> dict:
     return out
 
 
-def live_config(folder: "str | Path"):
-    """The run's config as it trains now: config.yaml with the changes applied so far (in the order applied)."""
-    cfg = load_config(Path(folder) / "config.yaml")
-    requests, outcomes = read_controls(folder)
+def live_config(folder: "str | Path", up_to: int | None = None, cfg=None):
+    """The run's config as it trains: `cfg` (default its config.yaml; copied, never changed) with the changes
+    applied so far, in the order applied (only those applied up to step `up_to` where given)."""
+    cfg = load_config(Path(folder) / "config.yaml") if cfg is None else copy.deepcopy(cfg)
+    _, outcomes = read_controls(folder)
     applied = sorted((o for o in outcomes.values() if o["kind"] == "applied"), key=lambda o: o.get("time", 0))
     for o in applied:
-        for key, (_, new) in o.get("changes", {}).items():
-            if key != CHECKPOINT_NOW:
-                set_dotted(cfg, key, new)
+        if up_to is None or o.get("step", 0) <= up_to:
+            for key, (_, new) in o.get("changes", {}).items():
+                if key != CHECKPOINT_NOW:
+                    set_dotted(cfg, key, new)
     return cfg
 
 
@@ -78,12 +80,3 @@ def wait_outcome(folder: "str | Path", rid: str, timeout: float | None = None, r
         if (run is not None and run.done) or (end is not None and time.monotonic() >= end):
             return None
         time.sleep(poll_s)
-
-
-def control_events(events: list[dict]) -> list[dict]:
-    """The `control` events of a stream (step, field, old, new, who)."""
-    return [e for e in events if e.get("event") == "control"]
-
-
-def describe(changes: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in changes.items())

@@ -19,7 +19,6 @@ backend.*, which a resume may change as well.
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import time
@@ -90,7 +89,7 @@ def check_fork(parent, step: int | None, changes: dict) -> tuple[int, object, di
     if cfg.train.steps <= step:
         raise ConfigError(f"train.steps={cfg.train.steps}: a fork at step {step} needs more steps to train; "
                           f"give train.steps > {step}")
-    checked = check_changes(live_config_at(parent.folder, step, copy.deepcopy(cfg)), live)[1] if live else {}
+    checked = check_changes(live_config(parent.folder, step, cfg), live)[1] if live else {}
     return step, cfg, config_changes, checked
 
 
@@ -115,20 +114,6 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
         write_json(dest.path / FORK, {"parent": str(parent.folder.resolve()), "step": step,
                                       "changes": {**config_changes, **checked}, "created": time.time()})
     return dest, config_changes, checked
-
-
-def live_config_at(folder: "str | Path", step: int, cfg):
-    """`cfg` with the parent's changes applied up to `step` (what its checkpoint there holds)."""
-    from moelab.config.live import set_dotted
-    from moelab.contract.controls import CHECKPOINT_NOW, read_controls
-
-    _, outcomes = read_controls(folder)
-    for o in sorted(outcomes.values(), key=lambda o: o.get("time", 0)):
-        if o["kind"] == "applied" and o.get("step", 0) <= step:
-            for key, (_, new) in o.get("changes", {}).items():
-                if key != CHECKPOINT_NOW:
-                    set_dotted(cfg, key, new)
-    return cfg
 
 
 def fork(parent, step: int | None = None, name: str | None = None, folder: "str | Path | None" = None,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelab.config import ConfigError, load_config
+from moelab.config import load_config
 from moelab.contract.controls import append_request, read_controls
 from moelab.contract.stream import read_events
 from moelab.train.optim import lr_at
