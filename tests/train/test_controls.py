@@ -4,6 +4,7 @@ it (the changes up to the checkpoint from the checkpoint, those after it replaye
 the uninterrupted run's losses exactly; freeze_router keeps the router weights; refusals write nothing."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -93,6 +94,10 @@ def test_resume_after_changes_reproduces_the_run_exactly(steered, tmp_path):
         if p.name != "step_000002":
             shutil.rmtree(p)
     (again / "summary.json").unlink()
+    # as live requests look (no `at`): only the checkpoint's state and the replay can place them at 1 and 3
+    lines = [json.loads(line) for line in (again / "controls.jsonl").read_text().splitlines()]
+    (again / "controls.jsonl").write_text("".join(json.dumps({k: v for k, v in rec.items() if k != "at"}) + "\n"
+                                                  for rec in lines))
     trainer = run_one_thread(load_config(again / "config.yaml"), again)
     assert trainer.start_step == 2
     got = _losses(again)
