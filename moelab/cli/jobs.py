@@ -9,7 +9,7 @@
     moelab cancel runs/tiny-20261130-101500
     moelab unlock runs/tiny-20261130-101500       # break the writer lock of an owner this host cannot check
     moelab set runs/tiny-20261130-101500 model.moe.aux_loss_coeff=0.01 --wait 60   # a change while it trains
-    moelab fork runs/tiny-20261130-101500 --step 20 --name aux aux_loss_coeff=0.01   # a new run from step 20
+    moelab fork runs/tiny-20261130-101500 --step 20 --name aux --set aux_loss_coeff=0.01   # a new run from step 20
 """
 from __future__ import annotations
 
@@ -253,7 +253,8 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_set)
     p = sub.add_parser("fork", help="start a new run from a run's checkpoint, with changes")
     p.add_argument("folder")
-    p.add_argument("changes", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
+                   help="a change from the fork step on (repeatable); without any, the parent's steps again")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     p.add_argument("--name", help="the fork's name (its folder: PARENT-fork<step>-<name> beside the parent)")
     p.add_argument("--out", help="the fork's folder")

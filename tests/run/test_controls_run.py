@@ -127,3 +127,15 @@ def test_a_sweep_of_forks_is_compared_by_its_changes(parent, tmp_path):
     with pytest.raises(ConfigError, match="model.moe.num_experts=8: cannot change"):
         Sweep.fork(parent, {"num_experts": [8]}, step=4, folder=tmp_path / "bad", executor="inline")
     assert not (tmp_path / "bad").exists()
+
+
+def test_moelab_fork_from_the_shell(parent, tmp_path):
+    out = tmp_path / "cli-fork"
+    cli = moelab_cli("fork", parent.folder, "--step", 2, "--executor", "inline", "--out", out)
+    assert cli.returncode == 0, cli.stderr
+    assert "at step 2" in cli.stdout
+    assert _losses(out) == _losses(parent.folder)
+    cli = moelab_cli("fork", parent.folder, "--step", 2, "--out", tmp_path / "bad", "--set",
+                     "model.hidden_size=64")
+    assert cli.returncode == 2 and "model.hidden_size=64: cannot change" in cli.stderr
+    assert not (tmp_path / "bad").exists()
