@@ -8,6 +8,8 @@
     moelab status runs/tiny-20261130-101500       # one run, or every run under a folder
     moelab cancel runs/tiny-20261130-101500
     moelab unlock runs/tiny-20261130-101500       # break the writer lock of an owner this host cannot check
+    moelab set runs/tiny-20261130-101500 model.moe.aux_loss_coeff=0.01 --wait 60   # a change while it trains
+    moelab fork runs/tiny-20261130-101500 --step 20 --name aux --set aux_loss_coeff=0.01   # a new run from step 20
 """
 from __future__ import annotations
 
@@ -175,6 +177,38 @@ def cmd_unlock(args) -> int:
     return 0
 
 
+def cmd_set(args) -> int:
+    """Ask a running run to change fields at its next step boundary (moelab.run.controls)."""
+    from moelab.run.controls import request, wait_outcome
+
+    run = Run.load(args.folder)
+    rid = request(run, dict(parse_override(item) for item in args.changes), origin="cli")
+    if args.wait is None:
+        print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); applied at the next step boundary")
+        return 0
+    outcome = wait_outcome(run.folder, rid, timeout=args.wait, run=run)
+    if outcome is None:
+        print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); not applied within {args.wait:g} s "
+              f"(the run is {run.status}); it applies at the run's next step boundary")
+        return 1
+    if outcome["kind"] == "rejected":
+        print(f"{run.name}: refused at step {outcome['step']}: {outcome['reason']}", file=sys.stderr)
+        return 2
+    print(f"{run.name}: applied after step {outcome['step']}: " + ", ".join(
+        f"{k} {old!r} -> {new!r}" for k, (old, new) in outcome["changes"].items()))
+    return 0
+
+
+def cmd_fork(args) -> int:
+    """A new run from a run's checkpoint, with changes (moelab.run.fork); followed like `moelab run`."""
+    changes = dict(parse_override(item) for item in args.changes)
+    options = dict(parse_override(item) for item in args.cluster)
+    child = Run.load(args.folder).fork(step=args.step, name=args.name, folder=args.out, executor=args.executor,
+                                       nproc=args.nproc, cluster=options, **changes)
+    print(f"fork {child.folder} of {args.folder} at step {child.parent['step']}")
+    return finish(child)
+
+
 def _select(folder: Path) -> list[Run]:
     if RunFolder(folder).holds_run():
         return [Run.load(folder)]
@@ -216,6 +250,23 @@ def add_parsers(sub) -> None:
                                       "(another host); refused while the owner is known to run")
     p.add_argument("folder")
     p.set_defaults(func=cmd_unlock)
+    p = sub.add_parser("set", help="change fields of a running run at its next step boundary (lr, aux/z-loss, "
+                                   "bias update, capacity, freeze_router, expert lr, intervals, checkpoint=true)")
+    p.add_argument("folder")
+    p.add_argument("changes", nargs="+", metavar="KEY=VALUE")
+    p.add_argument("--wait", type=float, help="seconds to wait until the ranks applied it (default: do not wait)")
+    p.set_defaults(func=cmd_set)
+    p = sub.add_parser("fork", help="start a new run from a run's checkpoint, with changes")
+    p.add_argument("folder")
+    p.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
+                   help="a change from the fork step on (repeatable); without any, the parent's steps again")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--name", help="the fork's name (its folder: PARENT-fork<step>-<name> beside the parent)")
+    p.add_argument("--out", help="the fork's folder")
+    p.add_argument("--executor", choices=["inline", "local", "slurm"], help="default: the parent's")
+    p.add_argument("--nproc", type=int, help="ranks (default: as many as the parent had)")
+    _cluster_argument(p)
+    p.set_defaults(func=cmd_fork)
 
 
 def _cluster_argument(p) -> None:

@@ -68,6 +68,9 @@ class MoEConfig:
     # Per-expert learning-rate scaling by utilisation: lr_e = lr * clip((1/E / share_e) ** power, 1, max).
     expert_lr_power: float = 0.0
     expert_lr_max_scale: float = 4.0
+    # Router weights frozen: they get no update (their gradients are dropped before clipping and the optimizer
+    # step); the expert bias still follows bias_update_rate. A live control (moelab.config.live) as well.
+    freeze_router: bool = False
     # Expert health: an expert with no tokens for this many steps is reported dead.
     dead_expert_steps: int = 5
     overload_factor: float = 2.0

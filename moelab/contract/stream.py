@@ -15,7 +15,8 @@ by file and line number, once (``read_events`` as a MetricsWarning, ``JsonlTail`
 ``damaged_metrics_line`` warning event); ``read_events(..., strict=True)`` raises MetricsError instead.
 
 Resume (rewind_metrics, below): a run continued from its checkpoint at step k first rewrites
-this file once, atomically (temp file + rename), without the ``step``, ``checkpoint`` and ``eval`` events after k
+this file once, atomically (temp file + rename), without the ``step``, ``checkpoint``, ``eval`` and ``control``
+events after k
 (the run computes those steps again) and without a half-written last line; every other event is kept, so an earlier
 attempt's ``end`` (PREEMPTED) or ``error`` stays visible. It then appends a ``start`` with start_step = k. Hence
 in any metrics.jsonl every step appears at most once, in order, and steps 1..k are contiguous at a resume; the
@@ -348,7 +349,7 @@ def rewind_metrics(path: "str | Path", step: int) -> tuple[list[dict], list[dict
             damaged_why.append(str(event).split(": ", 1)[-1])
         elif event["event"] == "step" and event["step"] <= step:
             records.append(event)
-        elif event["event"] in ("step", "checkpoint", "eval") and event.get("step", 0) > step:
+        elif event["event"] in ("step", "checkpoint", "eval", "control") and event.get("step", 0) > step:
             continue
         kept.append(line)
     tmp = path.with_name(path.name + ".rewind")

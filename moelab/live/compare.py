@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 from moelab.config import flatten
 from moelab.live.plots import new_figure, style_axes, thin_points, to_png
 from moelab.contract.folder import RunFolder, read_json
+from moelab.run.controls import live_config
 from moelab.run.run import Run
 from moelab.contract.stream import scan_events
 from moelab.train.summary import demand_ME, step_balance
@@ -237,7 +238,8 @@ def _swept_values(runs: list, points: list | None) -> list[dict]:
     """The sweep's points, or else the config values that differ between the runs (name aside)."""
     if points is not None:
         return [dict(p) for p in points]
-    flat = [flatten(r.config.to_dict()) for r in runs]
+    # the config as trained: config.yaml with the changes applied while it trained (a fork's changes included)
+    flat = [flatten(live_config(r.folder).to_dict()) for r in runs]
     keys = [k for k in flat[0] if k != "name" and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
     return [{k: f.get(k) for k in keys} for f in flat]
 

@@ -226,7 +226,8 @@ def dashboard(run_or_sweep, period: float = 0.25, stream=None) -> Dashboard:
         cancel_all = getattr(run_or_sweep, "cancel", None) if run_or_sweep is not runs[0] else None
         if cancel_all is None and all(t.cancel for t in targets):
             cancel_all = lambda: [t.cancel() for t in targets]
-        view = widget_view = WidgetView([t.state.name for t in targets], [t.cancel for t in targets], cancel_all)
+        view = widget_view = WidgetView([t.state.name for t in targets], [t.cancel for t in targets], cancel_all,
+                                        runs=[t.run for t in targets])
     else:
         from moelab.live.text import TextView
 

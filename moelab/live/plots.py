@@ -156,6 +156,19 @@ def mark_health(ax, st: DashState, layer: "int | None" = None) -> None:
                     transform=ax.get_xaxis_transform(), label=f"{kind.replace('_', ' ')} warning")
 
 
+def mark_controls(ax, st: DashState) -> None:
+    """The changes made while the run trained (`control` events) as dotted purple lines at their step, named
+    along the top (field=new)."""
+    by_step: dict = {}
+    for c in st.controls:
+        name = str(c.field or "").rsplit(".", 1)[-1]
+        by_step.setdefault(c.step or 0, []).append(f"{name}={c.new}")
+    for step, names in by_step.items():
+        ax.axvline(step, color="tab:purple", ls=":", lw=1.1)
+        ax.text(step, 1.0, " " + ", ".join(names), transform=ax.get_xaxis_transform(), fontsize=6,
+                color="tab:purple", va="top", ha="left", clip_on=True)
+
+
 def draw_balance_history(ax, st: DashState) -> None:
     """max/mean and cv of the load per step (mean over MoE layers; dropped % when a capacity drops any), with
     the health warnings marked."""
@@ -226,6 +239,7 @@ def draw_load_over_steps(ax, st: DashState, layer: int):
     if st.total_steps:
         ax.set_xlim(edges[0], max(st.total_steps + 0.5, edges[-1]))
     mark_health(ax, st, layer)
+    mark_controls(ax, st)
     ax.figure.colorbar(im, ax=ax, fraction=0.03, pad=0.01).ax.tick_params(labelsize=7)
     return im
 
@@ -290,6 +304,9 @@ def training_figure(st: DashState, dpi: int = 80) -> Figure:
     draw_grad_lr(f, st)
     draw_balance_history(g, st)
     draw_memory_ranks(h, st)
+    if st.controls and st.steps:
+        for ax in (a, b, c, d, e, f, g):  # every chart over steps
+            mark_controls(ax, st)
     return fig
 
 

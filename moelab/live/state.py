@@ -128,6 +128,7 @@ class DashState:
     health: Health = field(default_factory=Health)  # the last step's health (dead_experts, overloaded)
     health_I: list = field(default_factory=list)  # per step: (dead experts, overloaded experts)
     device: str = ""  # from the start event: "cpu", "cuda", ...
+    controls: list = field(default_factory=list)  # `control` events (step, field, old, new, who): chart marks
 
     # ------------------------------------------------------------------ folding
     def apply(self, event: "Event | dict") -> None:
@@ -173,6 +174,7 @@ class DashState:
             self._rate.clear()
             keep = sum(1 for s in self.eval_steps if s < step)
             del self.eval_steps[keep:], self.eval_loss[keep:]
+            self.controls[:] = [c for c in self.controls if (c.step or 0) < step]  # applied again
         if len(self.steps) >= MAX_POINTS:
             for hist in self._histories():
                 hist[:] = hist[0:-1:2] + hist[-1:]

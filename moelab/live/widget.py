@@ -124,8 +124,14 @@ class RunPanel:
     """The widgets of one run: header and Cancel, progress, stats, training chart, layer selector with the
     balance of that layer, routing chart, messages."""
 
-    def __init__(self, cancel=None, chart_every_s: float = 1.0, lock=None):
+    def __init__(self, cancel=None, chart_every_s: float = 1.0, lock=None, run=None):
         self.chart_every_s = chart_every_s
+        # a Run (not a bare folder): its live controls, Checkpoint now and Fork here (moelab.live.controls)
+        self.controls = None
+        if callable(getattr(run, "set", None)):
+            from moelab.live.controls import ControlsBar
+
+            self.controls = ControlsBar(run)
         self.lock = lock or threading.RLock()  # shared with the monitor: callbacks must not draw a state mid-fold
         self.visible = True  # a sweep draws charts only for the tab on screen (and every tab at the end)
         self.header = w.HTML()
@@ -150,7 +156,7 @@ class RunPanel:
             w.HBox([self.header, self.cancel_button],
                    layout=w.Layout(justify_content="space-between", align_items="center")),
             w.HBox([self.progress, self.progress_text], layout=w.Layout(align_items="center")),
-            self.stats, self.messages, self.placeholder, self.train_chart,
+            *([self.controls.box] if self.controls else []), self.stats, self.messages, self.placeholder, self.train_chart,
             w.HBox([self.layer, self.balance], layout=w.Layout(align_items="center")),
             self.routing_chart,
         ], layout=w.Layout(padding="4px"))
@@ -164,7 +170,8 @@ class RunPanel:
 
     def widgets(self) -> list:
         return [self.header, self.cancel_button, self.progress, self.progress_text, self.stats, self.placeholder,
-                self.train_chart, self.layer, self.balance, self.routing_chart, self.messages]
+                self.train_chart, self.layer, self.balance, self.routing_chart, self.messages,
+                *(self.controls.widgets() if self.controls else [])]
 
     # ------------------------------------------------------------------ callbacks (kernel main thread)
     def _on_cancel(self, _button) -> None:
@@ -192,7 +199,11 @@ class RunPanel:
         if st.last or st.done:
             self.stats.value = stats_html(st)
         self.messages.value = messages_html(st) + self._notes
+        if self.controls:
+            self.controls.show(st.controls)
         if st.done:
+            if self.controls:
+                self.controls.finished(st.status)
             self.cancel_button.disabled = True
             self.cancel_button.description = "Done" if st.status == "COMPLETED" else st.status.title()
         if st.num_layers and len(self.layer.options) != st.num_layers:
@@ -289,10 +300,11 @@ class WidgetView:
         view.resync(final=True)           # from the main thread: re-send, and leave the static snapshot
     """
 
-    def __init__(self, names: list, cancels: list, cancel_all=None, chart_every_s: float = 1.0):
+    def __init__(self, names: list, cancels: list, cancel_all=None, chart_every_s: float = 1.0, runs=None):
         self.lock = threading.RLock()  # the monitor holds it while it folds events and updates the view
         self.chart_every_s = chart_every_s
-        self.panels = [RunPanel(c, chart_every_s, self.lock) for c in cancels]
+        runs = runs or [None] * len(cancels)
+        self.panels = [RunPanel(c, chart_every_s, self.lock, r) for c, r in zip(cancels, runs)]
         self.answered_while_busy = False  # set by display()
         self.table = self.tabs = self.header = self.cancel_all = self.overlay = None
         self._snapshot = None  # the display handle of the snapshot output

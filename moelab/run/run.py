@@ -149,6 +149,47 @@ class Run:
         self._info, self._checked = self._job.info, (0.0, None)
         return self
 
+    # ------------------------------------------------------------------ steering (moelab.run.controls, .fork)
+    def set(self, changes: dict | None = None, /, wait: float | None = None, origin: str = "notebook",
+            **fields: Any) -> "str | dict | None":
+        """Change fields while the run trains (moelab.config.live.LIVE_FIELDS; short names such as
+        `aux_loss_coeff` work): every rank applies them at the next step boundary, each recorded as a `control`
+        event. A field that cannot change or a bad value raises ConfigError and writes nothing. Returns the
+        request id, or with `wait` (seconds) how it ended: {"kind": "applied", "step": ...}, "rejected", or None.
+
+            run.set(aux_loss_coeff=1e-2)                    # "checkpoint=True" saves one at the boundary
+            run.set({"model.moe.bias_update_rate": 1e-3}, wait=60)["step"]
+        """
+        from moelab.run.controls import request, wait_outcome
+
+        rid = request(self, {**(changes or {}), **fields}, origin=origin)
+        return rid if wait is None else wait_outcome(self.folder, rid, timeout=wait, run=self)
+
+    @property
+    def controls(self) -> list[dict]:
+        """The changes applied while it trained: its `control` events (step, field, old, new, who)."""
+        return [e for e in self.events if e["event"] == "control"]
+
+    @property
+    def parent(self) -> "dict | None":
+        """For a fork: {"parent": the parent's folder, "step": k, "changes": {...}}; None otherwise."""
+        from moelab.run.fork import parent_of
+
+        return parent_of(self.folder)
+
+    def fork(self, step: int | None = None, name: str | None = None, folder: "str | Path | None" = None,
+             executor: str | None = None, nproc: int | None = None, cluster: dict | None = None,
+             **changes: Any) -> "Run":
+        """A new run from this run's checkpoint at `step` (default the newest) with `changes`, on `executor`
+        (default this run's); without changes it repeats this run's steps after `step` exactly (moelab.run.fork).
+
+            a = run.fork(step=20, name="aux", aux_loss_coeff=1e-2); b = run.fork(step=20, name="same")
+        """
+        from moelab.run.fork import fork
+
+        job = fork(self, step, name, folder, executor, nproc, changes, **(cluster or {}))
+        return Run(job.folder.path, job.info, job)
+
     # ------------------------------------------------------------------ what the run wrote
     @property
     def events(self) -> list[dict]:

@@ -33,6 +33,19 @@ class Sweep(list):
             raise FileNotFoundError(f"{folder} is not a sweep folder (no {SWEEP})")
         return cls([Run.load(folder / r) for r in info["runs"]], folder)
 
+    @classmethod
+    def fork(cls, parent: Run, grid: dict, step: int | None = None, folder: "str | Path | None" = None,
+             executor: str | None = None, nproc: int | None = None, **cluster_options) -> "Sweep":
+        """Forks of `parent` from its checkpoint at `step` (default the newest), one per point of `grid`
+        (moelab.run.fork.fork_points); compare() and the dashboard's tabs show them side by side.
+
+            forks = Sweep.fork(run, {"model.moe.aux_loss_coeff": [1e-3, 1e-2]}, step=20).wait()
+        """
+        from moelab.run.fork import fork_points
+
+        root, jobs = fork_points(parent, grid, step, folder, executor, nproc, **cluster_options)
+        return cls([Run(j.folder.path, j.info, j) for j in jobs], root)
+
     @property
     def status(self) -> list[str]:
         return [r.status for r in self]

@@ -9,6 +9,7 @@ same read, before the optimizer steps.
 """
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import resource
@@ -27,6 +28,7 @@ from moelab.train.preflight import preflight
 from moelab.parallel.env import DistEnv
 from moelab.contract.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer, list_checkpoints
+from moelab.train.controls import Controls, drop_frozen_grads
 from moelab.data.batches import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
@@ -84,7 +86,9 @@ class Trainer:
         self.layout = self.dims.layout
         torch.manual_seed(cfg.train.seed)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpointer = Checkpointer(self.run_dir, cfg, env, self.layout)  # refuses another config's folder
+        # refuses another config's folder; a copy: live controls change self.cfg (moelab.train.controls), the
+        # checkpoints keep the folder's config
+        self.checkpointer = Checkpointer(self.run_dir, copy.deepcopy(cfg), env, self.layout)
         if env.rank == 0:
             save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
@@ -117,6 +121,8 @@ class Trainer:
         self.restored = self.checkpointer.restore(self.model, self.optimizer, self.folder.metrics,
                                                   meshes=getattr(self.par, "meshes", None))
         self.par.load_rank_state(self.restored.rank_state)  # e.g. error-feedback residuals
+        self.controls = Controls(self)  # live changes: those in force at the checkpoint, replays after it
+        self.controls.restore(self.restored.rank_state, self.restored.step)
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         # the eval events kept by the rewind above (steps <= start_step), for the summary
@@ -192,6 +198,7 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss_sum = self.forward_backward(step)
         par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
+        drop_frozen_grads(par.moe_layers, cfg)  # model.moe.freeze_router
         grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
         # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
         # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
@@ -223,6 +230,7 @@ class Trainer:
         for key, v in comm.items():
             pack.add(f"comm.{key}", torch.tensor(v, dtype=torch.float32).to(dev, non_blocking=True))
         pack.add("stop", torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
+        pack.add("controls", torch.tensor([self.controls.poll(step)]).to(dev, non_blocking=True))  # rank 0: due
         packed = par.all_reduce_sum(pack.pack())
         got = pack.unpack(packed.tolist())
         loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
@@ -235,6 +243,7 @@ class Trainer:
         for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
             comm[key] = got[f"comm.{key}"][0] if len(v) == 1 else got[f"comm.{key}"]
         self.stop_requested = got["stop"][0] > 0
+        self.controls_due = got["controls"][0] > 0
         skipped = False
         if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
             if cfg.train.on_nan == "stop":
@@ -312,6 +321,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.env.device)
         status = "COMPLETED"
         self.stop.deferring = True  # from here a stop signal waits for the step boundary (moelab.train.signals)
+        self.controls.poll(self.start_step)
+        self.controls.apply(self.start_step)  # changes asked for before the start (a fork's)
         for step in range(self.start_step + 1, t.steps + 1):
             self.step = step
             rec = self.train_step(step)
@@ -333,12 +344,13 @@ class Trainer:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 bar.update(1)
             self.after_step(step, last=step == t.steps or self.stop_requested)
+            checkpoint_now = self.controls_due and self.controls.apply(step)  # live changes, every rank
             t_prev = time.perf_counter()  # evaluation is not the next step's time
             if self.stop_requested:
                 # a cancel (Run.cancel / moelab cancel writes cancel_requested, then signals) ends CANCELLED
                 status = "CANCELLED" if self.cancelled() else "PREEMPTED"
                 break
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
+            if (t.checkpoint_every and step % t.checkpoint_every == 0) or checkpoint_now:
                 self.save_checkpoint(step)
         if self.saved_step != self.step:  # at the end, and on a stop signal
             self.save_checkpoint(self.step)
@@ -367,7 +379,7 @@ class Trainer:
         saved = self.cfg.train.save_checkpoints
         if saved:
             path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None),
-                                          rank_state=self.par.rank_state())
+                                          rank_state={**self.par.rank_state(), **self.controls.rank_state()})
             self.saved_step = step
             if self.writer:
                 self.writer.emit(CheckpointEvent(step=step, path=str(path)))

@@ -348,3 +348,52 @@ def _shoot(page, path: Path) -> Path:
     """A screenshot of the dashboard widget alone (the first widget box in an output)."""
     page.locator(".jp-OutputArea-output .widget-vbox").first.screenshot(path=str(path))
     return path
+
+
+KNOB_NOTEBOOK = [
+    "from moelab import Session\n"
+    "run = Session('tiny', name='knob', train={'steps': 5000, 'device': 'cpu'}).submit('local', folder='runs/knob')\n"
+    "dash = run.dashboard()",
+    "run.wait()\nprint('ended', run.status)",
+]
+# the dashboard's list of applied changes (moelab.live.controls.ControlsBar.show)
+KNOB_SHOWN = r"""() => [...document.querySelectorAll('.widget-html-content')]
+  .some(e => /after step \d+: model.moe.aux_loss_coeff 0.01 → 0.05/.test(e.textContent))"""
+
+
+def test_a_knob_set_from_the_dashboard_during_a_blocking_wait(lab, tmp_path):
+    """While the next cell blocks in run.wait(), the dashboard's controls set aux_loss_coeff: the ranks apply it
+    at a step boundary (a `control` event) and the dashboard shows it, all before the run ends."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from moelab import Run
+
+    port, root = lab
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in KNOB_NOTEBOOK])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(root / "knob.ipynb"))
+    folder = root / "runs" / "knob"
+    with sync_playwright() as p:
+        ctx, page = _run_all(p, tmp_path, port, "knob.ipynb")
+        try:
+            page.wait_for_function(FIRST_METRIC, timeout=300_000, polling=200)
+            page.wait_for_function(f"() => ({CELL_PROMPT})(1).includes('[*]')", timeout=60_000)  # blocked in wait()
+            out = page.locator(".jp-OutputArea-output").first
+            out.locator("select").first.select_option("model.moe.aux_loss_coeff")
+            out.locator(".widget-text input").first.fill("0.05")
+            clicked = time.monotonic()
+            out.locator("button", has_text="Apply").first.click()
+            page.wait_for_function(KNOB_SHOWN, timeout=120_000, polling=250)
+            shown = time.monotonic() - clicked
+            still_waiting = "[*]" in page.evaluate(CELL_PROMPT, 1)
+        finally:
+            page.screenshot(path=str(tmp_path / "knob.png"))
+            (tmp_path / "knob.json").write_text(json.dumps(page.evaluate(PROBE), indent=1))
+            Run.load(folder).cancel()
+            ctx.close()
+    (control,) = [json.loads(line) for line in (folder / "metrics.jsonl").open() if '"event": "control"' in line]
+    print(f"\nApply -> the change shown on the dashboard: {shown:.1f} s (applied after step {control['step']})")
+    assert control["field"] == "model.moe.aux_loss_coeff" and control["new"] == 0.05
+    assert control["who"].endswith("dashboard")
+    assert still_waiting, "the run ended before the change was shown"

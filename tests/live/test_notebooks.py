@@ -63,7 +63,7 @@ def assert_dashboards_complete(nb, steps: int, runs: int) -> dict:
     images = [i["value"] for i in w["ImageModel"]]
     sweeps = 1 if runs > 1 else 0  # a sweep's overlaid curves
     assert len(images) == 2 * runs + sweeps and all(png.startswith(PNG) and len(png) > 5000 for png in images)
-    layers = [d["_options_labels"] for d in w["DropdownModel"]]
+    layers = [d["_options_labels"] for d in w["DropdownModel"] if d["description"] == "layer"]  # not the controls
     assert layers == [["MoE layer 0", "MoE layer 1", "MoE layer 2"]] * runs
     return w
 

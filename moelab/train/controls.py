@@ -1,0 +1,199 @@
+"""Live controls on the ranks: the changes asked for in RUN/controls.jsonl, applied by every rank at the same
+step boundary, recorded, checkpointed and replayed on resume.
+
+The request path (moelab.contract.controls names the file): rank 0 looks at controls.jsonl once per step (one
+stat; the file is read only when it grew) and adds one flag, "something is due", to the step's one all-reduce
+(moelab.train.stats.StatsPack), so a step without a change costs no extra collective. When the flag is set,
+after the step (and its evaluation), rank 0 checks the due changes against the live config
+(moelab.config.live.check_changes: the same errors as a config), broadcasts them (broadcast_object_list on the
+world group) and every rank applies the same changes before the next step. Rank 0 records each field as a
+``control`` event (step, field, old, new, who) and the request as ``applied`` (or ``rejected``, with a warning
+event) in controls.jsonl.
+
+Where a value lives: the trainer's Config is the one place. Changing a field sets it there (and on the routers'
+config where a pipeline stage holds a copy); the router reads its coefficients from it at every forward, the
+schedule reads train.lr at every step, the trainer reads the intervals at every boundary. The few things built
+from the config at setup are rebuilt: the per-expert learning-rate hook, the evaluator, the token recorder; a
+new capacity_factor also restarts the factor in force (a router buffer).
+
+Under train.compile, dynamo specialises on the first value of a float it reads (a coefficient) and recompiles
+once, generalising it, at its first change (checked on CPU: 11 values of a coefficient, 2 graphs, right values);
+turning a term on or off (0 <-> > 0) takes the other branch, compiled once.
+
+Exact resumes: the changes in force at a checkpoint are saved in it (every rank's rank_state, "controls") and
+set again before training continues; the changes applied after the checkpoint are replayed at the steps their
+``applied`` lines name. A fork (moelab.run.fork) starts from a copied checkpoint with its changes as requests
+due at its first boundary.
+
+    controls = Controls(trainer); controls.restore(restored.rank_state, restored.step)
+    flag = controls.poll(step)             # rank 0: 1.0 when a change is due after this step
+    checkpoint_now = controls.apply(step)  # every rank, when the summed flag says so
+"""
+from __future__ import annotations
+
+from moelab.config import ConfigError
+from moelab.config.live import check_changes, get_dotted, set_dotted
+from moelab.contract.controls import CHECKPOINT_NOW, append_line, controls_path, parse
+
+REBUILT = {"model.moe.expert_lr_power", "model.moe.expert_lr_max_scale", "train.eval_every",
+           "train.expert_tokens_every"}
+
+
+class Controls:
+    """This rank's side of the live controls (see the module docstring).
+
+        controls = Controls(trainer)
+        if controls.apply(step): trainer.save_checkpoint(step)
+    """
+
+    def __init__(self, trainer):
+        self.tr = trainer
+        self.rank0 = trainer.env.rank == 0
+        self.in_force: list[dict] = []    # [{"id", "step", "changes"}] applied in this timeline (checkpointed)
+        self.done: set[str] = set()       # request ids applied or rejected in this timeline
+        self.replay: dict[str, int] = {}  # request id -> the step an earlier attempt applied it at
+        self.requests: list[dict] = []    # rank 0: the file's requests, in order
+        self.outcomes: dict[str, dict] = {}  # rank 0: request id -> its last applied/rejected line
+        self.size = -1                    # rank 0: the file's size when last read
+        self.due: list[dict] = []         # rank 0: the requests due at the coming boundary
+
+    # ------------------------------------------------------------------ checkpoint state
+    def rank_state(self) -> dict:
+        return {"controls": [dict(r) for r in self.in_force]} if self.in_force else {}
+
+    def restore(self, rank_state: dict, start_step: int) -> None:
+        """Set the changes a checkpoint holds (no events: they were recorded when applied) and, on rank 0,
+        schedule the replay of those an earlier attempt applied after it."""
+        for rec in rank_state.get("controls", []):
+            self._set(rec["changes"], restoring=True)
+            self.in_force.append(rec)
+            self.done.add(rec["id"])
+        if not self.rank0:
+            return
+        self._read()
+        for rid, out in self.outcomes.items():
+            if rid in self.done:
+                continue
+            if out["kind"] == "applied" and out.get("step", 0) > start_step:
+                self.replay[rid] = out["step"]
+            elif out["kind"] == "rejected" or out.get("step", 0) <= start_step:
+                self.done.add(rid)  # rejected, or applied before a checkpoint that did not keep it
+
+    # ------------------------------------------------------------------ the request path
+    def _read(self) -> None:
+        path = controls_path(self.tr.run_dir)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        if size != self.size:
+            self.size = size
+            self.requests, self.outcomes = parse(path.read_bytes()) if size else ([], {})
+
+    def poll(self, step: int) -> float:
+        """Rank 0: 1.0 when a request is due at the boundary after `step` (new, scheduled with `at` <= step,
+        or replayed at this step); 0.0 on the other ranks (the all-reduce sums the flag)."""
+        if not self.rank0:
+            return 0.0
+        self._read()
+        self.due = [r for r in self.requests if r["id"] not in self.done and self._when(r) <= step]
+        return 1.0 if self.due else 0.0
+
+    def _when(self, request: dict) -> int:
+        rid = request["id"]
+        return self.replay[rid] if rid in self.replay else int(request.get("at") or 0)
+
+    def apply(self, step: int) -> bool:
+        """Every rank (a collective): apply the changes rank 0 found due at the boundary after `step`; True
+        when one of them asked for a checkpoint now."""
+        batch = self._checked(step) if self.rank0 else None
+        batch = self._broadcast(batch)
+        checkpoint = False
+        for item in batch:
+            fields = {k: v for k, v in item["changes"].items() if k != CHECKPOINT_NOW}
+            old = self._set(fields, restoring=False)
+            checkpoint = checkpoint or CHECKPOINT_NOW in item["changes"]
+            if fields:
+                self.in_force.append({"id": item["id"], "step": step, "changes": fields})
+            self.done.add(item["id"])
+            if self.rank0:
+                self._record(step, item, old)
+        return checkpoint
+
+    def _checked(self, step: int) -> list[dict]:
+        """Rank 0: the due requests checked against the live config, in order; a refused one is recorded."""
+        batch, cfg = [], self.tr.cfg
+        for r in self.due:
+            try:
+                cfg, changes = check_changes(cfg, r["changes"])  # each against the config the ones before left
+            except ConfigError as e:
+                self.done.add(r["id"])
+                append_line(self.tr.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
+                if self.tr.writer:
+                    self.tr.writer.write("warning", step=step, kind="control_rejected", message=str(e))
+                continue
+            batch.append({"id": r["id"], "who": r.get("who", "?"), "changes": changes})
+        self.due = []
+        return batch
+
+    def _broadcast(self, batch):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return batch
+        box = [batch]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _record(self, step: int, item: dict, old: dict) -> None:
+        writer = self.tr.writer
+        for key, new in item["changes"].items():
+            if writer:
+                writer.write("control", step=step, field=key, old=old.get(key), new=new, who=item["who"])
+        append_line(self.tr.run_dir, {"kind": "applied", "id": item["id"], "step": step,
+                                      "changes": {k: [old.get(k), v] for k, v in item["changes"].items()}})
+
+    # ------------------------------------------------------------------ where the values live
+    def _set(self, fields: dict, restoring: bool) -> dict:
+        """Set `fields` in the trainer's config (and the routers' copies); returns the old values."""
+        tr, old = self.tr, {}
+        for key, value in fields.items():
+            old[key] = get_dotted(tr.cfg, key)
+            set_dotted(tr.cfg, key, value)
+            if key.startswith("model.moe."):
+                name = key.rsplit(".", 1)[1]
+                for moe in tr.par.moe_layers:  # a pipeline stage's copy of the model holds a copy of the config
+                    if moe.router.cfg is not tr.cfg.model.moe:
+                        setattr(moe.router.cfg, name, value)
+                    if name == "capacity_factor" and not restoring:  # a checkpoint restores the buffer itself
+                        moe.router.capacity_factor.fill_(float(value))
+        if REBUILT & set(fields):
+            self._rebuild()
+        return old
+
+    def _rebuild(self) -> None:
+        """What the trainer built from the config at setup: the per-expert learning-rate hook, the
+        evaluator and the expert-token recorder."""
+        from moelab.train.expert_lr import ExpertLR
+
+        tr = self.tr
+        if tr.expert_lr is not None:
+            tr.expert_lr.remove()
+        tr.expert_lr = ExpertLR.attach(tr.optimizer, tr.par.moe_layers_all, tr.cfg)
+        if tr.cfg.train.eval_every and tr.evaluator is None:
+            from moelab.train.evaluate import Evaluator
+
+            tr.evaluator = Evaluator(tr)
+        if tr.cfg.train.expert_tokens_every and tr.expert_tokens is None:
+            from moelab.train.expert_tokens import ExpertTokenRecorder
+
+            tr.expert_tokens = ExpertTokenRecorder(tr)
+
+
+def drop_frozen_grads(moe_layers, cfg) -> None:
+    """model.moe.freeze_router: the routers' gradients are dropped before clipping and the optimizer step, so
+    AdamW leaves their weights (and moments) as they are."""
+    if cfg.model.moe.freeze_router:
+        for moe in moe_layers:
+            for p in moe.router.parameters():
+                p.grad = None

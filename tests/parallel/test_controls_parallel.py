@@ -1,0 +1,35 @@
+"""Live controls under expert parallelism: rank 0 reads the request, the step's all-reduce tells every rank a
+change is due, the broadcast hands it over, and both EP ranks apply it at the same boundary, so the losses
+(1e-5 relative) and the parameters match one process steered the same way; the change did act (the steered run
+leaves the unsteered one). A rank that applied it a step late, or not at all, would leave the one-process
+losses (bias_update_rate moves the routing that both ranks must agree on)."""
+import pytest
+
+from moelab.contract.controls import append_request
+from moelab.contract.stream import read_events
+
+pytestmark = pytest.mark.slow
+
+CHANGES = {"model.moe.bias_update_rate": 0.05, "model.moe.aux_loss_coeff": 0.05, "train.lr": 0.01}
+
+
+def _steer(run_dir):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_request(run_dir, CHANGES, who="test", at=2)
+    return run_dir
+
+
+def test_a_change_lands_at_the_same_step_on_every_ep_rank(helpers, reference, tmp_path):
+    cfg = helpers.small_config("train.steps=5")
+    ref_losses, ref_params = helpers.run_single(cfg, _steer(tmp_path / "one"))
+    plain_losses, _, _ = reference("train.steps=5")
+    losses, params = helpers.run_multi(helpers.small_config("train.steps=5", "parallel.ep=2"),
+                                       _steer(tmp_path / "ep2"), 2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for key, ref in ref_params.items():
+        assert (params[key] - ref).abs().max() < 1e-4, key
+    assert ref_losses[:2] == pytest.approx(plain_losses[:2], rel=1e-6)  # the same until the change ...
+    assert abs(ref_losses[3] - plain_losses[3]) > 1e-4                 # ... and not after it
+    controls = [(e["step"], e["field"]) for e in read_events(tmp_path / "ep2" / "metrics.jsonl")
+                if e["event"] == "control"]
+    assert controls == [(2, k) for k in CHANGES]
