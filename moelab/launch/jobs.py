@@ -297,10 +297,25 @@ class SlurmJob(SubmititJob):
         if state == "UNKNOWN":
             # not in accounting yet (just submitted), or accounting is off: finished tasks leave result files
             return self.ended_state() if self.outcome()[0] is not None else "PENDING"
+        if state == "NODE_FAIL":
+            return self.after_node_failure()
         status = self.settled(self.job_id, SLURM_STATES.get(state, "PENDING"))
         if status == "FAILED" and self.timed_out():
             status = "TIMEOUT"
         return status
+
+    def after_node_failure(self) -> str:
+        """A node of the job died. SLURM requeues a batch job then (JobRequeue=1, its default): the attempt
+        reads NODE_FAIL in sacct, and in submitit's cache, which stops asking about a job once it read an end,
+        while the controller holds the job again under the same id (PENDING, then RUNNING from the last
+        checkpoint). So the controller's state decides, and the stream's once the controller forgot the job:
+        a requeued job is not over, and a resume beside it would be a second job in the folder."""
+        from moelab.launch.slurm_checks import queue_state
+
+        again = queue_state(str(self.job_id))
+        if again == "":
+            return self.stream_state()
+        return SLURM_STATES.get(again, "PENDING") if again else "FAILED"
 
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.job_id)], check=False, capture_output=True)
