@@ -65,8 +65,12 @@ export SLURM_CONF=$CONFDIR/slurm.conf
 mkdir -p "$RUN"; touch "$RUN/started"
 
 # ------------------------------------------------------------------ 2. network: a bridge and a namespace per node
+if ! command -v ip >/dev/null 2>&1; then
+  log "installing iproute2 (ip is missing)"
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends iproute2 >/dev/null
+fi
 if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
-  ip link add "$BRIDGE" type bridge
+  ip link add "$BRIDGE" type bridge || die "cannot create the bridge $BRIDGE (the kernel needs bridge support)"
   ip addr add "$CTL_IP/24" dev "$BRIDGE"
   log "bridge $BRIDGE $CTL_IP/24 created"
 fi
@@ -74,7 +78,7 @@ ip link set "$BRIDGE" up
 for node in "${NODES[@]}"; do
   ip=$(node_ip "$node"); host_if=v${node#moelab-}-2n
   if ! ip netns list | grep -qw "$node"; then
-    ip netns add "$node"
+    ip netns add "$node" || die "cannot create the network namespace $node (\`ip netns add\` needs root with CAP_SYS_ADMIN and a kernel with network namespaces)"
     ip link add "$host_if" type veth peer name eth0 netns "$node"
     ip link set "$host_if" master "$BRIDGE" up
     ip -n "$node" addr add "$ip/24" dev eth0
