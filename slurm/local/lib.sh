@@ -1,5 +1,5 @@
-# slurm/local/lib.sh - helpers shared by the local cluster scripts (sourced; needs RUN, WAIT_S, T0, LOG_TAG and
-# LOG_FILES set by the caller).
+# slurm/local/lib.sh - helpers shared by the local cluster scripts (sourced; the callers set RUN, WAIT_S, T0,
+# LOG_TAG and LOG_FILES where they use them).
 
 log() { local ms=$(( ($(date +%s%N) - T0) / 1000000 )); printf '[%s %d.%01ds] %s\n' "$LOG_TAG" $((ms / 1000)) $((ms % 1000 / 100)) "$*"; }
 die() {
@@ -53,4 +53,24 @@ wait_job_done() {
   done
   st=$(scontrol show job "$jid" 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
   [ "$st" = JobState=COMPLETED ] || die "probe job $jid ended as '$st'"
+}
+# pid_of NAME PIDFILE: prints the pid if it is a live (non-zombie) NAME process
+pid_of() {
+  alive "$1" "$2" || return 1
+  tr -dc 0-9 < "$2"
+}
+# stop_one NAME PIDFILE: SIGTERM, up to 30 s (MariaDB flushes on shutdown), then SIGKILL; the pid file goes too
+# (a stale /run/slurmctld.pid makes `apt-get purge slurmctld` fail)
+stop_one() {
+  local name=$1 pf=$2 pid i
+  if ! pid=$(pid_of "$name" "$pf"); then
+    log "$name: not running"; rm -f "$pf"; return 0
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  for i in $(seq 1 150); do
+    pid_of "$name" "$pf" >/dev/null || { log "$name (pid $pid) stopped"; rm -f "$pf"; return 0; }
+    sleep 0.2
+  done
+  log "$name (pid $pid) ignored SIGTERM for 30 s: SIGKILL"
+  kill -KILL "$pid" 2>/dev/null; sleep 0.5; rm -f "$pf"
 }

@@ -8,27 +8,12 @@ set -uo pipefail
 RUN=/run/moelab-slurm-2n
 REG=$RUN/started
 export SLURM_CONF=/etc/slurm-2n/slurm.conf
-log() { echo "[slurm/local/stop-two-nodes] $*"; }
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+T0=$(date +%s%N)
+# shellcheck source=slurm/local/lib.sh
+source "$HERE/lib.sh"
+LOG_TAG=slurm/local/stop-two-nodes
 
-pid_of() {  # pid_of NAME PIDFILE: prints the pid if it is a live (non-zombie) NAME process
-  local pid
-  [ -s "$2" ] || return 1
-  pid=$( { tr -dc 0-9 < "$2"; } 2>/dev/null ); [ -n "$pid" ] || return 1
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
-  [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ] || return 1
-  echo "$pid"
-}
-stop_one() {  # stop_one NAME PIDFILE
-  local name=$1 pf=$2 pid i
-  if ! pid=$(pid_of "$name" "$pf"); then log "$name ($pf): not running"; rm -f "$pf"; return 0; fi
-  kill -TERM "$pid" 2>/dev/null
-  for i in $(seq 1 150); do
-    pid_of "$name" "$pf" >/dev/null || { log "$name (pid $pid) stopped"; rm -f "$pf"; return 0; }
-    sleep 0.2
-  done
-  log "$name (pid $pid) ignored SIGTERM for 30 s: SIGKILL"
-  kill -KILL "$pid" 2>/dev/null; sleep 0.5; rm -f "$pf"
-}
 
 if [ -s "$REG" ]; then
   if pid_of slurmctld "$RUN/slurmctld.pid" >/dev/null; then
