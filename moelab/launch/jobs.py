@@ -302,10 +302,21 @@ class SlurmJob(SubmititJob):
         if state is None or state == "UNKNOWN":
             # not in accounting yet (just submitted), or accounting is off: finished tasks leave result files
             return self.ended_state() if self.outcome()[0] is not None else RunStatus.PENDING
+        if state == "NODE_FAIL":
+            return self.after_node_failure()
         status = self.settled(self.job_id, RunStatus.from_slurm(state))
         if status == RunStatus.FAILED and self.timed_out():
             status = RunStatus.TIMEOUT
         return status
+
+    def after_node_failure(self) -> RunStatus:
+        """A node of the job died. SLURM requeues a batch job then (JobRequeue=1, its default): the attempt
+        reads NODE_FAIL in sacct, and in submitit's cache, which stops asking about a job once it read an end,
+        while the controller holds the job again under the same id (PENDING, then RUNNING from the last
+        checkpoint). So the controller's state decides, and the stream's once the controller forgot the job:
+        a requeued job is not over, and a resume beside it would be a second job in the folder."""
+        again = slurm_job_state(self.job_id, sources=("squeue",))
+        return self.stream_state() if again is None else RunStatus.from_slurm(again)
 
     def cancel(self) -> None:
         subprocess.run(["scancel", str(self.job_id)], check=False, capture_output=True)

@@ -31,14 +31,10 @@ LOGDIR=/var/log/slurm
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 T0=$(date +%s%N)
 
-log() { local ms=$(( ($(date +%s%N) - T0) / 1000000 )); printf '[slurm/local/start %d.%01ds] %s\n' $((ms / 1000)) $((ms % 1000 / 100)) "$*"; }
-die() {
-  log "ERROR: $*"
-  for f in "$LOGDIR"/slurmctld.log "$LOGDIR"/slurmd.log "$LOGDIR"/slurmdbd.log; do
-    [ -f "$f" ] && { echo "--- last lines of $f"; tail -n 15 "$f"; }
-  done
-  exit 1
-}
+# shellcheck source=slurm/local/lib.sh
+source "$HERE/lib.sh"
+LOG_TAG=slurm/local/start
+LOG_FILES=("$LOGDIR"/slurmctld.log "$LOGDIR"/slurmd.log "$LOGDIR"/slurmdbd.log)
 [ "$(id -u)" = 0 ] || die "must run as root (it installs packages and starts daemons)"
 
 # ------------------------------------------------------------------ 1. packages (only when missing)
@@ -57,25 +53,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   log "installed $(dpkg-query -W -f='${Package} ${Version}  ' slurmctld munge 2>/dev/null)"
 fi
 
-# ------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------ helpers (log, die, alive, record, wait_for: lib.sh)
 mkdir -p "$RUN"; touch "$RUN/started"
-# alive NAME PIDFILE: the pid file names a live process called NAME (a zombie counts as dead; the name check
-# guards against a recycled pid)
-alive() {
-  local pid
-  [ -s "$2" ] || return 1
-  pid=$( { tr -dc 0-9 < "$2"; } 2>/dev/null ); [ -n "$pid" ] || return 1
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
-  [ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]
-}
-record() { grep -qx "$1 $2" "$RUN/started" || echo "$1 $2" >> "$RUN/started"; }
-wait_for() {  # wait_for WHAT COMMAND...
-  local what=$1; shift; local end=$(( $(date +%s) + WAIT_S ))
-  until "$@" >/dev/null 2>&1; do
-    [ "$(date +%s)" -lt "$end" ] || die "timed out after ${WAIT_S}s waiting for $what"
-    sleep 0.2
-  done
-}
 
 # ------------------------------------------------------------------ 2. the node's name must resolve
 NODE=$(hostname -s)
@@ -250,33 +229,14 @@ else
 fi
 
 # ------------------------------------------------------------------ 7. node idle
-end=$(( $(date +%s) + WAIT_S )); resumed=0
-while :; do
-  st=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
-  case "$st" in
-    idle|mixed|allocated) break ;;
-    *down*|*drain*|*fail*)
-      if [ "$resumed" = 0 ]; then
-        log "node $NODE is '$st' ($(sinfo -h -n "$NODE" -o %E)): resuming it"
-        scontrol update nodename="$NODE" state=resume || true; resumed=1
-      fi ;;
-  esac
-  [ "$(date +%s)" -lt "$end" ] || die "node $NODE not idle after ${WAIT_S}s (state '$st')"
-  sleep 0.3
-done
+wait_node_idle "$NODE"
 
 # ------------------------------------------------------------------ 8. probe job
 # A fresh slurmctld schedules for the first time ~3 s after start although sinfo says idle: run one tiny
 # batch job so that "ready" means batch jobs really run. (Not `sbatch --wait`: its polling is slow.)
 if [ "$CTLD_STARTED" = 1 ] && [ "${SLURM_LOCAL_PROBE:-1}" = 1 ]; then
   jid=$(sbatch --parsable -J moelab-probe -o /dev/null -e /dev/null -t 1 --wrap true) || die "probe sbatch failed"
-  end=$(( $(date +%s) + WAIT_S ))
-  while [ -n "$(squeue -h -j "$jid" -o %T 2>/dev/null)" ]; do
-    [ "$(date +%s)" -lt "$end" ] || die "probe job $jid did not finish in ${WAIT_S}s"
-    sleep 0.1
-  done
-  st=$(scontrol show job "$jid" 2>/dev/null | grep -o 'JobState=[A-Z]*' || true)
-  [ "$st" = JobState=COMPLETED ] || die "probe job $jid ended as '$st'"
+  wait_job_done "$jid"
   log "probe job $jid completed"
 fi
 log "ready: $(sinfo -h -o '%P %a %D %T %N %c CPUs')"
