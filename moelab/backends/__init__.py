@@ -86,6 +86,8 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
     BackendUnavailable, or, with backend.fallback=true, the torch path with a warning."""
     b = cfg.backend
     chosen = {"experts": b.experts, "attention": b.attention, "dispatcher": b.dispatcher, "loss": b.loss}
+    if b.loss == "auto":  # the compiled full loss where it is faster and fits this GPU, else the chunked one
+        chosen["loss"] = _auto_loss(cfg, device, world_size)
     for (field_name, value), key in REQUESTS.items():
         if chosen[field_name] != value:
             continue
@@ -100,6 +102,19 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
                       f"because backend.fallback=true", RuntimeWarning, stacklevel=2)
         chosen[field_name] = TORCH_PATH[field_name]
     return chosen
+
+
+def _auto_loss(cfg: Config, device: str, world_size: int) -> str:
+    from moelab.planner.plan import resolve_loss
+
+    on_cuda = device.startswith("cuda")
+    memory_gb = None
+    if on_cuda:
+        import torch
+
+        if torch.cuda.is_available():  # else (a check of a GPU config on a CPU machine) the planner's default GPU
+            memory_gb = torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
+    return resolve_loss(cfg, world_size, memory_gb, on_cuda=on_cuda)
 
 
 def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1) -> dict[str, str]:

@@ -198,7 +198,7 @@ def _check_train(t: "TrainConfig", b: "BackendConfig") -> None:
     if t.fp8 != "off" and b.experts not in ("auto", "grouped_mm"):
         _fail("train.fp8", t.fp8, f"FP8 experts run their own grouped GEMMs, not backend.experts={b.experts!r}; "
               "set backend.experts=auto (or train.fp8=off)")
-    if t.fp8 == "rowwise_lm_head" and b.loss != "full":
+    if t.fp8 == "rowwise_lm_head" and b.loss not in ("full", "auto"):
         _fail("train.fp8", t.fp8, f"the FP8 LM head is the head GEMM of backend.loss=full; backend.loss={b.loss!r} "
               "computes the head inside its fused loss in bf16: set backend.loss=full (or train.fp8=rowwise)")
     if b.loss_chunk_tokens < 0:

@@ -253,9 +253,11 @@ class BackendConfig:
     te_fp8: Literal["off", "current", "block"] = "off"
     # The LM head + loss (moelab.backends.loss): chunked = moelab's fused linear + cross-entropy, which never holds
     # the whole logits; full = the logits [tokens, vocabulary] then cross entropy; liger / cce = Liger Kernel's /
-    # Apple cut-cross-entropy's fused kernels (optional packages, CUDA). loss_chunk_tokens: tokens per chunk of
-    # `chunked` (0 = auto: about 2**30 bytes of fp32 logits, moelab.planner.loss.chunk_tokens).
-    loss: Literal["chunked", "full", "liger", "cce"] = "chunked"
+    # Apple cut-cross-entropy's fused kernels (optional packages, CUDA); auto = full where it is faster and fits
+    # (compiled on CUDA, its plan within 85% of the GPU's memory), chunked everywhere else
+    # (moelab.planner.plan.resolve_loss). loss_chunk_tokens: tokens per chunk of `chunked` (0 = auto: about 2**30
+    # bytes of fp32 logits, moelab.planner.loss.chunk_tokens).
+    loss: Literal["auto", "chunked", "full", "liger", "cce"] = "auto"
     loss_chunk_tokens: int = 0
 
     @property

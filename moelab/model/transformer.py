@@ -79,7 +79,9 @@ class MoETransformer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
         # the head's loss with targets (moelab.backends.loss): backend.loss as the switchboard resolved it, and
         # whether its per-chunk work is compiled (set by moelab.parallel.place.apply_compile)
-        self.loss_kind, self.loss_chunk_tokens, self.loss_compiled = backend.loss, backend.loss_chunk_tokens, False
+        # (auto is resolved for the run's device by moelab.backends.apply_backends; a bare model takes chunked)
+        self.loss_kind = backend.loss if backend.loss != "auto" else "chunked"
+        self.loss_chunk_tokens, self.loss_compiled = backend.loss_chunk_tokens, False
 
     def forward(self, tokens_or_h: torch.Tensor, positions_L: torch.Tensor | None = None,
                 targets_BL: torch.Tensor | None = None, ctx: BatchContext | None = None) -> torch.Tensor:

@@ -125,7 +125,12 @@ def test_model_forward_with_targets_equals_logits_loss():
 
 def test_config_refuses_fp8_head_with_fused_loss():
     with pytest.raises(ConfigError, match="backend.loss=full"):
-        load_config("tiny", ["train.fp8=rowwise_lm_head", "train.dtype=bfloat16"])
+        load_config("tiny", ["train.fp8=rowwise_lm_head", "train.dtype=bfloat16", "backend.loss=chunked"])
+    # auto takes the full loss for the FP8 head (moelab.planner.plan.resolve_loss)
+    cfg = load_config("tiny", ["train.fp8=rowwise_lm_head", "train.dtype=bfloat16", "train.device=cuda"])
+    from moelab.planner.plan import resolve_loss
+
+    assert resolve_loss(cfg, 1, 80.0) == "full"
     with pytest.raises(ConfigError, match="backend.loss_chunk_tokens"):
         load_config("tiny", ["backend.loss_chunk_tokens=-1"])
 

@@ -25,3 +25,22 @@ def test_fused_loss_counts_one_chunk_not_the_whole_logits():
     assert full4 == 2 * full and fused4 - fused == T * D * 2
     assert "fused linear + cross-entropy" in " ".join(
         plan(load_config("qwen3-moe-30b-a3b-proxy"), gpus=1).assumptions)
+
+
+def test_auto_loss_is_the_full_loss_where_it_is_compiled_on_cuda_and_fits_else_the_chunked_one():
+    from moelab.planner.plan import AUTO_FULL_SHARE, plan, resolve_loss
+
+    cfg = load_config("qwen3-moe-30b-a3b-proxy", ["train.compile=true", "train.dtype=bfloat16",
+                                                 "train.param_dtype=bfloat16"])
+    assert cfg.backend.loss == "auto"
+    assert resolve_loss(cfg, 1, 141.0) == "full"                      # the H200 the speed was measured on
+    assert resolve_loss(cfg, 1, 141.0, on_cuda=False) == "chunked"    # CPU
+    assert resolve_loss(cfg.replace(**{"train.compile": False}), 1, 141.0) == "chunked"  # eager: fp32 logits
+    full = plan(cfg.replace(**{"backend.loss": "full"}), gpus=1, gpu_memory_gb=141.0).memory_per_gpu_bytes / 2**30
+    tight = full / AUTO_FULL_SHARE * 0.99                              # the full loss's plan just over 85%
+    assert resolve_loss(cfg, 1, tight) == "chunked" and resolve_loss(cfg, 1, tight * 1.02) == "full"
+    for kind in ("chunked", "full"):                                  # a setting other than auto stands
+        assert resolve_loss(cfg.replace(**{"backend.loss": kind}), 1, 1.0) == kind
+    # the plan of auto is the plan of what it resolves to
+    assert plan(cfg, gpus=1, gpu_memory_gb=tight).memory == plan(
+        cfg.replace(**{"backend.loss": "chunked"}), gpus=1, gpu_memory_gb=tight).memory
