@@ -349,8 +349,9 @@ AUTO_FULL_SHARE = 0.85  # backend.loss=auto takes the full loss while its plan l
 def resolve_loss(cfg: Config, gpus: int, gpu_memory_gb: float | None = None, on_cuda: bool = True) -> str:
     """The loss backend.loss=auto stands for: the compiled full loss where its plan fits within AUTO_FULL_SHARE
     of the GPU's memory (on one H200 at the Qwen3 proxy's shapes it ran 5-6% faster than the chunked loss:
-    gallery/results/*--lossfull-* against *--losschunked-*), else the fused chunked loss, which never holds the
-    whole logits (eager, on CPU, and wherever memory is tight). Any other setting is returned as it is.
+    gallery/results/*--lossfull-* against *--losschunked-*); where it does not, the one of the two that plans
+    less; the fused chunked loss, which never holds the whole logits, when eager or on CPU. Any other setting is
+    returned as it is.
 
         resolve_loss(load_config("qwen3-moe-30b-a3b-proxy", ["train.compile=true"]), gpus=1, gpu_memory_gb=141)
     """
@@ -361,7 +362,12 @@ def resolve_loss(cfg: Config, gpus: int, gpu_memory_gb: float | None = None, on_
     if not (on_cuda and cfg.train.compile):
         return "chunked"
     full = plan(cfg.replace(**{"backend.loss": "full"}), gpus=gpus, gpu_memory_gb=gpu_memory_gb)
-    return "full" if full.memory_per_gpu_bytes <= AUTO_FULL_SHARE * full.gpu_memory_gb * GiB else "chunked"
+    if full.memory_per_gpu_bytes <= AUTO_FULL_SHARE * full.gpu_memory_gb * GiB:
+        return "full"
+    # short of memory: whichever holds less (the chunked loss's fp32 head gradient, V x D x 4 bytes, outweighs
+    # the whole logits of a small micro batch at a large hidden size: Kimi-K2's 4,096 tokens x 163,840)
+    chunked = plan(cfg.replace(**{"backend.loss": "chunked"}), gpus=gpus, gpu_memory_gb=gpu_memory_gb)
+    return "full" if full.memory_per_gpu_bytes <= chunked.memory_per_gpu_bytes else "chunked"
 
 
 def _trained_params(cfg: Config, total: int) -> int:
