@@ -80,7 +80,6 @@ class Trainer:
         from moelab.parallel.apply import parallelize
 
         cfg, env = self.cfg, self.env
-        self.stop.install()
         env.init(cfg.train.collective_timeout_s)
         self.dims = preflight(cfg, env.world_size, "rank")  # the layout, the packages (moelab.train.preflight)
         self.layout = self.dims.layout
@@ -291,6 +290,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
+        # the stop handlers live exactly as long as run() (restored in `finally`): a Trainer only set up (bench,
+        # tests) leaves none behind, whose pass-on a later run's chain() would reach
+        self.stop.install()
         try:
             self.setup()
             summary = self._loop()

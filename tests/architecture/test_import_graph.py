@@ -151,3 +151,60 @@ def test_the_checker_sees_imports_that_point_up(tmp_path):
         assert imports(src, known) == {"moelab.cli"}
     finally:
         ROOT = old
+
+
+def face_cycles(known: dict[str, Path]) -> list[str]:
+    """Import-time loops that pass through a package face (test below)."""
+    faces = {name for name, path in known.items() if path.name == "__init__.py" and name != "moelab"}
+    g: dict[str, set[str]] = {}
+    for name, path in known.items():
+        mine = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)} | (
+            {name} if path.name == "__init__.py" else set())
+        out = set()
+        for target in imports(path, known, module_level_only=True):
+            out.add(target)
+            parts = target.split(".")
+            out |= {p for p in (".".join(parts[:k]) for k in range(2, len(parts))) if p in faces and p not in mine}
+        g[name] = out - {name}
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == "open":
+                loop = stack[stack.index(nxt):] + [nxt]
+                if any(m in faces for m in loop):
+                    cycles.append(" -> ".join(loop))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_no_cycle_through_package_faces_at_import_time():
+    """What runs when a module is imported: its module-level imports, and for each, the __init__.py of every package
+    above the imported module that the importer is not already inside (Python runs a package's face before any
+    module in it). No loop may pass through a face."""
+    cycles = face_cycles(modules())
+    assert not cycles, "import-time cycles through package faces:\n" + "\n".join(cycles)
+
+
+def test_the_face_checker_sees_a_loop_through_a_face(tmp_path):
+    """A face that loads a module which imports another package's member whose face loads the first: a loop."""
+    pkg = tmp_path / "moelab"
+    for rel, text in {"__init__.py": "", "a/__init__.py": "from moelab.a.x import X\n",
+                      "a/x.py": "from moelab.b.y import Y\nX = 1\n", "b/__init__.py": "",
+                      "b/y.py": "from moelab.a.z import Z\nY = 1\n", "a/z.py": "Z = 1\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        known = {module_name(p): p for p in sorted(pkg.rglob("*.py"))}
+        assert any("moelab.a" in c.split(" -> ") for c in face_cycles(known)), face_cycles(known)
+    finally:
+        ROOT = old

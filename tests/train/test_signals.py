@@ -51,9 +51,10 @@ def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it():
 @pytest.mark.slow
 def test_a_second_sigterm_while_stopping_ends_the_process_at_once(tmp_path):
     out = tmp_path / "d"
-    # 256 micro batches a step: seconds to the first step boundary, long after the second signal
+    # 2,048 micro batches a step: about 10 s to the first step boundary on an idle 2-core machine (256 took 1 s
+    # there, so the first signal stopped the run before the second came), long after the second signal
     p = subprocess.Popen([sys.executable, "-m", "moelab", "run", "tiny", *SMALL_CLI, "--set",
-                          "train.global_batch_size=512", "--steps", "1000", "--out", str(out)],
+                          "train.global_batch_size=4096", "--steps", "1000", "--out", str(out)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         end = time.monotonic() + 240
@@ -75,3 +76,31 @@ def test_a_second_sigterm_while_stopping_ends_the_process_at_once(tmp_path):
     steps = [e for e in read_events(out / "metrics.jsonl", live=True) if e["event"] == "step"]
     assert p.returncode == -signal.SIGTERM and took < 5, (p.returncode, took, p.stderr.read()[-2000:])
     assert not steps and not list((out / "checkpoints").glob("step_*"))  # no step finished, nothing saved
+
+
+ABANDONED_THEN_STOPPED = """
+import os, signal, sys
+from moelab.config import load_config
+from moelab.train.trainer import Trainer
+small = dict(arg.split("=", 1) for arg in sys.argv[2:] if arg != "--set")
+cfg = load_config("tiny", {**small, "train.steps": "4"})
+Trainer(cfg, sys.argv[1] + "/only-set-up").setup()  # set up and abandoned, as the bench and tests do
+
+
+class Stopped(Trainer):
+    def after_step(self, step, last):
+        super().after_step(step, last)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+print("status", Stopped(cfg, sys.argv[1] + "/stopped").run()["status"])
+"""
+
+
+def test_a_trainer_only_set_up_leaves_no_handler_that_kills_a_later_run(tmp_path):
+    """The stop handlers live as long as Trainer.run(): a Trainer that was only set up (moelab bench, tests) left
+    its handler installed, and a later run's chain() after a SIGTERM reached it and killed the process."""
+    r = subprocess.run([sys.executable, "-c", ABANDONED_THEN_STOPPED, str(tmp_path), *SMALL_CLI],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "status PREEMPTED" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
