@@ -21,6 +21,9 @@ class RunStatus(enum.StrEnum):
         status = RunStatus("PREEMPTED"); status.terminal   # True: nothing runs until `moelab resume`
     """
 
+    def __repr__(self) -> str:  # shown as the plain name it stands for (a list of statuses in a notebook)
+        return repr(self.value)
+
     PENDING = "PENDING"        # submitted, not started
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"    # every step trained

@@ -97,10 +97,11 @@ def write_durably(path: "str | Path", data: "str | bytes") -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        try:
-            path.unlink()
-        except OSError:
-            pass
+        if path.is_file() and not path.is_symlink():  # our half-written file; never a device (/dev/full)
+            try:
+                path.unlink()
+            except OSError:
+                pass
         _fail(e, path, len(data))
 
 

@@ -105,7 +105,7 @@ def test_a_config_error_in_a_notebook_is_its_message_without_the_traceback(tmp_p
         assert msg["content"]["ename"] == "ConfigError"
         shown = msg["content"]["traceback"]
         assert len(shown) == 2 and "ConfigError\x1b[0m: train.steps=0: must be >= 1" in shown[0], shown
-        assert "raised in " in shown[1] and "config_rules.py" in shown[1]
+        assert "raised in " in shown[1] and "config/rules.py" in shown[1]
         tb_text: list = []
         tb = kc.execute_interactive("import sys, traceback; traceback.print_exception(sys.last_value)",
                                     timeout=120, output_hook=lambda m: tb_text.append(m["content"]))

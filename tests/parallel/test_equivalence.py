@@ -49,15 +49,10 @@ PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2":
 PARAM_TOL = {"cp2": (5e-4, 1e-3), "cp2xep2": (5e-4, 1e-3), "cp2xep2-chunks": (5e-4, 1e-3)}  # (max abs difference, relative norm difference)
 
 
-# cp2 alone (CP with FSDP2 over the two CP ranks, no EP) drifts from one process on this session's CI CPU: step 3's
-# loss 1.3e-5 and step 4's 2.3e-4 relative apart and one routing count flips, with SDPA and with eager attention
-# alike, and the same at 85d8729 (it passed there on the previous CI machine); cp2xep2 matches. Marked strict, so
-# the day it matches again this fails and the mark goes.
-KNOWN_DRIFT = {"cp2": "CP=2 with FSDP2 over the CP ranks drifts 2e-4 from one process on this CPU (cause open)"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DRIFT[n]))
-                                  if n in KNOWN_DRIFT else n for n in LAYOUTS])
+# cp2 (CP with FSDP2 over the two CP ranks, no EP) drifted from one process on this CI machine's CPU until
+# 932bbce (step 4's loss 2.3e-4 relative apart); with the fused loss (backend.loss=auto is chunked on CPU) it matches
+# (the strict xfail mark that held it turned XPASS), so it is held like every other layout.
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_reproduces_single_process(name, reference, layout_run, helpers):
     nproc, overrides, shared = LAYOUTS[name]
     ref_losses, ref_params, ref_dir = reference(*shared)

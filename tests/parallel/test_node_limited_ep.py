@@ -6,7 +6,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # 16 experts in 4 blocks of 4, top-4 from at most 2 blocks
-LIMIT = ("model.moe.top_k=4", "model.moe.routing_ranks=4", "model.moe.max_routed_ranks=2")
+# the full loss: its head gradient sums in one order on any layout, so routing counts (exact, below) cannot flip on a
+# tie the chunked loss's per-rank chunk order moved by one ulp (EP=4 flipped one count at step 3)
+LIMIT = ("model.moe.top_k=4", "model.moe.routing_ranks=4", "model.moe.max_routed_ranks=2", "backend.loss=full")
 
 
 @pytest.mark.parametrize("ep", [2, 4])

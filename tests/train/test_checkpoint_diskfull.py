@@ -5,7 +5,9 @@ fix, older checkpoints stay intact, and the run resumes once space is freed."""
 from __future__ import annotations
 
 import errno
+import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -133,6 +135,8 @@ def test_no_space_is_recognised_from_a_real_enospc_and_under_torchs_runtime_erro
     except RuntimeError as e:  # what torch's zip writer raises, with the OSError as its context
         assert diskspace.no_space_error(e)
     assert not diskspace.no_space_error(RuntimeError("something else")) and not diskspace.no_space_error(None)
+    # a failed write takes back its own half-written file, never the device it wrote to (as root it could)
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
     free = diskspace.free_bytes(tmp_path / "not" / "made" / "yet")  # measured on the nearest existing parent
     assert free > 0 and diskspace.shortage(free + 1, free) == 1 and diskspace.shortage(free, free) is None
     assert diskspace.left_too_little(need=10 << 20, written=1 << 20, free=5 << 20)
