@@ -86,6 +86,14 @@ def _lives(pid: int) -> bool:
         return False
 
 
+def _being_written(pid_file: Path) -> bool:
+    """Another starter holds the pid file and has not written the pid yet (its middle process takes ~0.1 s)."""
+    try:
+        return pid_file.stat().st_size == 0 and time.time() - pid_file.stat().st_mtime < 10
+    except OSError:
+        return False
+
+
 def start(env=None) -> bool:
     """Start this environment's server in the background unless it is up or starting; True when one is (or will
     be) there. Returns at once: the server imports for a few seconds before it listens."""
@@ -101,7 +109,7 @@ def start(env=None) -> bool:
     try:  # one starter wins; a stale pid file (its server died) is replaced
         fd = os.open(pid_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except FileExistsError:
-        if _alive(pid_file):
+        if _alive(pid_file) or _being_written(pid_file):
             return True
         pid_file.unlink(missing_ok=True)
         return start(env)

@@ -49,3 +49,13 @@ def test_the_client_recognises_only_module_commands():
     assert warm._module_command(["python", "script.py"]) is None
     assert warm.key({"OMP_NUM_THREADS": "1"}) == warm.key({"OMP_NUM_THREADS": "7"})  # set per rank instead
     assert warm.key({}) != warm.key({"ATEN_CPU_CAPABILITY": "default"})
+
+
+def test_a_pid_file_being_written_counts_as_a_server_starting(own_server):
+    """Two starters at once: the second sees the first's empty pid file and starts no second server."""
+    pid_file = warm.home() / f"{own_server}.pid"
+    pid_file.write_text("")
+    try:
+        assert warm.start() and pid_file.read_text() == ""  # no second server: the file is left to its writer
+    finally:
+        pid_file.unlink(missing_ok=True)
