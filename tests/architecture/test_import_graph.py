@@ -82,6 +82,25 @@ def imports(path: Path, known: dict[str, Path], module_level_only: bool = False)
     return found
 
 
+def loops(g: dict[str, set[str]]) -> list[list[str]]:
+    """Every loop a depth-first walk of the import graph `g` closes (each as its modules, first repeated)."""
+    found, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(path, known) for name, path in known.items()}
@@ -108,20 +127,7 @@ def test_the_view_hooks_are_still_needed():
 def test_no_import_cycle():
     """A view hook is the one import that points back (the view imports the noun); every other loop fails."""
     g = {name: {t for t in targets if (name, t) not in VIEW_HOOKS} for name, targets in graph().items()}
-    cycles, state = [], {}
-
-    def visit(node, stack):
-        state[node] = "open"
-        for nxt in sorted(g[node]):
-            if state.get(nxt) == "open":
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt, stack + [nxt])
-        state[node] = "done"
-
-    for node in sorted(g):
-        if node not in state:
-            visit(node, [node])
+    cycles = [" -> ".join(loop) for loop in loops(g)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
@@ -166,23 +172,7 @@ def face_cycles(known: dict[str, Path]) -> list[str]:
             parts = target.split(".")
             out |= {p for p in (".".join(parts[:k]) for k in range(2, len(parts))) if p in faces and p not in mine}
         g[name] = out - {name}
-    cycles, state = [], {}
-
-    def visit(node, stack):
-        state[node] = "open"
-        for nxt in sorted(g.get(node, ())):
-            if state.get(nxt) == "open":
-                loop = stack[stack.index(nxt):] + [nxt]
-                if any(m in faces for m in loop):
-                    cycles.append(" -> ".join(loop))
-            elif nxt not in state:
-                visit(nxt, stack + [nxt])
-        state[node] = "done"
-
-    for node in sorted(g):
-        if node not in state:
-            visit(node, [node])
-    return cycles
+    return [" -> ".join(loop) for loop in loops(g) if any(m in faces for m in loop)]
 
 
 def test_no_cycle_through_package_faces_at_import_time():
