@@ -9,14 +9,17 @@ LOCAL_RANK, or SLURM's. Submitit's tasks call `train_rank` directly (moelab.laun
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from moelab.config import load_config
 from moelab.contract.folder import RunFolder, lock_folder, write_json
 
 BENCH_FILE = "bench.json"
+WARM_CHILD = "MOELAB_WARM_CHILD"  # set in a rank that moelab.launch.warm forked: the warm server ends it
 
 
 def quiet_idle_threads() -> None:
@@ -54,15 +57,43 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
     return record
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """Run this rank; returns its exit code (a failure's traceback goes to stderr, as an uncaught one would)."""
     quiet_idle_threads()  # before torch is imported
-    if "--bench" in argv:
-        i = argv.index("--bench")
-        steps, warmup, command = argv[i + 1: i + 4]
-        bench_rank(argv[0], int(steps), int(warmup), command)
-    else:
-        train_rank(argv[0], progress="--progress" in argv)
+    try:
+        if "--bench" in argv:
+            i = argv.index("--bench")
+            steps, warmup, command = argv[i + 1: i + 4]
+            bench_rank(argv[0], int(steps), int(warmup), command)
+        else:
+            train_rank(argv[0], progress="--progress" in argv)
+        return 0
+    except SystemExit as e:
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def end_process(code: int) -> None:
+    """End this rank's process without the interpreter's teardown. torch keeps process groups alive after
+    destroy_process_group (its mesh and FSDP registries hold them), so their gloo threads are still running when
+    the interpreter finalises, and a rank that had finished cleanly sometimes aborted there ("terminate called
+    without an active exception", SIGABRT: the run was COMPLETED but the launcher saw a failed rank). The exit
+    handlers run first, while the interpreter is whole, then the output is flushed."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    rc = main(sys.argv[1:])
+    if os.environ.get(WARM_CHILD):  # the warm server runs the exit handlers, reports the code and ends the process
+        sys.exit(rc)
+    end_process(rc)

@@ -241,6 +241,7 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], preload_s: float
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ["MOELAB_WARM_CHILD"] = "1"  # moelab.launch.entry.WARM_CHILD: this server ends the process
         print(f"moelab.launch.warm: this rank was forked from the warm process {os.getppid()} (its imports, "
               f"{preload_s:.1f} s, were done before the submit)", file=sys.stderr)
         threads = os.environ.get("OMP_NUM_THREADS")
