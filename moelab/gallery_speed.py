@@ -86,6 +86,7 @@ def suspect(speed, ratio: float, history: list | None = None, record: bool = Tru
         if exposed:
             out.append("communication (" + ", ".join(PART_LABELS[k] for k in exposed) + "): the exchanges' "
                        "host synchronisations and NCCL's share of the SMs are not counted")
+        out += [x for x in speed.extrapolated if x.startswith("CP")]
         if not out:
             compute = max((k for k in parts if k not in COMM_PARTS), key=parts.get)
             out += [f"{PART_LABELS[compute]} ({100 * parts[compute] / speed.step_s:.0f}% of the step): its rate, "
@@ -144,7 +145,8 @@ def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -
         if rec.get("gpus") == 1 and not rec.get("layout"):
             rec["layout"] = _ONE_GPU_LAYOUT  # a one-GPU run of a preset: its layout is one GPU
         p = planned(rec, by_name, gpu=kind)
-        head = f"| {r['_file'].removesuffix('.json')} | {r['gpus']} x {r.get('gpu_name', '-')} | {router_of(r, by_name)} | "
+        head = (f"| {r['_file'].removesuffix('.json')} | {r['gpus']} x {r.get('gpu_name', '-')} | "
+                f"{router_of(r, by_name)} | ")
         measured = r["tokens_per_s_per_gpu"]
         if p is None:
             missing = [k for k in rebuild_keys if rec.get(k) is None]
@@ -230,7 +232,8 @@ def _published_rows(entries: list) -> list[str]:
             bound = plan(e.config().replace(**{"train.compile": True}), gpus=e.gpus,
                          gpu=e.hardware or "h100").speed.comm_hidden_tokens_per_s_per_gpu
         except ConfigError as err:
-            rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | - | - | - | - | - | not planned: {err} |")
+            rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | - | - | - | - | - | "
+                        f"not planned: {err} |")
             continue
         ratio = s.tokens_per_s_per_gpu / pub
         rows.append(f"| {e.name} | {e.gpus} | {e.layout_text} | {pub:,.0f} | {s.tokens_per_s_per_gpu:,.0f} | "

@@ -72,8 +72,9 @@ def fsdp_bytes(params: int, ranks: int, gathers_per_micro_batch: float, reduce_s
                micro_batches: int, compute_bytes: int, reduce_bytes: int) -> dict:
     """THE count of FSDP2's traffic for `params` parameters sharded over `ranks`, per step: bytes one rank sends
     (all-gather in the compute dtype, reduce-scatter in the reduce dtype: (ranks - 1)/ranks of the unit each
-    time) and bytes FSDP2 copies on the compute stream (each gather's copy-out reads and writes the whole unit;
-    each reduce-scatter's copy-in, chunk_cat, reads the gradient and writes it in the reduce dtype).
+    time) and bytes FSDP2 copies on the compute stream: each gather's copy-out reads and writes the whole unit
+    (gather_copied), each reduce-scatter's copy-in, chunk_cat, reads the gradient and writes it in the reduce
+    dtype (reduce_copied). (The gather's copy-in of the shard runs on its own stream.)
 
         fsdp_bytes(10**9, 8, gathers_per_micro_batch=2, reduce_scatters_per_step=4, micro_batches=4,
                    compute_bytes=2, reduce_bytes=4)["all_gather"]      # 2 x 4 x 2 GB x 7/8 = 14 GB
@@ -82,8 +83,8 @@ def fsdp_bytes(params: int, ranks: int, gathers_per_micro_batch: float, reduce_s
     gathers = gathers_per_micro_batch * micro_batches
     return {"all_gather": int(params * compute_bytes * share * gathers),
             "reduce_scatter": int(params * reduce_bytes * share * reduce_scatters_per_step),
-            "copied": int(params * (2 * compute_bytes * gathers + (compute_bytes + reduce_bytes)
-                                    * reduce_scatters_per_step))}
+            "gather_copied": int(params * 2 * compute_bytes * gathers),
+            "reduce_copied": int(params * (compute_bytes + reduce_bytes) * reduce_scatters_per_step)}
 
 
 def fsdp_counts(cfg: Config, p, m: int, policy: str, last: bool, rank: int = 0, twice: bool = False
@@ -158,7 +159,7 @@ def fsdp_traffic(cfg: Config, units: list[FSDPUnit], m: int, compute_bytes: int)
     """Per step for the rank: all-gather and reduce-scatter bytes sent, bytes copied, and one row per unit kind
     (what plan()'s comm reports and moelab.planner.speed times)."""
     reduce_bytes = 2 if cfg.parallel.reduce_dtype == "bfloat16" else 4  # moelab.parallel.fsdp.mixed_precision
-    rows, total = [], {"all_gather": 0, "reduce_scatter": 0, "copied": 0}
+    rows, total = [], {"all_gather": 0, "reduce_scatter": 0, "gather_copied": 0, "reduce_copied": 0}
     for u in units:
         b = {k: u.count * v for k, v in fsdp_bytes(u.params, u.ranks, u.gathers_per_micro_batch,
                                                      u.reduce_scatters_per_step, m, compute_bytes,
@@ -167,4 +168,5 @@ def fsdp_traffic(cfg: Config, units: list[FSDPUnit], m: int, compute_bytes: int)
         total = {k: total[k] + b[k] for k in total}
     return {"fsdp_all_gather_bytes_per_step": total["all_gather"],
             "fsdp_reduce_scatter_bytes_per_step": total["reduce_scatter"],
-            "fsdp_copied_bytes_per_step": total["copied"], "fsdp_units": rows}
+            "fsdp_gather_copied_bytes_per_step": total["gather_copied"],
+            "fsdp_reduce_copied_bytes_per_step": total["reduce_copied"], "fsdp_units": rows}

@@ -514,7 +514,8 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "FSDP2 traffic per unit as the schedule runs it (moelab.planner.comm.fsdp_counts): without pp every micro "
         "batch reduce-scatters and a unit resharded after forward is gathered twice; under pp a stage reduces once "
         "per step and gathers once (1F1B) or each time interleaved 1F1B brings it back among its three gathered "
-        f"stages; blocks kept gathered after forward (parallel.reshard_after_forward={p.reshard_after_forward}, experts "
+        "stages; blocks kept gathered after forward "
+        f"(parallel.reshard_after_forward={p.reshard_after_forward}, experts "
         f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
     ]
     if lora_params(cfg):

@@ -25,6 +25,7 @@ _PROFILE_CHUNKED = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-com
 _PROFILE_FP8 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2.json"
 _FP8_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check.json"
 _KERNELS = _RESULTS + "backends-experts-kernels.json"
+_PROFILE_CP2 = _RESULTS + "logs/qwen3-moe-30b-a3b-proxy--moelab--profile-cp2-seq8192-eager.txt"
 _MACHINE = "../shared/notes/gpu-machine.md (nvidia-h200-x2, 2026-11-30)"
 # the proxy's shapes the per-element figures divide by: tokens per micro batch, hidden, layers, top_k, vocabulary,
 # and the elements of one layer's expert weights (gate|up E x D x 2F, down E x F x D)
@@ -85,6 +86,9 @@ H200_MEASURED = {
     "fp8_head_factor": (21.512208 / 20.897952, _FP8_CHECK + ": fwd_bwd_ms 'lm_head fp8 compiled' / 'lm_head "
                         "bf16 compiled'"),
     "copy_tb_s": (3.5, "../shared/notes/gpu-machine.md: gathering 65,536 rows of 2048 bf16 by index, 3.5 TB/s"),
+    # FSDP2's reduce-scatter copy-in (chunk_cat: bf16 gradients read, fp32 written, 6 B per element) of the proxy's
+    # 5.61 B parameters under CP=2 (every unit on the 2-rank mesh, one micro batch), 16.52 ms
+    "reduce_copy_tb_s": (6 * 5.607297e9 / 16.520e-3 / 1e12, _PROFILE_CP2 + ": the chunk_cat_cuda_kernel row"),
     "nvlink_gb_s": (300.0, _MACHINE + ": all_to_all_single 512 MiB 294 GB/s leaving each GPU, all_reduce bus "
                     "bandwidth 301 GB/s"),
     "exchange_s": (0.29e-3, _MACHINE + ": the MoE exchange with counts and the device-to-host copy 1.20 ms "
@@ -117,6 +121,7 @@ class Rates:
     mem: float  # HBM time scale: seconds per element of the H200 figures times this
     optimizer: dict  # train.optimizer kind -> bytes/s
     copy: float  # bytes/s
+    reduce_copy: float  # bytes/s of FSDP2's reduce-scatter copy-in
     nvlink: float
     ib: float
     exchange_s: float
@@ -139,5 +144,6 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  grouped=v["grouped_tflops"] * flop * gain, dense_fp8=v["dense_fp8_tflops"] * fp8,
                  grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
                  optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": v["adamw_triton_tb_s"] * 1e12 * hbm},
-                 copy=v["copy_tb_s"] * 1e12 * hbm, nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * link,
+                 copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
+                 nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * link,
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"])

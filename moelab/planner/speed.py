@@ -37,16 +37,16 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
   chunk 1's, in each direction (moelab.parallel.expert_parallel).
 - FSDP2 (moelab.planner.comm.fsdp_counts: what is gathered and reduced how often): all-gathers run on their own
   stream, each unit's issued as the previous unit computes (explicit prefetch, parallel.fsdp_prefetch=auto under
-  EP; implicit otherwise, which under EP starts only after the dispatcher's host synchronisation, so the
-  window is the experts' part of a block), and in backward one unit ahead; reduce-scatters run on their own
-  stream behind the next unit's backward. Exposed: the first units' gathers of a pass (the root and first block,
-  nothing computes before them), the last reduce-scatter (the root's, after the embedding's backward), and
-  whatever exceeds the pass's compute. Under pp > 1 the stage reduces after its last backward and the compute
-  stream waits for it (exposed), and its gathers are prefetched. The copy-in / copy-out (chunk_cat, the gathered
-  copy) run on the compute stream: exposed. Links: NVLink when the mesh fits in a node; across nodes NCCL runs
-  one ring per NIC, so the node's InfiniBand links carry it together (at most NVLink's rate). DDP's bucketed
-  all-reduce and the replicated experts' exchange run during the last micro batch's backward: hidden but for
-  one layer's share.
+  EP; implicit otherwise, which under EP starts only after the dispatcher's host synchronisation, so the window
+  is the experts' part of a block), and in backward one unit ahead; reduce-scatters run on their own stream
+  behind the next unit's backward. Exposed: the first units' gathers of a pass (the root and first block, nothing
+  computes before them), the last reduce-scatter (the root's, after the embedding's backward), and whatever
+  exceeds the pass's compute. Under pp > 1 the stage reduces after its last backward and the compute stream
+  waits for it (exposed), and its gathers are prefetched. The gathers' copy-out and the reduce-scatters' copy-in
+  (chunk_cat, at the rate the CP=2 profile measured) run on the compute stream: exposed. Links: NVLink when the
+  mesh fits in a node; across nodes NCCL runs one ring per NIC, so the node's InfiniBand links carry it together
+  (at most NVLink's rate). DDP's bucketed all-reduce and the replicated experts' exchange run during the last
+  micro batch's backward: hidden but for one layer's share.
 - Pipeline: the slowest stage's micro batch sets the pace: step = m t + bubble, bubble = the plan's bubble
   fraction (pp - 1) / (vp m + pp - 1) of it; activations sent between stages on NVLink or InfiniBand, in line
   under 1F1B and GPipe (torch's single-stage schedules wait for each fused send / receive before computing),
@@ -109,7 +109,8 @@ class Speed:
     def line(self) -> str:
         return (f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPs/GPU, MFU "
                 f"{100 * self.mfu:.0f}% on {self.gpus} x {self.gpu}; step {_secs(self.step_s)}, bottleneck "
-                f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion tokens")
+                f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion "
+                "tokens")
 
     def breakdown(self) -> str:
         parts = []
@@ -282,7 +283,8 @@ def _fsdp(cfg, p, r: Rates, bw, mb: dict) -> dict:
         total_ag = sum(u["all_gather_bytes_per_step"] / bw(u["ranks"]) for u in units)
         total_rs = sum(u["reduce_scatter_bytes_per_step"] / bw(u["ranks"]) for u in units)
         if L["pp"] == 1:
-            explicit = cfg.parallel.fsdp_prefetch == "explicit" or (cfg.parallel.fsdp_prefetch == "auto" and L["ep"] > 1)
+            prefetch = cfg.parallel.fsdp_prefetch
+            explicit = prefetch == "explicit" or (prefetch == "auto" and L["ep"] > 1)
             window = mb["forward_s"] if explicit or L["ep"] == 1 else mb["experts_forward_s"]
             entries = {u["name"]: 2.0 if u["name"].endswith("experts") and cfg.parallel.ep_overlap else 1.0
                        for u in units}
@@ -296,10 +298,12 @@ def _fsdp(cfg, p, r: Rates, bw, mb: dict) -> dict:
             exposed = min(first, total_ag) + max(0.0, total_ag - first - m * (mb["forward_s"] + mb["backward_s"]))
             exposed += total_rs
         hidden = total_ag + total_rs - exposed
-        copies = p.comm["fsdp_copied_bytes_per_step"] / r.copy
+        copies = (p.comm["fsdp_gather_copied_bytes_per_step"] / r.copy
+                  + p.comm["fsdp_reduce_copied_bytes_per_step"] / r.reduce_copy)
     rep = (p.comm.get("ddp_all_reduce_bytes_per_step", 0) + p.comm.get("expert_grad_bytes_per_step", 0)) / bw(
         L["fsdp"] * L["cp"])
-    rep_exposed = max(rep - mb["backward_s"] * (1 - 1 / max(mb["layers"], 1)), rep / max(mb["layers"], 1)) if rep else 0.0
+    layer = 1 / max(mb["layers"], 1)  # the share of the backward after the last layer's gradients are ready
+    rep_exposed = max(rep - mb["backward_s"] * (1 - layer), rep * layer) if rep else 0.0
     return {"exposed": exposed, "hidden": hidden, "copies": copies, "replicated": rep_exposed,
             "replicated_hidden": rep - rep_exposed}
 
@@ -329,11 +333,15 @@ def unmodelled(cfg) -> list[str]:
 def extrapolated(cfg) -> list[str]:
     """Kernels of `cfg` the model times at a rate measured on another kind of shape (the rates come from the
     Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
-    m = cfg.model
+    m, out = cfg.model, []
     if m.attention == "mla":
-        return [f"MLA attention (q/k head dim {m.qk_nope_head_dim + m.qk_rope_head_dim}, v {m.v_head_dim}) at the "
-                "rate SDPA reached on GQA with head dim 128"]
-    return []
+        out.append(f"MLA attention (q/k head dim {m.qk_nope_head_dim + m.qk_rope_head_dim}, v {m.v_head_dim}) at "
+                   "the rate SDPA reached on GQA with head dim 128")
+    if cfg.parallel.cp > 1:
+        out.append("CP attention (two query chunks per rank, each causal against the keys up to its end) at the rate "
+                   "SDPA reached on whole sequences (the CP=2 profile, logs/...profile-cp2-seq8192-eager.txt, ran "
+                   "FlashAttention-2's kernels there, not cuDNN's)")
+    return out
 
 
 def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod: list[str]) -> list[str]:

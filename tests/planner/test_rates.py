@@ -118,3 +118,20 @@ def test_rates_move_with_the_datasheet_ratios():
     assert h100.mem == pytest.approx(hbm * h200.mem) and h100.copy == pytest.approx(h200.copy / hbm)
     assert h100.optimizer["adamw_triton"] > h100.optimizer["adamw"]
     assert rates(GPU_KINDS["h200"], balanced=True).grouped > h200.grouped
+
+
+def test_the_fsdp_copy_rate_is_the_cp2_profiles_chunk_cat():
+    """The reduce-scatter copy-in (chunk_cat) of the CP=2 profile: every parameter's bf16 gradient read and its
+    fp32 copy written (6 B per element) on the 2-rank mesh, one micro batch."""
+    from moelab.planner.plan import plan
+
+    text = (RESULTS / "logs/qwen3-moe-30b-a3b-proxy--moelab--profile-cp2-seq8192-eager.txt").read_text()
+    assert "parallel.cp=2" in text.splitlines()[0] and "train.param_dtype=bfloat16" in text.splitlines()[0]
+    row = [x for x in text.splitlines() if x.startswith("void at::native::detail::chunk_cat_cuda_kernel")][0]
+    ms = float([c for c in row.split() if c.endswith("ms")][0].removesuffix("ms"))
+    p = plan(load_config("qwen3-moe-30b-a3b-proxy", {"train.dtype": "bfloat16", "train.param_dtype": "bfloat16",
+                                                     "parallel.cp": 2, "train.seq_len": 8192,
+                                                     "train.global_batch_size": 2}), gpus=2)
+    assert p.micro_batches_per_step == 1
+    assert p.comm["fsdp_reduce_copied_bytes_per_step"] / (ms * 1e-3) / 1e12 == pytest.approx(
+        H200_MEASURED["reduce_copy_tb_s"][0], rel=2e-3)

@@ -2,11 +2,9 @@
 term moves the way its cause says, the communication it hides is what moelab's schedule can hide, FSDP2 traffic
 is counted as the schedule runs it, and the prediction shows in the plan, on the command line and in Session.plan.
 No test asserts a speed as a target (the rates' own records: tests/planner/test_rates.py)."""
-import json
 
 import pytest
 
-from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.planner.comm import fsdp_bytes
 from moelab.planner.flops import attention_flops_per_token
@@ -180,8 +178,9 @@ def test_fsdp_traffic_is_counted_once_as_the_schedule_runs_it():
     # the one count: bytes follow (gathers per micro batch, reduce-scatters per step) and the shard share
     one = fsdp_bytes(10**9, 8, 2, 4, micro_batches=4, compute_bytes=2, reduce_bytes=4)
     assert one["all_gather"] == 2 * 4 * 2 * 10**9 * 7 // 8 and one["reduce_scatter"] == 4 * 4 * 10**9 * 7 // 8
-    assert fsdp_bytes(10**9, 1, 2, 4, 4, 2, 4)["all_gather"] == 0  # one rank sends nothing (but still copies)
-    assert fsdp_bytes(10**9, 1, 2, 4, 4, 2, 4)["copied"] > 0
+    alone = fsdp_bytes(10**9, 1, 2, 4, 4, 2, 4)
+    assert alone["all_gather"] == alone["reduce_scatter"] == 0  # one rank sends nothing, but FSDP2 still copies
+    assert alone["gather_copied"] == 2 * 4 * 10**9 * 2 * 2 and alone["reduce_copied"] == 4 * 10**9 * (2 + 4)
 
 
 def test_under_pp_the_reduce_after_the_last_backward_is_exposed():
