@@ -5,7 +5,9 @@ replicated parts exchange, and the EP ranks a token reaches (what FSDP2 still ga
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 from moelab.config import Config
 
@@ -48,3 +50,123 @@ def dispatch_ranks_per_token(moe, ep: int) -> float:
         X = E // ep
         return M * (1 - math.comb((M - 1) * X, K) / math.comb(M * X, K))
     return min(float(M), free)
+
+
+# ------------------------------------------------------------------------------------------------- FSDP2
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One kind of FSDP2 unit on a pipeline rank (moelab.parallel.fsdp wraps it), and how often the schedule
+    gathers and reduces it (fsdp_counts).
+
+        FSDPUnit("blocks", count=7, params=9_000_000, ranks=8, gathers_per_micro_batch=2, reduce_scatters_per_step=4)
+    """
+    name: str  # "blocks", "last block", "root", "experts", "last experts"
+    count: int  # units of this kind on the rank
+    params: int  # parameters of one unit on this rank before FSDP2 shards it (experts: this EP rank's)
+    ranks: int  # its FSDP2 mesh
+    gathers_per_micro_batch: float
+    reduce_scatters_per_step: float
+
+
+def fsdp_bytes(params: int, ranks: int, gathers_per_micro_batch: float, reduce_scatters_per_step: float,
+               micro_batches: int, compute_bytes: int, reduce_bytes: int) -> dict:
+    """THE count of FSDP2's traffic for `params` parameters sharded over `ranks`, per step: bytes one rank sends
+    (all-gather in the compute dtype, reduce-scatter in the reduce dtype: (ranks - 1)/ranks of the unit each
+    time) and bytes FSDP2 copies on the compute stream: each gather's copy-out reads and writes the whole unit
+    (gather_copied), each reduce-scatter's copy-in, chunk_cat, reads the gradient and writes it in the reduce
+    dtype (reduce_copied). (The gather's copy-in of the shard runs on its own stream.)
+
+        fsdp_bytes(10**9, 8, gathers_per_micro_batch=2, reduce_scatters_per_step=4, micro_batches=4,
+                   compute_bytes=2, reduce_bytes=4)["all_gather"]      # 2 x 4 x 2 GB x 7/8 = 14 GB
+    """
+    share = (ranks - 1) / ranks
+    gathers = gathers_per_micro_batch * micro_batches
+    return {"all_gather": int(params * compute_bytes * share * gathers),
+            "reduce_scatter": int(params * reduce_bytes * share * reduce_scatters_per_step),
+            "gather_copied": int(params * 2 * compute_bytes * gathers),
+            "reduce_copied": int(params * (compute_bytes + reduce_bytes) * reduce_scatters_per_step)}
+
+
+def fsdp_counts(cfg: Config, p, m: int, policy: str, last: bool, rank: int = 0, twice: bool = False
+                ) -> tuple[float, float]:
+    """(all-gathers per micro batch, reduce-scatters per step) of one FSDP2 unit as moelab's schedule runs it:
+    `policy` its reshard_after_forward setting (moelab.layout.dims.reshard_after_forward; "root": FSDP2's root,
+    kept gathered unless parallel.reshard_after_forward=always), `last` the stage's last block, `rank` the
+    pipeline rank, `twice`: entered twice per micro batch (the experts under parallel.ep_overlap: two unshards
+    in forward, two reduce-scatters in backward).
+
+    - pp = 1: moelab's trainer leaves FSDP2's gradient sync on, so every micro batch reduce-scatters; a unit
+      resharded after forward is gathered in forward and again in backward, one kept gathered only in forward
+      (resharded after backward).
+    - pp > 1 (moelab.planner.schedule): the stages reduce once, after their last backward. 1F1B and GPipe keep
+      the blocks gathered through the step (one gather), or, resharding after each forward, gather m + 1 times
+      (every backward that follows a forward gathers again); interleaved 1F1B gathers a stage each time it comes
+      back into the three stages the schedule keeps gathered.
+    """
+    from moelab.layout.dims import reshard_after_forward
+    from moelab.planner.schedule import interleaved_gathers
+
+    entries = 2.0 if twice else 1.0
+    reshards = (cfg.parallel.reshard_after_forward == "always" if policy == "root"
+                else reshard_after_forward(policy, p.pp, last))
+    if p.pp == 1:
+        return entries * (2.0 if reshards else 1.0), entries * m
+    per_step = m + 1.0 if reshards else 1.0
+    if p.vp > 1 and p.pp_schedule != "gpipe":
+        held = interleaved_gathers(p.pp, p.vp, m, rank)
+        per_step = max(per_step, sum(held.values()) / len(held))
+    return entries * per_step / m, entries
+
+
+def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last: bool, shard: int, efsdp: int,
+               m: int, rank: int = 0) -> list[FSDPUnit]:
+    """The FSDP2 units of a pipeline rank holding blocks `moe_layers` (True: MoE), the embedding when `first`, the
+    LM head when `last` (moelab.parallel.fsdp.apply_fsdp; one-rank meshes left plain by
+    moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, at FSDP2's default)."""
+    from moelab.layout.dims import fsdp_wraps
+
+    dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
+    if p.data_parallel == "ddp":
+        experts_own = p.expert_dp == "fsdp" and efsdp > 1
+    else:
+        experts_own = p.ep > 1 and p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
+    in_block = p.ep == 1 and p.expert_dp == "fsdp"  # the experts are part of their block's unit
+    size = [(pieces.moe_layer - (0 if in_block else pieces.moe_experts) if moe else pieces.dense_layer)
+            for moe in moe_layers]
+    units = []
+
+    def add(name, count, params, ranks, policy, is_last, twice=False):
+        if count and params:
+            units.append(FSDPUnit(name, count, params, ranks,
+                                  *fsdp_counts(cfg, p, m, policy, is_last, rank, twice)))
+
+    if dense_on and moe_layers:
+        add("blocks", len(size) - 1, sum(size[:-1]) // max(len(size) - 1, 1), shard, p.reshard_after_forward, False)
+        add("last block", 1, size[-1], shard, p.reshard_after_forward, True)
+    if dense_on:
+        add("root", 1, pieces.embedding * first + pieces.head * last, shard, "root", False)
+    n_moe = sum(moe_layers)
+    if experts_own and n_moe:
+        policy = "always" if p.data_parallel == "ddp" else p.expert_reshard_after_forward
+        ends_moe = moe_layers[-1]
+        twice = p.ep_overlap
+        add("experts", n_moe - ends_moe, pieces.moe_experts // p.ep, efsdp, policy, False, twice)
+        add("last experts", int(ends_moe), pieces.moe_experts // p.ep, efsdp, policy, True, twice)
+    return units
+
+
+def fsdp_traffic(cfg: Config, units: list[FSDPUnit], m: int, compute_bytes: int) -> dict:
+    """Per step for the rank: all-gather and reduce-scatter bytes sent, bytes copied, and one row per unit kind
+    (what plan()'s comm reports and moelab.planner.speed times)."""
+    reduce_bytes = 2 if cfg.parallel.reduce_dtype == "bfloat16" else 4  # moelab.parallel.fsdp.mixed_precision
+    rows, total = [], {"all_gather": 0, "reduce_scatter": 0, "gather_copied": 0, "reduce_copied": 0}
+    for u in units:
+        b = {k: u.count * v for k, v in fsdp_bytes(u.params, u.ranks, u.gathers_per_micro_batch,
+                                                     u.reduce_scatters_per_step, m, compute_bytes,
+                                                     reduce_bytes).items()}
+        rows.append({**dataclasses.asdict(u), **{f"{k}_bytes_per_step": v for k, v in b.items()}})
+        total = {k: total[k] + b[k] for k in total}
+    return {"fsdp_all_gather_bytes_per_step": total["all_gather"],
+            "fsdp_reduce_scatter_bytes_per_step": total["reduce_scatter"],
+            "fsdp_gather_copied_bytes_per_step": total["gather_copied"],
+            "fsdp_reduce_copied_bytes_per_step": total["reduce_copied"], "fsdp_units": rows}

@@ -1,6 +1,6 @@
 """GPU kinds as data: the datasheet figures the step-time model (moelab.planner.speed) scales by, each with its
 source. Datasheet peaks are not the rates the model computes at: those are measured on this project's H200
-(moelab.planner.speed.H200_MEASURED) and carried to another kind by the ratio of these figures.
+(moelab.planner.rates.H200_MEASURED) and carried to another kind by the ratio of these figures.
 
     gpu_kind("h100").hbm_tb_s          # 3.35
     gpu_kind("H200 141GB").memory_gb   # 141.0

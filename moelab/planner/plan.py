@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
 from moelab.layout.dims import ParallelDims
-from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
+from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token, fsdp_traffic, fsdp_units
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
@@ -448,10 +448,10 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
     a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    fsdp_dense = dense_sh * frac(p.fsdp * p.cp) if p.data_parallel == "fsdp" else 0
-    fsdp_exp = exp_sh * frac(z.efsdp) if p.expert_dp == "fsdp" else 0
-    ag = int(2 * m * a * (fsdp_dense + fsdp_exp))
-    rs = int(m * 4 * (fsdp_dense + fsdp_exp))
+    # FSDP2's units of this rank and how often the schedule gathers and reduces each (moelab.planner.comm)
+    units = fsdp_units(z.cfg, p, block_params(mdl), [i >= mdl.num_dense_layers for i in worst["layers"]],
+                       worst["rank"] == 0, worst["rank"] == p.pp - 1, z.shard, z.efsdp, m,
+                       worst["rank"]) if z.world > 1 else []
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
@@ -467,7 +467,7 @@ def _communication(z: _Sizes, worst: dict) -> dict:
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
             "dispatch_ranks_per_token": fanout,
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
-            "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
+            **fsdp_traffic(z.cfg, units, m, a),
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
             **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
 
@@ -511,8 +511,11 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",
-        "FSDP2 all-gathers counted twice per micro batch (forward, backward) and reduce-scatters every micro batch; "
-        f"blocks kept gathered after forward (parallel.reshard_after_forward={p.reshard_after_forward}, experts "
+        "FSDP2 traffic per unit as the schedule runs it (moelab.planner.comm.fsdp_counts): without pp every micro "
+        "batch reduce-scatters and a unit resharded after forward is gathered twice; under pp a stage reduces once "
+        "per step and gathers once (1F1B) or each time interleaved 1F1B brings it back among its three gathered "
+        "stages; blocks kept gathered after forward "
+        f"(parallel.reshard_after_forward={p.reshard_after_forward}, experts "
         f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
     ]
     if lora_params(cfg):

@@ -1,45 +1,63 @@
-"""The step-time model: how long one optimizer step of a planned config takes on a GPU kind, by part, and the
-throughput that follows (tokens/s/GPU, TFLOPs/GPU, MFU, GPU-hours per billion tokens); torch-free.
+"""The step-time model: how long one optimizer step of a planned config takes on a GPU kind, by part, how much of
+each communication term moelab's schedule hides behind compute, and the throughput that follows (tokens/s/GPU,
+TFLOPs/GPU, MFU, GPU-hours per billion tokens); torch-free.
 
     s = plan(load_config("deepseek-v3"), gpus=256, gpu="h100").speed
-    s.tokens_per_s_per_gpu, s.bottleneck, s.parts_s["all_to_all"]
+    s.tokens_per_s_per_gpu, s.bottleneck, s.parts_s["all_to_all"], s.hidden_s["fsdp"]
     print(s.line())
 
-How (every rate comes from this project's measurements on one H200, H200_MEASURED, not from a datasheet):
-- FLOPs per token and their split come from moelab.planner.flops (count_params on one-layer models: the dense
-  matmuls of a block, its top_k routed experts; attention_flops_per_token), communication bytes from the plan
-  (moelab.planner.plan._communication). Per pipeline rank, per micro batch of T = micro batch x seq / cp tokens:
-  dense matmuls (attention projections, dense FFNs, router, shared experts, the LM head on the last stage) at
-  the dense rate, routed experts at the grouped-GEMM rate (balanced or skewed routing), causal attention at the
+Compute, per pipeline rank and micro batch of T = micro batch x seq / cp tokens, at the rates of
+moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet ratios):
+- matmul FLOPs from moelab.planner.flops: dense (attention projections, dense FFNs, router, shared experts) at the
+  dense rate, routed experts at the grouped-GEMM rate (balanced or learned routing), causal attention at the
   attention rate; elementwise work (norms, rotary, SwiGLU, residuals) per token x hidden x layer, the
-  permutation per routed row x hidden, the loss per token x vocabulary, and the GPU's idle gaps per layer, each
-  at the time per element the compiled profile measured (x EAGER_FACTOR without train.compile).
-- The optimizer reads p, g, m, v and writes p, m, v, and the gradient norm reads g: 8 x parameter bytes per
-  trained parameter of the rank, at the fused AdamW's measured bandwidth. fp32 parameters computing in bf16 pay
-  one cast (read fp32, write bf16) of the rank's weights per micro batch.
-- Expert all-to-all: the plan's bytes per MoE layer; the EP group is EP consecutive ranks (the expert mesh's
-  innermost dimension) laid over 8-GPU nodes, so a share (min(ep, 8) - 1) / (ep - 1) of the other ranks is on
-  the same node (NVLink) and the rest on others (InfiniBand); the two run at once (the slower counts), plus a
-  fixed cost per exchange (the split sizes' all-to-all and device-to-host copy).
-- FSDP all-gather / reduce-scatter: the plan's bytes, on NVLink when the stage's fsdp x cp ranks fit in a node;
-  across nodes NCCL runs one ring per NIC, so the node's 8 InfiniBand links carry them together (at most
-  NVLink's rate: min(NVLink, 8 x InfiniBand) per GPU); under pp > 1 once per step (torch.distributed.pipelining's stages keep the blocks gathered
-  and sync gradients only after the last micro batch), so the plan's per-micro-batch bytes count once; plus
-  FSDP2's copy-in / copy-out of the same bytes at HBM speed. DDP and replicated-expert gradients likewise.
-- Pipeline: the slowest stage's micro batch time t sets the pace: step = m t + bubble, bubble = the plan's
-  bubble fraction (pp - 1) / (vp m + pp - 1) of it; activations sent between stages on NVLink or InfiniBand.
-- Overlap (the schedule moelab runs today): none. The EP=2 profile on two H200s (perf-notes, call 9) shows the
-  NCCL kernels in line with compute (55.6 ms of NCCL for a step 42 ms longer than one GPU's), so every
-  communication term adds to the step; parallel.ep_overlap hides at most half of the all-to-all behind the
-  routed experts' matmuls (its chunk 0 dispatch and chunk 1 combine have nothing to hide behind).
-- comm_hidden_tokens_per_s_per_gpu: the same step if every communication term hid behind the compute (the
-  pipeline bubble left as it is): the bound a schedule that overlaps fully would reach with these rates.
-- Another GPU kind: matmul and attention rates scale by the dense BF16 peak ratio, memory-bound terms by the
-  HBM bandwidth ratio, NVLink by the NVLink ratio; InfiniBand (not measured here) at its datasheet rate times
-  the efficiency NVLink reached here (measured / datasheet). Idle gaps (host-side) do not scale.
-Not modelled: FP8 (train.fp8 is predicted as bf16), TP (refused by the layout check), kernel backends other
-than torch's grouped GEMM and SDPA (te, grouped_gemm, flex), shape-dependence of the rates (all measured at
-the Qwen3-30B-A3B proxy's shapes).
+  permutation per routed row x hidden, and the GPU's idle gaps per layer, at the times per element the
+  compiled profile measured (x EAGER_FACTOR without train.compile).
+- The LM head and loss (last stage), by backend.loss: full (logits, then the loss kernels) or chunked (its own
+  kernels, the head's GEMMs in chunks); liger and cce are not modelled (timed as chunked, and said so).
+- train.fp8: the experts' GEMMs (forward and dgrad e4m3, wgrad bf16) and the projections' (all three e4m3) at
+  the rates the FP8 profile measured, plus its quantisation passes: the routed rows' and the projections'
+  every micro batch, the expert weights' two e4m3 copies once per step (moelab.model.fp8_cache) or every micro
+  batch where FSDP2 shards them; rowwise_lm_head: the head at the kernel check's FP8 / bf16 time.
+- Recompute (train.activation_checkpointing): full reruns each block's forward (a third of its matmul FLOPs and,
+  as assumed here, of its elementwise work) and its all-to-all; selective keeps the matmul and fused-attention
+  outputs (moelab.model.recompute.SAVED_OPS), so only the elementwise work, the eager attention path's scores
+  and the all-to-all run again.
+- The optimizer reads p, g, m, v and writes p, m, v, the gradient norm reads g (2 x (parameter + gradient +
+  state) bytes per trained parameter of the rank) at the measured bandwidth of train.optimizer's kernel (auto:
+  the Triton AdamW, as on a CUDA machine with Triton); fp32 weights computing in bf16 on one GPU pay autocast's
+  cast of every weight per micro batch.
+
+Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s holds what is exposed):
+- Expert all-to-all: the plan's bytes per MoE layer; the EP group is EP consecutive ranks over 8-GPU nodes, so a
+  share (min(ep, 8) - 1) / (ep - 1) of its partners is on the same node (NVLink), the rest on others
+  (InfiniBand), both at once; plus a fixed cost per exchange (the counts' all-to-all and the device-to-host copy
+  of the split sizes). The exchange blocks the compute that needs its rows: exposed, except with
+  parallel.ep_overlap, where chunk 1's dispatch hides behind chunk 0's experts and chunk 0's combine behind
+  chunk 1's, in each direction (moelab.parallel.expert_parallel).
+- FSDP2 (moelab.planner.comm.fsdp_counts: what is gathered and reduced how often): all-gathers run on their own
+  stream, each unit's issued as the previous unit computes (explicit prefetch, parallel.fsdp_prefetch=auto under
+  EP; implicit otherwise, which under EP starts only after the dispatcher's host synchronisation, so the window
+  is the experts' part of a block), and in backward one unit ahead; reduce-scatters run on their own stream
+  behind the next unit's backward. Exposed: the first units' gathers of a pass (the root and first block, nothing
+  computes before them), the last reduce-scatter (the root's, after the embedding's backward), and whatever
+  exceeds the pass's compute. Under pp > 1 the stage reduces after its last backward and the compute stream
+  waits for it (exposed), and its gathers are prefetched. The gathers' copy-out and the reduce-scatters' copy-in
+  (chunk_cat, at the rate the CP=2 profile measured) run on the compute stream: exposed. Links: NVLink when the
+  mesh fits in a node; across nodes NCCL runs one ring per NIC, so the node's InfiniBand links carry it together
+  (at most NVLink's rate). DDP's bucketed all-reduce and the replicated experts' exchange run during the last
+  micro batch's backward: hidden but for one layer's share.
+- Pipeline: the slowest stage's micro batch sets the pace: step = m t + bubble, bubble = the plan's bubble
+  fraction (pp - 1) / (vp m + pp - 1) of it; activations sent between stages on NVLink or InfiniBand, in line
+  under 1F1B and GPipe (torch's single-stage schedules wait for each fused send / receive before computing),
+  in flight under interleaved 1F1B (its runtime posts receives early and waits for sends at the end) but for
+  the first receive and the last send.
+- CP: the K/V all-gather and its gradient's all-reduce are in line with attention: exposed.
+- Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
+  modelled).
+Not modelled: TP (refused by the layout check), kernel backends other than torch's grouped GEMM and SDPA (te,
+grouped_gemm, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
+proxy's shapes).
 """
 from __future__ import annotations
 
@@ -47,59 +65,28 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from moelab.planner.flops import attention_flops_per_token, count_params
-from moelab.planner.gpus import GPU_KINDS, GPUKind, gpu_kind
+from moelab.planner.gpus import GPUKind, gpu_kind
+from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, Rates, rates
 
-_PROFILE = "gallery/results/qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json"
-_KERNELS = "gallery/results/backends-experts-kernels.json"
-_MACHINE = "../shared/notes/gpu-machine.md (nvidia-h200-x2, 2026-11-30)"
-
-# Rates measured on one H200 (torch 2.11, bf16), each with the record it comes from; tests/planner/test_speed.py
-# derives the profile-based ones again from their files. The profile is one compiled step of the Qwen3-30B-A3B
-# proxy (8 layers, 8,192 tokens per micro batch, learned router), its kernels summed by category and name.
-H200_MEASURED = {
-    # dense GEMM kernels (nvjet / cuBLAS names) 29.97 ms for 22.82 TFLOP of dense matmuls
-    "dense_tflops": (761.5, _PROFILE + ": the non-grouped matmul kernels of top_kernels"),
-    # the grouped GEMM kernels (cutlass GroupProblemShape) 26.32 ms for 14.84 TFLOP, learned (skewed) routing
-    "grouped_tflops": (564.0, _PROFILE + ": the grouped matmul kernels (GroupProblemShape) of top_kernels"),
-    # balanced routing is faster by the ratio the experts-kernel check measured (466 / 410 TFLOP/s)
-    "grouped_balanced_gain": (466.1 / 409.6, _KERNELS + ": grouped_mm balanced / skewed_dirichlet2 tflops"),
-    "attention_tflops": (452.6, _PROFILE + ": category attention 14.58 ms for 6.60 TFLOP (causal, fwd + bwd)"),
-    # seconds per element: elementwise (less the loss) + other over T x hidden x layers; permute over
-    # T x top_k x hidden x MoE layers; the loss kernels over T x vocabulary; idle per layer and micro batch
-    "elementwise_s": ((11.785 - 3.129 + 1.245) * 1e-3 / (8192 * 2048 * 8), _PROFILE + ": categories elementwise "
-                      "(less the log_softmax / nll_loss kernels, 3.13 ms) + other"),
-    "permute_s": (5.958e-3 / (8192 * 8 * 2048 * 8), _PROFILE + ": category permute"),
-    "loss_s": (3.129e-3 / (8192 * 151936), _PROFILE + ": the log_softmax / nll_loss kernels of top_kernels"),
-    "idle_s_per_layer": (9.018e-3 / 8, _PROFILE + ": idle_ms (launch gaps, host synchronisations)"),
-    "optimizer_tb_s": (16 * 5.607e9 / 34.0e-3 / 1e12, _PROFILE + ": category optimizer 34.0 ms (fused AdamW + "
-                       "gradient norm) for 5.61 B bf16 parameters, 16 B each"),
-    "copy_tb_s": (3.5, "../shared/notes/gpu-machine.md: gathering 65,536 rows of 2048 bf16 by index, 3.5 TB/s"),
-    "nvlink_gb_s": (300.0, _MACHINE + ": all_to_all_single 512 MiB 294 GB/s leaving each GPU, all_reduce bus "
-                    "bandwidth 301 GB/s"),
-    "exchange_s": (0.29e-3, _MACHINE + ": the MoE exchange with counts and the device-to-host copy 1.20 ms "
-                   "against 0.91 ms for the bare all_to_all_single of the same bytes"),
-}
-# Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
-# eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
-# ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
-EAGER_FACTOR = 1 + (195.3 - 137.3) / (11.785 + 1.245 + 5.958)
-H200 = GPU_KINDS["h200"]
-
-COMM_PARTS = ("all_to_all", "cp", "pipeline_send", "fsdp")
-COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise")
+COMM_PARTS = ("all_to_all", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
+COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
 PART_LABELS = {"dense_matmul": "dense matmuls", "expert_matmul": "expert matmuls", "attention": "attention",
-               "elementwise": "elementwise/permute/loss", "idle": "launch gaps", "all_to_all": "all-to-all",
-               "cp": "CP K/V exchange", "pipeline_send": "pipeline send/recv", "bubble": "pipeline bubble",
-               "fsdp": "FSDP gather/reduce", "optimizer": "optimizer", "casts": "weight casts"}
+               "elementwise": "elementwise/permute", "head_loss": "LM head + loss", "fp8_quant": "FP8 quantisation",
+               "idle": "launch gaps", "all_to_all": "all-to-all", "cp": "CP K/V exchange",
+               "pipeline_send": "pipeline send/recv", "bubble": "pipeline bubble", "fsdp": "FSDP gather/reduce",
+               "fsdp_copies": "FSDP copy-in/out", "replicated": "DDP / replicated-expert all-reduce",
+               "optimizer": "optimizer", "casts": "weight casts"}
+_MODELLED_LOSSES = ("full", "chunked")
 
 
 @dataclass
 class Speed:
-    """A predicted optimizer step on `gpus` GPUs of one kind: its time, its parts (seconds per step, as they add
-    up: moelab overlaps none of them today), and the throughput that follows.
+    """A predicted optimizer step on `gpus` GPUs of one kind: its time, its parts (seconds per step that add up
+    to it: compute, and the communication left exposed by moelab's schedule), the communication it hides
+    (hidden_s, not in the step), and the throughput that follows.
 
         s = plan(load_config("qwen3-moe-30b-a3b"), gpus=8, gpu="h100").speed
-        s.line(); sum(s.parts_s.values()) == s.step_s
+        s.line(); sum(s.parts_s.values()) == s.step_s; s.hidden_s["fsdp"]
     """
     gpu: str
     gpus: int
@@ -110,150 +97,225 @@ class Speed:
     mfu: float
     bottleneck: str
     gpu_hours_per_billion_tokens: float
+    hidden_s: dict = field(default_factory=dict)  # communication hidden behind compute, seconds per step
     assumptions: list = field(default_factory=list)
     unmodelled: list = field(default_factory=list)  # what this config runs that the model times as something else
+    settings: dict = field(default_factory=dict)  # the settings it modelled (loss, fp8, optimizer, compile)
+    extrapolated: list = field(default_factory=list)  # kernels timed at a rate measured for another kind of shape
     # the same step if the schedule hid every communication term behind the compute (a bound, not moelab today)
     comm_hidden_tokens_per_s_per_gpu: float = 0.0
+    recompute_s: float = 0.0  # of the step, the forward work activation checkpointing runs again
 
     def line(self) -> str:
         return (f"{self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {self.tflops_per_gpu:,.0f} TFLOPs/GPU, MFU "
                 f"{100 * self.mfu:.0f}% on {self.gpus} x {self.gpu}; step {_secs(self.step_s)}, bottleneck "
-                f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion tokens")
+                f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion "
+                "tokens")
 
     def breakdown(self) -> str:
-        return (", ".join(f"{PART_LABELS[k]} {_secs(v)}" for k, v in self.parts_s.items() if v > 0)
-                + f"; with all communication hidden {self.comm_hidden_tokens_per_s_per_gpu:,.0f} tokens/s/GPU")
+        parts = []
+        for k, v in self.parts_s.items():
+            hid = self.hidden_s.get(k, 0.0)
+            if v > 0 or hid > 0:
+                parts.append(f"{PART_LABELS[k]} {_secs(v)}" + (f" (+{_secs(hid)} hidden)" if hid > 0 else ""))
+        return ", ".join(parts) + (f"; with all communication hidden {self.comm_hidden_tokens_per_s_per_gpu:,.0f} "
+                                   "tokens/s/GPU")
 
 
 def _secs(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{1e3 * s:.1f} ms"
 
 
-@dataclass(frozen=True)
-class Rates:
-    """H200_MEASURED carried to `kind` (module docstring: which ratio scales which rate).
-
-        rates(gpu_kind("h100"), balanced=True).dense / 1e12     # 761.5: H100 and H200 share the BF16 peak
-    """
-    dense: float  # FLOP/s
-    grouped: float
-    attention: float
-    mem: float  # HBM time scale: seconds per element of the H200 figures times this
-    optimizer: float  # bytes/s
-    copy: float
-    nvlink: float
-    ib: float
-    exchange_s: float
-    idle_s_per_layer: float
-
-
-def rates(kind: GPUKind, balanced: bool) -> Rates:
-    v = {k: x for k, (x, _) in H200_MEASURED.items()}
-    flop = kind.bf16_tflops / H200.bf16_tflops * 1e12
-    hbm = kind.hbm_tb_s / H200.hbm_tb_s
-    nvlink = v["nvlink_gb_s"] * 1e9 * kind.nvlink_gb_s / H200.nvlink_gb_s
-    return Rates(dense=v["dense_tflops"] * flop, attention=v["attention_tflops"] * flop,
-                 grouped=v["grouped_tflops"] * flop * (v["grouped_balanced_gain"] if balanced else 1.0),
-                 mem=1 / hbm, optimizer=v["optimizer_tb_s"] * 1e12 * hbm, copy=v["copy_tb_s"] * 1e12 * hbm,
-                 nvlink=nvlink, ib=kind.ib_gb_s * 1e9 * v["nvlink_gb_s"] / H200.nvlink_gb_s,
-                 exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"])
-
-
 def layer_flops(m) -> dict:
     """Matmul FLOPs per token (forward + backward, 6 x activated parameters) of each piece: a MoE block's dense
-    matmuls (attention projections, router, shared experts) and routed experts, a dense block, the LM head."""
+    matmuls (attention projections, router, shared experts) and routed experts, a dense block, the LM head, and
+    the router alone (it stays bf16 under FP8)."""
     zero = count_params(dataclasses.replace(m, num_layers=0, num_dense_layers=0))
     moe = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=0))
     dense = count_params(dataclasses.replace(m, num_layers=1, num_dense_layers=1))
     routed = m.moe.top_k * moe.experts_total // m.moe.num_experts
     return {"moe_dense": 6 * (moe.activated - zero.activated - routed), "moe_experts": 6 * routed,
-            "dense_layer": 6 * (dense.activated - zero.activated), "head": 6 * zero.activated}
+            "dense_layer": 6 * (dense.activated - zero.activated), "head": 6 * zero.activated,
+            "router": 6 * m.hidden_size * m.moe.num_experts}
 
 
 def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     """The step time of plan `p` (moelab.planner.plan.plan of `cfg`) on GPUs of kind `gpu`."""
     kind = gpu_kind(gpu)
-    mdl, t, L = cfg.model, cfg.train, p.layout
+    t, L = cfg.train, p.layout
     r = rates(kind, balanced=cfg.backend.fake_balanced_gate)
-    a = 2 if t.dtype == "bfloat16" else 4
-    pb = 2 if t.param_dtype == "bfloat16" else 4
     m, g = p.micro_batches_per_step, kind.gpus_per_node
-    T = t.micro_batch_size * t.seq_len // L["cp"]
-    D, K, V = mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
-    shard = L["fsdp"] * L["cp"] * L["tp"]
-    fl = layer_flops(mdl)
-    attn_layer = attention_flops_per_token(mdl, t.seq_len) / mdl.num_layers  # the mean layer (windows averaged)
-    recompute = {"none": (1.0, 1.0), "selective": (1.0, 4 / 3), "full": (4 / 3, 4 / 3)}[t.activation_checkpointing]
-    eager = 1.0 if t.compile else EAGER_FACTOR
-    ew = {k: x * r.mem for k, (x, _) in H200_MEASURED.items() if k in ("elementwise_s", "permute_s", "loss_s")}
     # a ring collective spanning nodes runs one ring per NIC: each rank's bytes cross nodes on 1/g of the hops
     bw = lambda span: r.nvlink if span <= g or p.gpus <= g else min(r.nvlink, g * r.ib)  # noqa: E731
-
-    # the expert all-to-all: a share of each rank's bytes stays on its node
     ep = L["ep"]
     intra = (min(ep, g) - 1) / (ep - 1) if ep > 1 else 1.0
-    passes = 4 + (2 if t.activation_checkpointing == "full" else 0)
-    a2a_layer = p.comm["all_to_all_bytes_per_moe_layer"]
-    a2a_layer_s = (max(a2a_layer * intra / r.nvlink, a2a_layer * (1 - intra) / r.ib) + passes * r.exchange_s
-                   if ep > 1 else 0.0)
-
-    per_rank = []
-    for rank, layers in enumerate(p.stage_layers):
-        n_moe = sum(i >= mdl.num_dense_layers for i in layers)
-        n_dense = len(layers) - n_moe
-        last = rank == L["pp"] - 1
-        dense_flops = n_moe * fl["moe_dense"] + n_dense * fl["dense_layer"] + (fl["head"] if last else 0)
-        a2a = n_moe * a2a_layer_s
-        expert = T * n_moe * fl["moe_experts"] * recompute[0] / r.grouped
-        if cfg.parallel.ep_overlap:
-            a2a -= min(a2a / 2, expert)
-        parts = {
-            "dense_matmul": T * dense_flops * recompute[0] / r.dense,
-            "expert_matmul": expert,
-            "attention": T * len(layers) * attn_layer * recompute[1] / r.attention,
-            "elementwise": eager * T * (len(layers) * D * ew["elementwise_s"] * recompute[0]
-                                        + n_moe * K * D * ew["permute_s"] * recompute[0]
-                                        + (V * ew["loss_s"] if last else 0)),
-            "idle": len(layers) * r.idle_s_per_layer,
-            "all_to_all": a2a,
-            "cp": p.comm["cp_bytes_per_step"] / m / bw(L["cp"]),
-            # stage neighbours are `shard` ranks apart: one NVLink or one InfiniBand link between them
-            "pipeline_send": p.comm["pipeline_send_bytes_per_step"] / m
-            / (r.nvlink if L["pp"] * shard <= g or p.gpus <= g else r.ib),
-        }
-        per_rank.append(parts)
-    slowest = max(per_rank, key=lambda x: sum(x.values()))
-    mb_s = sum(slowest.values())
+    per_rank = [_micro_batch(cfg, p, r, rank, layers, intra) for rank, layers in enumerate(p.stage_layers)]
+    slowest = max(per_rank, key=lambda x: sum(x["parts"].values()))
+    mb_parts, hidden = slowest["parts"], {k: m * v for k, v in slowest["hidden"].items()}
+    mb_parts["cp"] = p.comm["cp_bytes_per_step"] / m / bw(L["cp"])
+    # stage neighbours are fsdp*cp*tp ranks apart: one NVLink or one InfiniBand link between them
+    shard = L["fsdp"] * L["cp"] * L["tp"]
+    mb_parts["pipeline_send"] = (p.comm["pipeline_send_bytes_per_step"] / m
+                                 / (r.nvlink if L["pp"] * shard <= g or p.gpus <= g else r.ib))
+    if L["vp"] > 1:  # the interleaved runtime posts receives early and waits for sends at the end: in flight
+        send = mb_parts["pipeline_send"]  # behind other stages' compute but the first receive and the last send
+        mb_parts["pipeline_send"] = min(send, 2 * send / m)
+        hidden["pipeline_send"] = m * (send - mb_parts["pipeline_send"])
     f = p.pipeline["bubble_fraction"]
-    # FSDP: under pp > 1 the stages gather once and reduce once per step
-    ag, rs = p.comm["fsdp_all_gather_bytes_per_step"], p.comm["fsdp_reduce_scatter_bytes_per_step"]
-    if L["pp"] > 1:
-        ag, rs = ag / (2 * m), rs / m
-    replicated = p.comm.get("ddp_all_reduce_bytes_per_step", 0) + p.comm.get("expert_grad_bytes_per_step", 0)
-    fsdp = (ag + rs + replicated) / bw(shard) + 2 * (ag + rs) / r.copy
-    trained = p.memory["gradients"] / pb
-    local = p.memory["parameters"] / pb
-    parts = {k: m * v for k, v in slowest.items()}
-    parts.update({"bubble": m * mb_s * f / (1 - f), "fsdp": fsdp, "optimizer": trained * 8 * pb / r.optimizer,
-                  "casts": m * local * (pb + a) / r.copy if a < pb else 0.0})
+    parts = {k: m * v for k, v in mb_parts.items()}
+    parts["bubble"] = m * sum(mb_parts.values()) * f / (1 - f)
+    fsdp = _fsdp(cfg, p, r, bw, slowest)
+    parts.update({"fsdp": fsdp["exposed"], "fsdp_copies": fsdp["copies"], "replicated": fsdp["replicated"]})
+    hidden.update({"fsdp": fsdp["hidden"], "replicated": fsdp["replicated_hidden"]})
+    pb = 2 if t.param_dtype == "bfloat16" else 4
+    mem = p.memory
+    trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
+    opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
+    parts["optimizer"] = 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]
+    a = 2 if t.dtype == "bfloat16" else 4
+    parts["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0
     step = sum(parts.values())
-    comm, compute = (sum(parts[k] for k in keys) for keys in (COMM_PARTS, COMPUTE_PARTS))
-    hidden_step = step - comm + max(0.0, comm - compute)
+    comm = sum(parts[k] for k in COMM_PARTS) + sum(hidden.values())
+    compute = sum(parts[k] for k in COMPUTE_PARTS)
+    bound_step = step - sum(parts[k] for k in COMM_PARTS) + max(0.0, comm - compute)
     tokens = t.global_batch_size * t.seq_len / p.gpus / step
     tflops = tokens * p.flops_per_token / 1e12
+    unmod = unmodelled(cfg)
     return Speed(gpu=kind.name, gpus=p.gpus, step_s=step, parts_s=parts, tokens_per_s_per_gpu=tokens,
                  tflops_per_gpu=tflops, mfu=tflops / kind.bf16_tflops, bottleneck=max(parts, key=parts.get),
-                 gpu_hours_per_billion_tokens=1e9 / tokens / 3600, assumptions=_assumptions(cfg, kind, ep, intra),
-                 unmodelled=unmodelled(cfg), comm_hidden_tokens_per_s_per_gpu=tokens * step / hidden_step)
+                 gpu_hours_per_billion_tokens=1e9 / tokens / 3600, hidden_s={k: v for k, v in hidden.items() if v},
+                 assumptions=_assumptions(cfg, kind, ep, intra, opt_kind, unmod), unmodelled=unmod,
+                 settings={"loss": cfg.backend.loss, "fp8": t.fp8, "optimizer": opt_kind, "compile": t.compile},
+                 extrapolated=extrapolated(cfg),
+                 comm_hidden_tokens_per_s_per_gpu=tokens * step / bound_step,
+                 recompute_s=m * slowest["recompute_s"] / (1 - f))
+
+
+def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -> dict:
+    """One micro batch on pipeline rank `rank`: compute parts, exposed all-to-all, hidden all-to-all, and the
+    forward / backward compute the FSDP overlap needs."""
+    mdl, t, L = cfg.model, cfg.train, p.layout
+    T, D, K, V = t.micro_batch_size * t.seq_len // L["cp"], mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
+    fl, ckpt = layer_flops(mdl), t.activation_checkpointing
+    n_moe = sum(i >= mdl.num_dense_layers for i in layers)
+    n_dense, last = len(layers) - n_moe, rank == L["pp"] - 1
+    eager_attn = cfg.backend.attention == "eager" or (cfg.backend.attention != "flex" and (
+        mdl.sliding_window or mdl.attention_sinks))
+    rerun = 4 / 3  # a forward again: a third of the forward + backward work
+    mm = rerun if ckpt == "full" else 1.0  # matmul outputs are kept under selective
+    ew = rerun if ckpt != "none" else 1.0
+    eager = 1.0 if t.compile else EAGER_FACTOR
+    fp8 = t.fp8 != "off"
+    dense_flops = n_moe * fl["moe_dense"] + n_dense * fl["dense_layer"]
+    router = n_moe * fl["router"]
+    attn_layer = attention_flops_per_token(mdl, t.seq_len) / mdl.num_layers  # the mean layer (windows averaged)
+    parts = {
+        "dense_matmul": T * mm * (router / r.dense + (dense_flops - router) / (r.dense_fp8 if fp8 else r.dense)),
+        "expert_matmul": T * mm * n_moe * fl["moe_experts"] / (r.grouped_fp8 if fp8 else r.grouped),
+        "attention": T * len(layers) * attn_layer * (rerun if ckpt == "full" or (ckpt == "selective" and eager_attn)
+                                                     else 1.0) / r.attention,
+        "elementwise": eager * ew * T * (len(layers) * D * r.per_element("elementwise_s")
+                                         + n_moe * K * D * r.per_element("permute_s")),
+        "head_loss": _head_loss(cfg, r, T, fl["head"], V) if last else 0.0,
+        "fp8_quant": 0.0,
+        "idle": len(layers) * r.idle_s_per_layer,
+    }
+    if fp8:
+        cached = not any(u["name"].endswith("experts") or (L["ep"] == 1 and u["name"].endswith(("block", "blocks")))
+                         for u in p.comm.get("fsdp_units", []))
+        weights = 2 * n_moe * (count_params(dataclasses.replace(mdl, num_layers=1, num_dense_layers=0)).experts_total
+                               // L["ep"]) * r.per_element("fp8_weight_quant_s")
+        parts["fp8_quant"] = (eager * ew * T * (n_moe * K * D * r.per_element("fp8_expert_quant_s")
+                                                + len(layers) * D * r.per_element("fp8_dense_quant_s"))
+                              + weights / (p.micro_batches_per_step if cached else 1))
+    # the expert all-to-all of each MoE layer: dispatch and combine, forward and backward, and again when the
+    # recompute reruns the routed part
+    a2a, hid = 0.0, 0.0
+    if L["ep"] > 1 and n_moe:
+        passes = 4 + (2 if ckpt in ("full", "selective") else 0)
+        per_layer = p.comm["all_to_all_bytes_per_moe_layer"]
+        x = max(per_layer * intra / r.nvlink, per_layer * (1 - intra) / r.ib) / passes  # one exchange
+        a2a = n_moe * (passes * x + passes * r.exchange_s)
+        if cfg.parallel.ep_overlap:  # per direction, two of the four half exchanges hide behind half the experts
+            e_fwd = parts["expert_matmul"] / mm / 3 / n_moe
+            windows = [e_fwd, 2 * e_fwd] + ([e_fwd] if ckpt == "full" else [0.0] if ckpt == "selective" else [])
+            hid = n_moe * sum(2 * min(x / 2, w / 2) for w in windows)
+            a2a -= hid
+    parts["all_to_all"] = a2a
+    compute = sum(parts[k] for k in COMPUTE_PARTS)
+    # the recomputed forward: a quarter of each term the rerun multiplied by 4/3, and the all-to-all's extra passes
+    rerun_terms = ["elementwise", "fp8_quant"] if ckpt != "none" else []
+    rerun_terms += ["dense_matmul", "expert_matmul"] if ckpt == "full" else []
+    rerun_terms += ["attention"] if ckpt == "full" or (ckpt == "selective" and eager_attn) else []
+    again = sum(parts[k] for k in rerun_terms) / 4 + (a2a * 2 / (4 + 2) if ckpt != "none" else 0.0)
+    return {"parts": parts, "hidden": {"all_to_all": hid}, "forward_s": compute / 3 / (mm if ckpt == "full" else 1),
+            "backward_s": compute - compute / 3 / (mm if ckpt == "full" else 1),
+            "experts_forward_s": parts["expert_matmul"] / mm / 3, "layers": len(layers), "recompute_s": again}
+
+
+def _head_loss(cfg, r: Rates, T: int, head_flops: float, V: int) -> float:
+    """The LM head's GEMMs and the loss kernels for one micro batch on the last stage (backend.loss; liger and
+    cce, not modelled, as chunked)."""
+    t = cfg.train
+    head = T * head_flops / r.dense
+    if t.fp8 == "rowwise_lm_head":
+        head *= H200_MEASURED["fp8_head_factor"][0]
+    eager = 1.0 if t.compile else EAGER_FACTOR
+    if cfg.backend.loss == "full":
+        return head + eager * T * V * r.per_element("loss_full_s")
+    return head * H200_MEASURED["chunked_head_factor"][0] + eager * T * V * r.per_element("loss_chunked_s")
+
+
+def _fsdp(cfg, p, r: Rates, bw, mb: dict) -> dict:
+    """FSDP2's collectives per step on the slowest rank: exposed and hidden seconds (module docstring), the
+    copy-in / copy-out, and DDP / replicated-expert gradient exchanges."""
+    L, m = p.layout, p.micro_batches_per_step
+    exposed = hidden = copies = 0.0
+    units = p.comm.get("fsdp_units", [])
+    if units:
+        # per unit row: seconds of one all-gather and of one reduce-scatter of one unit
+        ag = {u["name"]: u["all_gather_bytes_per_step"] / max(u["count"] * u["gathers_per_micro_batch"] * m, 1e-12)
+              / bw(u["ranks"]) for u in units}
+        rs = {u["name"]: u["reduce_scatter_bytes_per_step"] / max(u["count"] * u["reduce_scatters_per_step"], 1e-12)
+              / bw(u["ranks"]) for u in units}
+        first = ag.get("root", 0.0) + ag.get("blocks", ag.get("last block", 0.0))
+        first += ag.get("experts", ag.get("last experts", 0.0))
+        total_ag = sum(u["all_gather_bytes_per_step"] / bw(u["ranks"]) for u in units)
+        total_rs = sum(u["reduce_scatter_bytes_per_step"] / bw(u["ranks"]) for u in units)
+        if L["pp"] == 1:
+            prefetch = cfg.parallel.fsdp_prefetch
+            explicit = prefetch == "explicit" or (prefetch == "auto" and L["ep"] > 1)
+            window = mb["forward_s"] if explicit or L["ep"] == 1 else mb["experts_forward_s"]
+            entries = {u["name"]: 2.0 if u["name"].endswith("experts") and cfg.parallel.ep_overlap else 1.0
+                       for u in units}
+            fwd = sum(u["count"] * entries[u["name"]] * ag[u["name"]] for u in units)  # one gather per entry
+            bwd = total_ag / m - fwd + total_rs / m
+            last_rs = rs.get("root", 0.0)
+            per_mb = min(first, fwd) + max(0.0, fwd - first - window) + last_rs + max(0.0, bwd - last_rs
+                                                                                    - mb["backward_s"])
+            exposed = m * per_mb
+        else:  # prefetched gathers but the first; the reduce after the last backward is waited for
+            exposed = min(first, total_ag) + max(0.0, total_ag - first - m * (mb["forward_s"] + mb["backward_s"]))
+            exposed += total_rs
+        hidden = total_ag + total_rs - exposed
+        copies = (p.comm["fsdp_gather_copied_bytes_per_step"] / r.copy
+                  + p.comm["fsdp_reduce_copied_bytes_per_step"] / r.reduce_copy)
+    rep = (p.comm.get("ddp_all_reduce_bytes_per_step", 0) + p.comm.get("expert_grad_bytes_per_step", 0)) / bw(
+        L["fsdp"] * L["cp"])
+    layer = 1 / max(mb["layers"], 1)  # the share of the backward after the last layer's gradients are ready
+    rep_exposed = max(rep - mb["backward_s"] * (1 - layer), rep * layer) if rep else 0.0
+    return {"exposed": exposed, "hidden": hidden, "copies": copies, "replicated": rep_exposed,
+            "replicated_hidden": rep - rep_exposed}
 
 
 def unmodelled(cfg) -> list[str]:
-    """What `cfg` runs that the model times as something else (its rates are torch's grouped GEMM, SDPA, bf16)."""
+    """What `cfg` runs that the model times as something else (its rates are torch's grouped GEMM, SDPA, bf16 or
+    moelab's rowwise FP8, and the full or chunked loss)."""
     m, b, out = cfg.model, cfg.backend, []
     if cfg.train.dtype != "bfloat16":
         out.append(f"train.dtype={cfg.train.dtype}: fp32 matmuls, timed at the bf16 rates")
-    if cfg.train.fp8 != "off":
-        out.append(f"train.fp8={cfg.train.fp8}: FP8 GEMMs and their quantisation, timed as bf16")
+    if b.loss not in _MODELLED_LOSSES:
+        out.append(f"backend.loss={b.loss}: its kernels were not profiled here; timed as the chunked loss")
     if b.attention == "eager" or (b.attention != "flex" and (m.sliding_window or m.attention_sinks)):
         out.append("attention: sliding windows / sinks run moelab's eager attention (scores materialised), timed "
                    "at SDPA's rate")
@@ -263,18 +325,45 @@ def unmodelled(cfg) -> list[str]:
         out.append(f"backend.experts={b.experts}: timed at torch's grouped GEMM rate")
     if b.dispatcher == "deepep":
         out.append("backend.dispatcher=deepep: its kernels timed as NCCL's all-to-all of the same bytes")
+    if b.te_fp8 != "off":
+        out.append(f"backend.te_fp8={b.te_fp8}: Transformer Engine's FP8 timed as bf16")
     return out
 
 
-def _assumptions(cfg, kind: GPUKind, ep: int, intra: float) -> list[str]:
-    out = [f"speed on {kind.name}: kernel rates measured on one H200 (moelab.planner.speed.H200_MEASURED: dense "
-           f"{H200_MEASURED['dense_tflops'][0]:.0f}, grouped {H200_MEASURED['grouped_tflops'][0]:.0f} (learned "
-           f"router), attention {H200_MEASURED['attention_tflops'][0]:.0f} TFLOP/s), scaled by the datasheet "
-           "ratio (compute by the BF16 peak, memory-bound terms by HBM bandwidth, links by link bandwidth)",
-           "speed: no communication overlaps compute (moelab's schedule as profiled on two H200s); "
-           + ("parallel.ep_overlap hides up to half the all-to-all; " if cfg.parallel.ep_overlap else "")
-           + "FSDP under pp > 1 gathers and reduces once per step; InfiniBand at the efficiency NVLink reached here"]
+def extrapolated(cfg) -> list[str]:
+    """Kernels of `cfg` the model times at a rate measured on another kind of shape (the rates come from the
+    Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
+    m, out = cfg.model, []
+    if m.attention == "mla":
+        out.append(f"MLA attention (q/k head dim {m.qk_nope_head_dim + m.qk_rope_head_dim}, v {m.v_head_dim}) at "
+                   "the rate SDPA reached on GQA with head dim 128")
+    if cfg.parallel.cp > 1:
+        out.append("CP attention (two query chunks per rank, each causal against the keys up to its end) at the rate "
+                   "SDPA reached on whole sequences (the CP=2 profile, logs/...profile-cp2-seq8192-eager.txt, ran "
+                   "FlashAttention-2's kernels there, not cuDNN's)")
+    return out
+
+
+def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod: list[str]) -> list[str]:
+    v = {k: x for k, (x, _) in H200_MEASURED.items()}
+    out = [f"speed on {kind.name}: kernel rates measured on one H200 (moelab.planner.rates.H200_MEASURED: dense "
+           f"{v['dense_tflops']:.0f}, grouped {v['grouped_tflops']:.0f} (learned router), attention "
+           f"{v['attention_tflops']:.0f} TFLOP/s; FP8 dense {v['dense_fp8_tflops']:.0f}, grouped "
+           f"{v['grouped_fp8_tflops']:.0f}), scaled by the datasheet ratio (compute by the peak, memory-bound terms by "
+           "HBM bandwidth, links by link bandwidth); optimizer " + opt_kind,
+           "speed: overlap as moelab's schedule runs it: FSDP2 gathers prefetched and reduce-scatters behind the next "
+           "unit's backward (the first gathers and the last reduce of a pass exposed; under pp the reduce after "
+           "the last backward exposed), the expert all-to-all in line "
+           + ("(parallel.ep_overlap: half of each direction's exchanges behind half the experts)"
+              if cfg.parallel.ep_overlap else "(parallel.ep_overlap off)")
+           + ", CP in line, pipeline sends in line (1F1B) or in flight (interleaved); hidden communication slows "
+           "no kernel; InfiniBand at the efficiency "
+           "NVLink reached here"]
     if ep > 1:
         out.append(f"speed: EP group of {ep} consecutive ranks over {kind.gpus_per_node}-GPU nodes: "
                    f"{100 * intra:.0f}% of its all-to-all partners on the same node")
-    return out + [f"speed, not modelled: {text}" for text in unmodelled(cfg)]
+    if cfg.train.activation_checkpointing != "none":
+        out.append("speed: recompute reruns a forward: a third of the block's work (full), or its elementwise work "
+                   "and the all-to-all only (selective keeps matmul and fused-attention outputs)")
+    return (out + [f"speed, extrapolated: {text}" for text in extrapolated(cfg)]
+            + [f"speed, not modelled: {text}" for text in unmod])

@@ -188,7 +188,8 @@ def test_speed_tables_render_from_the_result_files(gallery):
     from moelab.planner.plan import plan as plan_of
 
     rec = _result("moelab", "qwen3-moe-30b-a3b-proxy", tokens_per_s_per_gpu=40000.0, global_batch_size=2,
-                  micro_batch_size=2, seq_len=4096, dtype="bfloat16", param_dtype="bfloat16", compile=True)
+                  micro_batch_size=2, seq_len=4096, dtype="bfloat16", param_dtype="bfloat16", compile=True,
+                  date="2026-12-02T00:00:00+00:00")  # after the loss and optimizer defaults changed
     (gallery / "results" / "s.json").write_text(json.dumps(rec))
     (gallery / "results" / "cpu.json").write_text(json.dumps(_result("moelab", "tiny-cpu", gpu_name="cpu")))
     (gallery / "results" / "bare.json").write_text(json.dumps(_result("moelab", "qwen3-moe-30b-a3b-proxy")))

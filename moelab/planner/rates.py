@@ -1,0 +1,149 @@
+"""The kernel rates the step-time model (moelab.planner.speed) computes at: measured on this project's H200 (each
+figure with the record it comes from; tests/planner/test_rates.py derives every one again from its file), and
+carried to another GPU kind by the ratio of the datasheet figures (moelab.planner.gpus); torch-free.
+
+    r = rates(gpu_kind("h100"), balanced=True)
+    r.dense / 1e12                     # 761.5: H100 and H200 share the BF16 peak
+    r.optimizer["adamw_triton"]        # bytes/s of the Triton AdamW (with the gradient norm)
+
+The profiles are single compiled steps of the Qwen3-30B-A3B proxy (8 layers, 8,192 tokens per micro batch,
+learned router, bf16 parameters and moments) with their kernels summed by category and name:
+- _PROFILE (commit f7ecd22): the full loss, torch's fused AdamW;
+- _PROFILE_CHUNKED (5ad9062): the same step with the fused chunked loss and the Triton AdamW;
+- _PROFILE_FP8 (5fe5a16): train.fp8=rowwise (full loss, torch's AdamW); its top 40 kernels leave 1.7 ms of
+  the matmul category unnamed, which no FP8 figure here counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moelab.planner.gpus import GPU_KINDS, GPUKind
+
+_RESULTS = "gallery/results/"
+_PROFILE = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json"
+_PROFILE_CHUNKED = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-default-5ad9062.json"
+_PROFILE_FP8 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2.json"
+_FP8_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check.json"
+_KERNELS = _RESULTS + "backends-experts-kernels.json"
+_PROFILE_CP2 = _RESULTS + "logs/qwen3-moe-30b-a3b-proxy--moelab--profile-cp2-seq8192-eager.txt"
+_MACHINE = "../shared/notes/gpu-machine.md (nvidia-h200-x2, 2026-11-30)"
+# the proxy's shapes the per-element figures divide by: tokens per micro batch, hidden, layers, top_k, vocabulary,
+# and the elements of one layer's expert weights (gate|up E x D x 2F, down E x F x D)
+_T, _D, _L, _K, _V = 8192, 2048, 8, 8, 151936
+_GATE_UP, _EXPERT_WEIGHTS = 128 * 2048 * 1536, 3 * 128 * 2048 * 768
+# FLOPs of one micro batch of the proxy (moelab.planner.flops): routed experts, the FP8 projections (attention
+# q/k/v/o: 6 x 18.87 M per token and layer), the LM head
+_EXPERT_FLOP, _PROJ_FLOP, _HEAD_FLOP = 14.84e12, 6 * 18_874_368 * _T * _L, 6 * 2048 * _V * _T
+
+H200_MEASURED = {
+    # dense GEMM kernels (nvjet / cuBLAS names) 29.97 ms for 22.82 TFLOP of dense matmuls
+    "dense_tflops": (761.5, _PROFILE + ": the non-grouped matmul kernels of top_kernels"),
+    # the grouped GEMM kernels (cutlass GroupProblemShape) 26.32 ms for 14.84 TFLOP, learned (skewed) routing
+    "grouped_tflops": (564.0, _PROFILE + ": the grouped matmul kernels (GroupProblemShape) of top_kernels"),
+    # balanced routing is faster by the ratio the experts-kernel check measured (466 / 410 TFLOP/s)
+    "grouped_balanced_gain": (466.1 / 409.6, _KERNELS + ": grouped_mm balanced / skewed_dirichlet2 tflops"),
+    "attention_tflops": (452.6, _PROFILE + ": category attention 14.58 ms for 6.60 TFLOP (causal, fwd + bwd)"),
+    # seconds per element: elementwise (less the log_softmax / nll_loss kernels) + other over T x hidden x
+    # layers; permute over T x top_k x hidden x MoE layers; idle per layer and micro batch
+    "elementwise_s": ((11.785 - 3.129 + 1.245) * 1e-3 / (_T * _D * _L), _PROFILE + ": categories elementwise "
+                      "(less the log_softmax / nll_loss kernels, 3.13 ms) + other"),
+    "permute_s": (5.958e-3 / (_T * _K * _D * _L), _PROFILE + ": category permute"),
+    "idle_s_per_layer": (9.018e-3 / _L, _PROFILE + ": idle_ms (launch gaps, host synchronisations)"),
+    # the loss (backend.loss), seconds per token x vocabulary element: the full loss's log_softmax / nll_loss
+    # kernels; the chunked loss's own kernels (its logsumexp / scatter-add kernel, filed under permute, and its
+    # gradient casts and fills under elementwise: the categories' growth between the two profiles once the full
+    # loss's kernels are taken out), and its LM-head GEMMs slower than the full loss's by the matmul category's
+    # growth (chunks of the head, the weight gradient accumulated over chunks)
+    "loss_full_s": (3.129e-3 / (_T * _V), _PROFILE + ": the log_softmax / nll_loss kernels of top_kernels"),
+    "loss_chunked_s": (((10.809 - (11.785 - 3.129)) + (9.302 - 5.958)) * 1e-3 / (_T * _V),
+                       _PROFILE_CHUNKED + " against " + _PROFILE + ": categories elementwise and permute"),
+    "chunked_head_factor": (1 + (59.894 - 56.452) * 1e-3 / (_HEAD_FLOP / 761.5e12),
+                            _PROFILE_CHUNKED + " against " + _PROFILE + ": category matmul, over the LM head's "
+                            "time at the dense rate"),
+    # the optimizer step + gradient norm, bytes per second: reads p, g, m, v, writes p, m, v, the norm reads g
+    # (16 B per bf16 parameter with bf16 moments) for the proxy's 5.61 B parameters
+    "adamw_tb_s": (16 * 5.607e9 / 33.966e-3 / 1e12, _PROFILE + ": category optimizer 33.97 ms (torch's fused "
+                   "AdamW + gradient norm)"),
+    "adamw_triton_tb_s": (16 * 5.607e9 / 23.901e-3 / 1e12, _PROFILE_CHUNKED + ": category optimizer 23.90 ms "
+                          "(TritonAdamW + gradient norm)"),
+    # FP8 (train.fp8=rowwise): the experts' forward and dgrad GEMM in e4m3 and wgrad in bf16, 10.89 + 11.15 ms
+    "grouped_fp8_tflops": (_EXPERT_FLOP / (10.8886 + 11.1503) / 1e9, _PROFILE_FP8 + ": the grouped GEMM kernels "
+                           "(GroupProblemShape: the scaled one, MainloopSm90Array, and torch's bf16 wgrad)"),
+    # the projections' three e4m3 GEMMs (nvjet ...qqtst... kernels) 5.41 ms
+    "dense_fp8_tflops": (_PROJ_FLOP / 5.4094 / 1e9, _PROFILE_FP8 + ": the e4m3 GEMM kernels (nvjet qq) of "
+                         "top_kernels, for the attention projections"),
+    # quantising one expert weight element (amax, scale, cast): one gate_up weight [E, D, 2F] 0.572 ms
+    "fp8_weight_quant_s": (0.57248e-3 / _GATE_UP, _FP8_CHECK + ": fwd_bwd_ms 'quantise one gate_up weight'"),
+    # the quantisation kernels fused into the scaled grouped GEMMs' inputs (names _scaled_grouped_mm ... exp2),
+    # 25.56 ms, less the weights' two e4m3 copies (forward and dgrad scalings) per layer; per routed row x hidden
+    "fp8_expert_quant_s": ((25.5561e-3 - 2 * _L * _EXPERT_WEIGHTS * 0.57248e-3 / _GATE_UP) / (_T * _K * _D * _L),
+                           _PROFILE_FP8 + ": the _scaled_grouped_mm quantisation kernels of top_kernels, less "
+                           "the expert weights' share (" + _FP8_CHECK + ")"),
+    # the projections' quantisation kernels (names _scaled_mm ... exp2) per token x hidden x layer
+    "fp8_dense_quant_s": (2.6885e-3 / (_T * _D * _L), _PROFILE_FP8 + ": the _scaled_mm quantisation kernels of "
+                          "top_kernels"),
+    # the FP8 LM head (train.fp8=rowwise_lm_head) against bf16, fwd + bwd with its quantisation, compiled
+    "fp8_head_factor": (21.512208 / 20.897952, _FP8_CHECK + ": fwd_bwd_ms 'lm_head fp8 compiled' / 'lm_head "
+                        "bf16 compiled'"),
+    "copy_tb_s": (3.5, "../shared/notes/gpu-machine.md: gathering 65,536 rows of 2048 bf16 by index, 3.5 TB/s"),
+    # FSDP2's reduce-scatter copy-in (chunk_cat: bf16 gradients read, fp32 written, 6 B per element) of the proxy's
+    # 5.61 B parameters under CP=2 (every unit on the 2-rank mesh, one micro batch), 16.52 ms
+    "reduce_copy_tb_s": (6 * 5.607297e9 / 16.520e-3 / 1e12, _PROFILE_CP2 + ": the chunk_cat_cuda_kernel row"),
+    "nvlink_gb_s": (300.0, _MACHINE + ": all_to_all_single 512 MiB 294 GB/s leaving each GPU, all_reduce bus "
+                    "bandwidth 301 GB/s"),
+    "exchange_s": (0.29e-3, _MACHINE + ": the MoE exchange with counts and the device-to-host copy 1.20 ms "
+                   "against 0.91 ms for the bare all_to_all_single of the same bytes"),
+}
+# Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
+# eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
+# ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
+EAGER_FACTOR = 1 + (195.3 - 137.3) / (11.785 + 1.245 + 5.958)
+H200 = GPU_KINDS["h200"]
+# the records the rates come from: a prediction of one of them is not an independent check
+CALIBRATION_RECORDS = ("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json",
+                       "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2.json",
+                       "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2-compile.json")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """H200_MEASURED carried to a GPU kind: compute rates by the BF16 (FP8) peak ratio, memory-bound terms by
+    the HBM bandwidth ratio, NVLink by the NVLink ratio; InfiniBand (not measured here) at its datasheet rate
+    times the efficiency NVLink reached here (measured / datasheet). Idle gaps (host-side) do not scale.
+
+        rates(gpu_kind("h200"), balanced=False).grouped / 1e12     # 564.0
+    """
+    dense: float  # FLOP/s
+    grouped: float
+    attention: float
+    dense_fp8: float
+    grouped_fp8: float
+    mem: float  # HBM time scale: seconds per element of the H200 figures times this
+    optimizer: dict  # train.optimizer kind -> bytes/s
+    copy: float  # bytes/s
+    reduce_copy: float  # bytes/s of FSDP2's reduce-scatter copy-in
+    nvlink: float
+    ib: float
+    exchange_s: float
+    idle_s_per_layer: float
+
+    def per_element(self, key: str) -> float:
+        """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
+        return H200_MEASURED[key][0] * self.mem
+
+
+def rates(kind: GPUKind, balanced: bool) -> Rates:
+    """The rates on `kind`; `balanced`: the fake balanced gate's routing (the grouped GEMM's balanced gain)."""
+    v = {k: x for k, (x, _) in H200_MEASURED.items()}
+    flop = kind.bf16_tflops / H200.bf16_tflops * 1e12
+    fp8 = kind.fp8_tflops / H200.fp8_tflops * 1e12
+    gain = v["grouped_balanced_gain"] if balanced else 1.0
+    hbm = kind.hbm_tb_s / H200.hbm_tb_s
+    link = v["nvlink_gb_s"] * 1e9 / H200.nvlink_gb_s  # achieved bytes/s per datasheet GB/s
+    return Rates(dense=v["dense_tflops"] * flop, attention=v["attention_tflops"] * flop,
+                 grouped=v["grouped_tflops"] * flop * gain, dense_fp8=v["dense_fp8_tflops"] * fp8,
+                 grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
+                 optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": v["adamw_triton_tb_s"] * 1e12 * hbm},
+                 copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
+                 nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * link,
+                 exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"])

@@ -1,0 +1,137 @@
+"""The step-time model's kernel rates (moelab.planner.rates.H200_MEASURED) are the H200 records: each one derived
+again here from its file in gallery/results/, so a figure typed by hand that drifts from its record fails."""
+import json
+from pathlib import Path
+
+import pytest
+
+from moelab.config import load_config
+from moelab.planner.flops import attention_flops_per_token, count_params
+from moelab.planner.gpus import GPU_KINDS
+from moelab.planner.rates import H200_MEASURED, rates
+from moelab.planner.speed import layer_flops
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "gallery/results"
+T = 8192  # tokens per micro batch of the profiles (micro batch 2 x seq 4096)
+
+
+def record(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def kernels_ms(prof: dict, keep) -> float:
+    return sum(k["ms"] for k in prof["top_kernels"] if keep(k["name"], k["category"]))
+
+
+def rate(flop: float, ms: float) -> float:
+    return flop / (ms * 1e-3) / 1e12
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    cfg = load_config("qwen3-moe-30b-a3b-proxy")
+    return cfg.model, layer_flops(cfg.model)
+
+
+def test_every_figure_names_a_record_that_exists():
+    for key, (value, source) in H200_MEASURED.items():
+        assert value > 0, key
+        named = [w for w in source.replace(",", " ").split() if w.startswith("gallery/results/")]
+        assert all((ROOT / w.rstrip(":)")).exists() for w in named), (key, source)
+
+
+def test_bf16_rates_are_the_compiled_profile(proxy):
+    mdl, fl = proxy
+    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json")
+    matmul = lambda name, cat: cat == "matmul"  # noqa: E731
+    grouped_ms = kernels_ms(prof, lambda n, c: matmul(n, c) and "GroupProblemShape" in n)
+    dense_ms = kernels_ms(prof, lambda n, c: matmul(n, c) and "GroupProblemShape" not in n)
+    assert rate(T * 8 * fl["moe_experts"], grouped_ms) == pytest.approx(H200_MEASURED["grouped_tflops"][0], rel=2e-3)
+    assert rate(T * (8 * fl["moe_dense"] + fl["head"]), dense_ms) == pytest.approx(
+        H200_MEASURED["dense_tflops"][0], rel=2e-3)
+    assert rate(T * attention_flops_per_token(mdl, 4096), prof["by_category_ms"]["attention"]) == pytest.approx(
+        H200_MEASURED["attention_tflops"][0], rel=2e-3)
+    params = count_params(mdl).total
+    assert 16 * params / (prof["by_category_ms"]["optimizer"] * 1e-3) / 1e12 == pytest.approx(
+        H200_MEASURED["adamw_tb_s"][0], rel=2e-3)
+    assert H200_MEASURED["idle_s_per_layer"][0] == pytest.approx(prof["idle_ms"] * 1e-3 / 8, rel=1e-3)
+    loss_ms = kernels_ms(prof, lambda n, c: "log_softmax" in n)
+    assert H200_MEASURED["loss_full_s"][0] * T * mdl.vocab_size == pytest.approx(loss_ms * 1e-3, rel=1e-3)
+    cats = prof["by_category_ms"]
+    assert H200_MEASURED["elementwise_s"][0] * T * mdl.hidden_size * 8 == pytest.approx(
+        (cats["elementwise"] - loss_ms + cats["other"]) * 1e-3, rel=1e-3)
+    kernels = record("backends-experts-kernels.json")["kernels"]["grouped_mm"]
+    assert H200_MEASURED["grouped_balanced_gain"][0] == pytest.approx(
+        kernels["balanced"]["tflops"] / kernels["skewed_dirichlet2"]["tflops"], rel=1e-3)
+
+
+def test_the_chunked_loss_and_the_triton_adamw_are_the_second_profile(proxy):
+    """The chunked loss's kernels and the slower head GEMMs: the categories' growth from the full-loss profile to
+    the chunked-loss profile (the full loss's own kernels taken out); the Triton AdamW: its optimizer category."""
+    mdl, fl = proxy
+    full = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json")
+    chunked = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-default-5ad9062.json")
+    assert (chunked["loss"].split()[0], chunked["optimizer"]) == ("chunked", "TritonAdamW")
+    a, b = full["by_category_ms"], chunked["by_category_ms"]
+    full_loss = kernels_ms(full, lambda n, c: "log_softmax" in n)
+    grown = (b["elementwise"] - (a["elementwise"] - full_loss)) + (b["permute"] - a["permute"])
+    assert H200_MEASURED["loss_chunked_s"][0] * T * mdl.vocab_size == pytest.approx(grown * 1e-3, rel=1e-3)
+    head_s = T * fl["head"] / (H200_MEASURED["dense_tflops"][0] * 1e12)
+    assert H200_MEASURED["chunked_head_factor"][0] == pytest.approx(
+        1 + (b["matmul"] - a["matmul"]) * 1e-3 / head_s, rel=1e-3)
+    params = count_params(mdl).total
+    assert 16 * params / (b["optimizer"] * 1e-3) / 1e12 == pytest.approx(H200_MEASURED["adamw_triton_tb_s"][0],
+                                                                       rel=2e-3)
+
+
+def test_fp8_rates_are_the_fp8_profile_and_kernel_check(proxy):
+    mdl, fl = proxy
+    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2.json")
+    check = record("qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check.json")
+    assert prof["fp8"] == "rowwise" and check["shapes"]["tokens"] == T
+    grouped_ms = kernels_ms(prof, lambda n, c: c == "matmul" and "GroupProblemShape" in n)
+    assert rate(T * 8 * fl["moe_experts"], grouped_ms) == pytest.approx(H200_MEASURED["grouped_fp8_tflops"][0],
+                                                                          rel=2e-3)
+    router = 6 * mdl.hidden_size * mdl.moe.num_experts
+    proj = T * 8 * (fl["moe_dense"] - router)  # the FP8 projections: attention q/k/v/o (no shared experts)
+    assert rate(proj, kernels_ms(prof, lambda n, c: "qqtst" in n)) == pytest.approx(
+        H200_MEASURED["dense_fp8_tflops"][0], rel=2e-3)
+    times = check["fwd_bwd_ms"]
+    gate_up = mdl.moe.num_experts * mdl.hidden_size * 2 * mdl.moe.expert_ffn_size
+    weight_s = times["quantise one gate_up weight [E, D, 2F] (compiled), forward only"] * 1e-3 / gate_up
+    assert H200_MEASURED["fp8_weight_quant_s"][0] == pytest.approx(weight_s, rel=1e-3)
+    quant = lambda which: kernels_ms(prof, lambda n, c: n.startswith("triton") and which in n and "exp2" in n)  # noqa
+    weights = 2 * 8 * count_params(load_config("qwen3-moe-30b-a3b-proxy").model).experts_total // 8 * weight_s
+    per_row = (quant("_scaled_grouped_mm") * 1e-3 - weights) / (T * mdl.moe.top_k * mdl.hidden_size * 8)
+    assert H200_MEASURED["fp8_expert_quant_s"][0] == pytest.approx(per_row, rel=2e-3)
+    assert H200_MEASURED["fp8_dense_quant_s"][0] * T * mdl.hidden_size * 8 == pytest.approx(
+        quant("_scaled_mm_") * 1e-3, rel=2e-3)
+    assert H200_MEASURED["fp8_head_factor"][0] == pytest.approx(
+        times["lm_head fp8 compiled"] / times["lm_head bf16 compiled"], rel=1e-6)
+
+
+def test_rates_move_with_the_datasheet_ratios():
+    h100, h200 = (rates(GPU_KINDS[k], balanced=False) for k in ("h100", "h200"))
+    hbm = GPU_KINDS["h200"].hbm_tb_s / GPU_KINDS["h100"].hbm_tb_s
+    assert h100.dense == h200.dense and h100.grouped_fp8 == h200.grouped_fp8  # the same BF16 and FP8 peaks
+    assert h100.mem == pytest.approx(hbm * h200.mem) and h100.copy == pytest.approx(h200.copy / hbm)
+    assert h100.optimizer["adamw_triton"] > h100.optimizer["adamw"]
+    assert rates(GPU_KINDS["h200"], balanced=True).grouped > h200.grouped
+
+
+def test_the_fsdp_copy_rate_is_the_cp2_profiles_chunk_cat():
+    """The reduce-scatter copy-in (chunk_cat) of the CP=2 profile: every parameter's bf16 gradient read and its
+    fp32 copy written (6 B per element) on the 2-rank mesh, one micro batch."""
+    from moelab.planner.plan import plan
+
+    text = (RESULTS / "logs/qwen3-moe-30b-a3b-proxy--moelab--profile-cp2-seq8192-eager.txt").read_text()
+    assert "parallel.cp=2" in text.splitlines()[0] and "train.param_dtype=bfloat16" in text.splitlines()[0]
+    row = [x for x in text.splitlines() if x.startswith("void at::native::detail::chunk_cat_cuda_kernel")][0]
+    ms = float([c for c in row.split() if c.endswith("ms")][0].removesuffix("ms"))
+    p = plan(load_config("qwen3-moe-30b-a3b-proxy", {"train.dtype": "bfloat16", "train.param_dtype": "bfloat16",
+                                                     "parallel.cp": 2, "train.seq_len": 8192,
+                                                     "train.global_batch_size": 2}), gpus=2)
+    assert p.micro_batches_per_step == 1
+    assert p.comm["fsdp_reduce_copied_bytes_per_step"] / (ms * 1e-3) / 1e12 == pytest.approx(
+        H200_MEASURED["reduce_copy_tb_s"][0], rel=2e-3)
