@@ -22,8 +22,9 @@ from pathlib import Path
 import yaml
 
 from moelab.config import Config, ConfigError, load_config
-from moelab.gallery_records import (fmt as _fmt, peers_section, router_of, router_sweep_section,
-                                   stale_note)
+from moelab.gallery_memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
+from moelab.gallery_records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, peers_section,
+                                   rebuild_config, router_of, router_sweep_section, stale_note)
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vp", "fsdp")
 RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu",
@@ -240,33 +241,9 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
         return str(e)
 
 
-_RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
-                     "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
-                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
-                     "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise",
-                     "optimizer_state": "train.optimizer_state"}
-_REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
-
-
 def _config_for_result(r: dict, entries: dict) -> Config | None:
-    """The config a result ran: its gallery entry, or its preset with the settings it records (a record without
-    batch, dtypes and layout, e.g. an in-place variant of a benchmark script, is not rebuilt: None)."""
-    from moelab.presets import preset_names
-
-    try:
-        if r["workload"] in entries:
-            cfg = entries[r["workload"]].config()
-        elif r.get("preset", r["workload"]) in preset_names() and all(
-                k in r or (k == "layout" and r.get("gpus") == 1) for k in _REBUILD_KEYS):  # one GPU: no layout
-            cfg = load_config(r.get("preset", r["workload"]))
-        else:
-            return None
-        over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
-        over.setdefault("train.optimizer_state", "auto")  # records before the field: moments in param_dtype
-        over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
-        return cfg.replace(**over)
-    except (ConfigError, KeyError, TypeError, ValueError):
-        return None
+    """The config a result ran (moelab.gallery_records.rebuild_config), or None where it cannot be rebuilt."""
+    return rebuild_config(r, entries)[0]
 
 
 def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
@@ -276,7 +253,7 @@ def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
     cfg = _config_for_result(r, entries)
     try:
         return None if cfg is None else plan(cfg, gpus=int(r.get("gpus", 1)),
-                                             gpu_memory_gb=_gpu_memory_of(r.get("gpu_name")), gpu=gpu)
+                                             gpu_memory_gb=gpu_memory_of(r.get("gpu_name")), gpu=gpu)
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
 
@@ -304,15 +281,6 @@ def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
     return max(mine, key=lambda r: str(r.get("date", ""))) if mine else None
 
 
-def _gpu_memory_of(gpu_name: str) -> float | None:
-    """Memory of a GPU named in a result, for the planner's verdict (None: the planner's default)."""
-    name = (gpu_name or "").upper()
-    for key, gb in (("H200", 140.0), ("H100", 79.2), ("A100", 79.2), ("B200", 178.4)):
-        if key in name:
-            return gb
-    return None
-
-
 def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     """Render root/README.md (and root/*.png) from the entries and results; returns the markdown: the published
     figures against those measured here, the peers, planned against measured memory, then the plots."""
@@ -322,7 +290,7 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     from moelab.gallery_speed import speed_section
 
     lines = _published_section(entries, results, by_name) + peers_section(results, by_name)
-    memory_lines, mem_rows = _memory_section(results, by_name)
+    memory_lines, mem_rows = memory_section(results, by_name)
     lines += memory_lines
     lines += speed_section(entries, results, _planned_for_result, _REBUILD_KEYS)
     lines += router_sweep_section(results)
@@ -348,7 +316,7 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
     for e in entries:
         r = _moelab_result(results, e)
         pub = e.published or {}
-        p = _planned(e, _gpu_memory_of(r["gpu_name"] if r else e.hardware))
+        p = _planned(e, gpu_memory_of(r["gpu_name"] if r else e.hardware))
         planned = "preset not available" if isinstance(p, str) else (
             f"{p.memory_per_gpu_bytes / 2**30:,.1f} GiB"
             + ("" if p.fits else f" (does not fit {p.gpu_memory_gb:.0f} GiB)"))
@@ -372,42 +340,6 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
                     "the planned-vs-measured table below checks it against real runs); "
                     "TFLOPs follow moelab's FLOPs convention (`moelab.planner.flops.FLOPS_CONVENTION`), which counts "
                     "the router that the published convention leaves out.", ""]
-
-
-MEMORY_TARGET = 0.07  # issue 32: the plan's peak within 7% of the measured peak
-
-
-def _memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
-    """Planned against measured memory per GPU; also the (name, planned GiB, measured GiB) rows for the plot."""
-    lines = ["## Planned vs measured memory per GPU", "",
-             "Every moelab result with a measured peak (allocator peak, GiB) whose config can be rebuilt: a gallery "
-             "entry, or a preset with the batch, dtypes and layout the result records (`moelab bench` records "
-             "them; script variants that patch the model in place are left out).", "",
-             "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | error | "
-             f"within {MEMORY_TARGET:.0%} | planner's biggest term |", "|---|---|---|---:|---:|---:|---:|---|---|"]
-    mem_rows = []
-    for r in results:
-        if r.get("system") != "moelab" or not r.get("peak_memory_gb"):
-            continue
-        p = _planned_for_result(r, by_name)
-        if p is None:
-            continue
-        planned = p.memory_per_gpu_bytes / 2**30
-        label = f"{r['workload']} ({r['_file']})"
-        mem_rows.append((r["_file"].removesuffix(".json"), planned, r["peak_memory_gb"]))
-        err = r["peak_memory_gb"] / planned - 1
-        lines.append(f"| {label} | {r.get('gpus')} x {r.get('gpu_name')} | {router_of(r, by_name)} | {planned:,.2f} | "
-                     f"{r['peak_memory_gb']:,.2f} | {r['peak_memory_gb'] / planned:.2f} | {err:+.1%} | "
-                     f"{'yes' if abs(err) <= MEMORY_TARGET else 'NO'} | {p.biggest_term} |")
-    if not mem_rows:
-        lines.append("| (no result with a measured peak memory yet) | | | | | | | | |")
-    else:
-        ratios = [m / p for _, p, m in mem_rows]
-        held = sum(abs(x - 1) <= MEMORY_TARGET for x in ratios)
-        lines += ["", f"Measured / planned over these {len(ratios)} runs: {min(ratios):.2f} to {max(ratios):.2f}; "
-                  f"{held} of {len(ratios)} within the {MEMORY_TARGET:.0%} target (error = measured / planned - 1)."]
-    lines.append("")
-    return lines, mem_rows
 
 
 def hardware_need(e: Entry) -> str:

@@ -6,8 +6,10 @@ from what it recorded (its fake_balanced_gate / fake_gate_noise fields, its ``--
 its preset's default), and the row says "(inferred)". The peers table keeps one record per system and workload
 (``current_best``): records made before a fix or superseded by a newer one drop out; gallery/perf-notes.md keeps
 the history. A fake_gate_noise sweep (gallery/scripts/router_sweep.py) renders as "what imbalance costs".
+``rebuild_config`` gives the config a record ran (the planned-vs-measured tables plan it).
 
     router_of(record, entries)            # RouterOf(kind="fake_balanced", inferred=True); str() -> "... (inferred)"
+    cfg, why_not = rebuild_config(record, entries)    # (Config, "") or (None, the reason)
     best, left_out = current_best(records)   # {(system, workload, gpus, batch, micro, seq, router): record}
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from moelab.config import BackendConfig, ConfigError, load_config
+from moelab.config import BackendConfig, Config, ConfigError, load_config
 
 SWEEP = "router"  # the `sweep` field of router_sweep.py's records
 
@@ -34,7 +36,7 @@ class RouterOf:
         return self.kind + (" (inferred)" if self.inferred else "")
 
 
-def _recorded_overrides(r: dict) -> dict:
+def recorded_overrides(r: dict) -> dict:
     """The dotted overrides a record names: its `overrides` list and the `--set k=v` of its command."""
     items = [str(x) for x in r.get("overrides") or [] if "=" in str(x)]
     try:
@@ -52,7 +54,7 @@ def router_of(r: dict, entries: "dict | None" = None) -> RouterOf:
     if r.get("router"):  # the spelling of gpu_perf.py's first records ("fake balanced", "fake with noise 0.5") too
         kind = re.sub(r"^fake with noise ", "fake_noise=", str(r["router"])).replace("fake balanced", "fake_balanced")
         return RouterOf(kind, inferred=False)
-    over = _recorded_overrides(r)
+    over = recorded_overrides(r)
     gate, noise = r.get("fake_balanced_gate"), r.get("fake_gate_noise")
     if gate is None and "backend.fake_balanced_gate" in over:
         gate = over["backend.fake_balanced_gate"].lower() in ("true", "1", "yes")
@@ -74,6 +76,78 @@ def router_of(r: dict, entries: "dict | None" = None) -> RouterOf:
         noise = base.fake_gate_noise if noise is None else noise
     return RouterOf(BackendConfig(fake_balanced_gate=bool(gate), fake_gate_noise=float(noise or 0)).router_kind,
                     inferred=True)
+
+
+# ---------------------------------------------------------------------- the config a record ran
+_RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size",
+                     "seq_len": "train.seq_len", "dtype": "train.dtype", "param_dtype": "train.param_dtype",
+                     "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
+                     "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise",
+                     "optimizer_state": "train.optimizer_state", "fp8": "train.fp8",
+                     "loss_chunk_tokens": "backend.loss_chunk_tokens"}
+REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
+# the record's optimizer class (moelab.train.optim builds it from train.optimizer)
+_OPTIMIZERS = {"TritonAdamW": "adamw_triton", "AdamW": "adamw"}
+# recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)
+_SECTIONS = ("model.", "parallel.", "train.", "backend.")
+_BOOKKEEPING = ("train.device", "train.steps", "train.warmup_steps", "train.lr", "train.save_checkpoints",
+                "train.checkpoint_every")
+
+
+def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
+    """The config a result ran, as faithfully as the record says it, or (None, why it cannot be rebuilt).
+
+    From its gallery entry (or its preset, when the record carries batch, dtypes and layout), then the record's
+    own overrides (`overrides` list, `--set` of its command), then every setting it records: batch, sequence,
+    dtypes, checkpointing, compile, router (its kind, or the fake gate's fields), optimizer state, FP8, the loss
+    and its chunk, the backends, the optimizer, the layout. A record without a `loss` (and no `backends.loss`) predates backend.loss: it ran the
+    full loss, the only one there was (`moelab bench` records the loss since it exists).
+
+        cfg, why = rebuild_config(record, {e.name: e for e in load_entries()})
+    """
+    from moelab.presets import preset_names
+
+    preset = r.get("preset", r.get("workload"))
+    try:
+        if r.get("workload") in entries:
+            cfg = entries[r["workload"]].config()
+        elif preset in preset_names():
+            missing = [k for k in REBUILD_KEYS if k not in r and not (k == "layout" and r.get("gpus") == 1)]
+            if missing:  # one GPU: the layout is one GPU
+                return None, (f"the record lacks {', '.join(missing)} (a script's variant, which may change the "
+                              "model in place)")
+            cfg = load_config(preset)
+        else:
+            return None, f"it names neither a gallery entry nor a preset ({r.get('workload')})"
+        recorded = {k: v for k, v in recorded_overrides(r).items()
+                    if k.startswith(_SECTIONS) and k not in _BOOKKEEPING}
+        if recorded:
+            cfg = load_config(cfg, recorded)
+        over = {key: r[k] for k, key in _RESULT_OVERRIDES.items() if r.get(k) is not None}
+        over.setdefault("train.optimizer_state", "auto")  # records before the field: moments in param_dtype
+        if r.get("router"):  # the router kind the record states (router_of's spellings)
+            kind = router_of(r).kind
+            over["backend.fake_balanced_gate"] = kind != "learned"
+            over["backend.fake_gate_noise"] = float(kind.split("=")[1]) if kind.startswith("fake_noise=") else 0.0
+        backends = r.get("backends") or {}
+        over.update({f"backend.{k}": backends[k] for k in ("attention", "experts", "dispatcher") if backends.get(k)})
+        over["backend.loss"] = str(r.get("loss") or backends.get("loss") or "full").split()[0]
+        optimizer = str(r.get("optimizer") or "")
+        if optimizer in _OPTIMIZERS or "adamw_triton" in optimizer:
+            over["train.optimizer"] = _OPTIMIZERS.get(optimizer, "adamw_triton")
+        over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
+        return cfg.replace(**over), ""
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        return None, f"its recorded settings do not make a valid config ({str(e)[:160]})"
+
+
+def gpu_memory_of(gpu_name: str) -> float | None:
+    """Memory of a GPU named in a result, for the planner's verdict (None: the planner's default)."""
+    name = (gpu_name or "").upper()
+    for key, gb in (("H200", 140.0), ("H100", 79.2), ("A100", 79.2), ("B200", 178.4)):
+        if key in name:
+            return gb
+    return None
 
 
 # ---------------------------------------------------------------------- what a table keeps

@@ -17,11 +17,9 @@ from moelab.config import Config
 from moelab.layout.dims import fsdp_wraps, reshard_after_forward
 
 
-def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg: Config, p, shard: int,
-                    efsdp: int, a: int) -> int:
-    """Bytes of gathered (and cast) weights on a rank holding blocks `moe_layers` (True: MoE), the embedding
-    when `first`, the LM head when `last`; `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh,
-    `a`: compute dtype bytes."""
+def wrapped(cfg: Config, p, shard: int, efsdp: int) -> tuple[bool, bool]:
+    """(dense weights, experts) wrapped by FSDP2 (DTensors gathered per unit), as moelab.parallel.fsdp does it;
+    `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh."""
     dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
     if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
         experts_on = p.expert_dp == "fsdp" and efsdp > 1
@@ -29,6 +27,15 @@ def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg
         experts_on = p.expert_dp == "fsdp" and dense_on
     else:  # their own unit on the expert-FSDP mesh
         experts_on = p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
+    return dense_on, experts_on
+
+
+def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg: Config, p, shard: int,
+                    efsdp: int, a: int) -> int:
+    """Bytes of gathered (and cast) weights on a rank holding blocks `moe_layers` (True: MoE), the embedding
+    when `first`, the LM head when `last`; `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh,
+    `a`: compute dtype bytes."""
+    dense_on, experts_on = wrapped(cfg, p, shard, efsdp)
     dense_i = [(pieces.moe_layer - pieces.moe_experts if moe else pieces.dense_layer) * dense_on
                for moe in moe_layers]
     experts_i = [(pieces.moe_experts // p.ep if moe else 0) for moe in moe_layers]

@@ -12,7 +12,10 @@ of the compute dtype.
   the gradient in the compute dtype (C x V x (2a + 8); compiled, inductor fuses the fp32 passes: C x V x 2a), plus
   what its forward keeps for backward: the weight gradient [V, D] (accumulated in fp32, kept in the weight's
   dtype: fp32 and bf16 copies side by side for a moment) and the hidden gradient [T, D].
-- liger / cce: counted like chunked (their own chunking keeps a few chunks of logits; an estimate).
+- liger: counted like chunked (Liger Kernel's fused loss accumulates the head's gradient in fp32 over its own
+  small chunks, computed in forward, as chunked does).
+- cce (Apple's cut-cross-entropy): keeps no logits and computes both gradients in backward, blockwise: the head's
+  gradient in the compute dtype (and its fp32 copy for fp32 weights), the hidden gradient, the fp32 log-sum-exp.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ def logits_bytes(cfg, T: int, a: int) -> int:
     V, D, compiled = cfg.model.vocab_size, cfg.model.hidden_size, cfg.train.compile
     if cfg.backend.loss == "full":
         return T * V * (2 * a if compiled else a + 12)
+    if cfg.backend.loss == "cce":
+        return V * D * (a + (4 if cfg.train.param_dtype == "float32" else 0)) + T * D * a + 4 * T
     C = chunk_tokens(V, T, cfg.backend.loss_chunk_tokens)
     head_bf16 = cfg.train.param_dtype == "bfloat16" or (cfg.train.dtype == "bfloat16"
                                                          and cfg.parallel.data_parallel == "fsdp")
@@ -54,6 +59,9 @@ def loss_assumption(cfg) -> str:
     if b.loss == "full":
         return ("loss compiled (CUDA): logits and their gradient only" if t.compile else
                 "eager loss: logits, fp32 log-probabilities and fp32 gradients (compute-dtype bytes + 12 per logit)")
+    if b.loss == "cce":
+        return ("cut cross-entropy (backend.loss=cce): no logits kept; the head's and the hidden gradient formed "
+                "in backward")
     return (f"fused linear + cross-entropy (backend.loss={b.loss}): one chunk of logits at a time "
             f"({'backend.loss_chunk_tokens=' + str(b.loss_chunk_tokens) if b.loss_chunk_tokens else 'auto chunk'}), "
             "plus the fp32 LM-head gradient and the hidden gradient its forward computes")

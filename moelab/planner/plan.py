@@ -17,10 +17,14 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages as the pipeline splits them
   (balancing matmul cost, the LM head counted on the last stage; moelab.planner.stages.stage_layers), the
   embedding on the first stage, the final norm and LM head on the last.
-- Activations per micro batch are counted from the tensors autograd saves in moelab.model (per token:
-  norms, q/k/v and attention output, router scores, the K routed rows, SwiGLU intermediates), in the compute
-  dtype; "full" checkpointing keeps each block's input and recomputes one block at a time; "selective"
-  keeps matmul outputs and the router's, recomputing the rest one block at a time (moelab.planner.recompute).
+- Activations per micro batch are counted tensor by tensor from what autograd keeps in moelab.model, eager or
+  as torch.compile's partitioner keeps it (train.compile), for the router that runs (a learned one keeps its
+  scores and the expert outputs), EP's exchange, CP's gathered keys, and LoRA's frozen matmuls (whose inputs
+  are not kept) (moelab.planner.saved); "full" checkpointing keeps each block's input and recomputes one
+  block at a time; "selective" keeps matmul outputs and the router's, recomputing the rest one block at a
+  time (moelab.planner.recompute).
+- train.fp8 with several micro batches per step keeps an e4m3 cache of every local expert weight (two
+  operands, 2 B per parameter; moelab.planner.fp8).
 - Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up
   (2*(pp - rank - 1) + (vp - 1)*pp + 1 chunk micro batches); GPipe all m. What checkpointing keeps is held
   for each of them; the recompute working set is one block's, once (one backward runs at a time).
@@ -45,11 +49,13 @@ from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, f
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
-from moelab.planner.gathered import gathered_params
+from moelab.planner.fp8 import fp8_cache_bytes
+from moelab.planner.gathered import gathered_params, wrapped
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
+from moelab.planner.saved import saved_per_token
 from moelab.planner.stages import split_layers
 from moelab.planner.states import describe as describe_states, state_bytes
 from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, flop_text as _flop
@@ -57,16 +63,18 @@ from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
 
-MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "activations", "logits", "dispatcher")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "fp8_weights", "activations", "logits",
+                "dispatcher")
 # how the table names each memory term ("parameters" there is a count; the memory they take is "weights")
 MEMORY_LABELS = {"parameters": "weights", "gradients": "gradients", "optimizer": "optimizer state",
-                 "gathered_params": "gathered weights", "activations": "activations", "logits": "logits",
-                 "dispatcher": "dispatcher buffers"}
+                 "gathered_params": "gathered weights", "fp8_weights": "FP8 expert weights",
+                 "activations": "activations", "logits": "logits", "dispatcher": "dispatcher buffers"}
 _TERM_HELP = {
     "parameters": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gradients": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "optimizer": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gathered_params": "a larger parallel.ep (fewer local experts gathered per layer) or more layers per stage",
+    "fp8_weights": "a larger parallel.ep or parallel.pp (fewer local experts to cache), or train.fp8=off",
     "activations": "set train.activation_checkpointing=full, lower train.micro_batch_size or train.seq_len, "
                    "or use parallel.cp",
     "logits": "lower train.micro_batch_size or train.seq_len (logits are micro batch x sequence x vocabulary), "
@@ -211,36 +219,6 @@ def gpu_memory(gpu_memory_gb: float | None) -> tuple[float, str]:
     return DEFAULT_GPU_MEMORY_GB, "default: an 80 GB H100, the reference table's GPU; no CUDA device here"
 
 
-def _act_bytes_per_token(cfg: Config, moe: bool, a: int, eager: bool = False) -> dict:
-    """Bytes autograd saves per token in one block, by part (compute dtype `a` bytes per element); `eager`:
-    attention through moelab's eager path (backend eager, or a sliding window / sinks outside flex)."""
-    m, k = cfg.model, cfg.model.moe
-    D, H = m.hidden_size, m.num_heads
-    norm = D * (4 + 2 * a)  # fp32 input, normalised value, output (input of the next matmul)
-    if m.attention == "mla":
-        d_qk, d_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        lora = (m.q_lora_rank * (4 + 2 * a) if m.q_lora_rank else 0) + m.kv_lora_rank * (4 + 2 * a)
-        attn = norm + lora + a * H * (m.qk_nope_head_dim + d_v) + a * H * (2 * d_qk + d_v) + 2 * a * H * d_v + 4 * H
-    else:
-        G, Dh = m.num_kv_heads, m.head_dim
-        d_qk = d_v = Dh
-        qk_norm = (H + G) * Dh * (4 + a) if m.qk_norm else 0
-        attn = norm + qk_norm + a * Dh * (H + 2 * G) + 2 * a * H * Dh + 4 * H
-    if eager:  # the eager path materialises scores: fp32 probabilities and their compute-dtype copy, per key
-        attn += H * cfg.train.seq_len // cfg.parallel.cp * (4 + a)
-        if m.attention != "mla":  # and repeats k and v to every query head
-            attn += 2 * a * (H - m.num_kv_heads) * d_qk
-    if moe:
-        K, F, E = k.top_k, k.expert_ffn_size, k.num_experts
-        router = (4 * D if a < 4 else 0) + 4 * E + 16 * K  # fp32 input copy, fp32 scores, indices
-        experts = K * (a * (2 * D + 4 * F) + 16)  # routed rows, gate|up, silu, product, expert output
-        shared = 4 * a * F * k.num_shared_experts
-        ffn = norm + router + experts + shared
-    else:
-        ffn = norm + 4 * a * m.dense_ffn_size
-    return {"attention": attn, "ffn": ffn, "input": a * D}
-
-
 def _peak(mem: dict, micro_batches: int) -> int:
     """Peak bytes of one rank. From the second micro batch of a step on, full gradients sit next to a micro
     batch's activations, so all terms add up; with one micro batch per step, gradients grow during backward
@@ -317,7 +295,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
     source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
-    act_moe, act_dense = _act_bytes_per_token(cfg, True, z.a), _act_bytes_per_token(cfg, False, z.a)
+    act_moe, act_dense = saved_per_token(cfg, True, z.a), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
     counts = count_params(mdl)
@@ -387,7 +365,9 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         b = cfg.backend.attention
         return b == "eager" or (b != "flex" and (bool(layer_window(mdl, i)) or mdl.attention_sinks))
 
-    acts = [_act_bytes_per_token(cfg, is_moe[i], a, eager(i)) for i in range(mdl.num_layers)]
+    # autocast over fp32 weights on one rank (no FSDP2 casts): the residual stream stays fp32
+    residual = 4 if z.world == 1 and t.dtype == "bfloat16" and t.param_dtype == "float32" else a
+    acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual) for i in range(mdl.num_layers)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
     logits_total = logits_bytes(cfg, T, a)
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
@@ -406,6 +386,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
+        experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp)[1]  # DTensors: no FP8 weight cache
         if z.world > 1:  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
             gathered = gathered_params(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, cfg, p,
                                        z.shard, z.efsdp, a)
@@ -423,6 +404,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "gradients": trained * z.pb,
             "optimizer": trained * z.mb,
             "gathered_params": gathered,
+            "fp8_weights": fp8_cache_bytes(cfg, pieces, n_moe, p.ep, experts_sharded, z.m),
             "activations": in_flight[t.activation_checkpointing],
             "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
@@ -499,14 +481,16 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     elif getattr(t, "param_dtype", "float32") == "bfloat16":
         compute = "compute dtype bf16 on bf16 parameters"
     else:
-        compute = ("compute dtype bf16 by autocast over fp32 weights: a bf16 copy of every weight is kept, and the "
-                   "fp32 residual stream makes activations larger than counted here")
+        compute = ("compute dtype bf16 by autocast over fp32 weights: a bf16 copy of every weight is kept; the "
+                   "residual stream stays fp32")
     out = [
         states,
         compute,
         f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
         f"expert-FSDP = {efsdp}",
-        f"activation checkpointing: {t.activation_checkpointing}",
+        f"activations: what autograd keeps {'compiled (inductor recomputes pointwise work)' if t.compile else 'eager'}"
+        f" for the {cfg.backend.router_kind} router (moelab.planner.saved); activation checkpointing: "
+        f"{t.activation_checkpointing}",
         loss_assumption(cfg),
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
@@ -520,7 +504,10 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
     ]
     if lora_params(cfg):
         out.append("LoRA (train.lora): gradients and AdamW state for the adapters (and a trained router) only; "
-                   "activations counted as full training's")
+                   "frozen matmuls keep no input for backward")
+    if t.fp8 != "off":
+        out.append(f"train.fp8={t.fp8}: the expert weights' e4m3 cache (2 B per local expert parameter) with several "
+                   "micro batches per step and experts not sharded by FSDP2; FP8 GEMMs keep bf16 inputs, as bf16 ones")
     if t.init_from:
         out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "
                    "of that slice on the host; the larger of this and the training peak counts")

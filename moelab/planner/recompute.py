@@ -34,7 +34,7 @@ def selective_kept_per_token(cfg: Config, moe: bool, a: int, fused_attention: bo
     if not moe:
         return attn + ffn_in + a * (2 * m.dense_ffn_size + D)  # gate, up and down projections
     K, F = k.top_k, k.expert_ffn_size
-    router = (4 * D if a < 4 else 0) + 4 * k.num_experts + 16 * K  # as _act_bytes_per_token counts it
+    router = (4 * D if a < 4 else 0) + 4 * k.num_experts + 16 * K  # fp32 input copy, scores, choices
     route = K * (a + 8)  # the kept combine weights and expert indices
     experts = K * a * (2 * F + D)  # grouped GEMM outputs: gate|up and down
     shared = a * (2 * F + D) * k.num_shared_experts if k.num_shared_experts else 0
@@ -43,7 +43,7 @@ def selective_kept_per_token(cfg: Config, moe: bool, a: int, fused_attention: bo
 
 def layer_activations(cfg: Config, acts: list[dict], kept: list[int], layers: list[int], T: int) -> dict:
     """{mode: (held, working)} bytes for one micro batch of T tokens through `layers`; `acts[i]` is layer i's
-    saved bytes per token by part (moelab.planner.plan._act_bytes_per_token), `kept[i]` its selective bytes."""
+    saved bytes per token by part (moelab.planner.saved.saved_per_token), `kept[i]` its selective bytes."""
     saved = [acts[i]["attention"] + acts[i]["ffn"] for i in layers]
     sel = [min(kept[i], s) for i, s in zip(layers, saved)]
     return {

@@ -44,3 +44,17 @@ def test_auto_loss_is_the_full_loss_where_it_is_compiled_on_cuda_and_fits_else_t
     # the plan of auto is the plan of what it resolves to
     assert plan(cfg, gpus=1, gpu_memory_gb=tight).memory == plan(
         cfg.replace(**{"backend.loss": "chunked"}), gpus=1, gpu_memory_gb=tight).memory
+
+
+def test_cut_cross_entropy_keeps_no_logits_and_grows_only_by_the_hidden_gradient():
+    """backend.loss=cce forms both gradients in backward, blockwise: the head's gradient in the compute dtype (and
+    its fp32 copy for fp32 weights) and the hidden gradient; no chunk of logits, no fp32 accumulator for a bf16
+    head (the fused chunked loss keeps one)."""
+    bf16 = ("train.dtype=bfloat16", "train.param_dtype=bfloat16")
+    cfg = load_config("qwen3-moe-30b-a3b-proxy", ["train.compile=true", "backend.loss=cce", *bf16])
+    V, D, T = cfg.model.vocab_size, cfg.model.hidden_size, cfg.train.micro_batch_size * cfg.train.seq_len
+    cce, chunked = _logits("backend.loss=cce", *bf16), _logits("backend.loss=chunked", *bf16)
+    assert V * D * 2 < cce < chunked - V * D * 2  # the bf16 head gradient, not the fp32 accumulator
+    assert _logits("backend.loss=cce", *bf16, *MB4) - cce == T * D * 2 + T * 4  # the hidden gradient and the LSE
+    assert _logits("backend.loss=cce", "train.dtype=bfloat16") - cce == V * D * 4  # an fp32 head's gradient
+    assert "cut cross-entropy" in " ".join(plan(cfg, gpus=1).assumptions)

@@ -1,0 +1,104 @@
+"""The planner's activation accounting (moelab.planner.saved) against the tensors autograd really keeps for one
+real block, eager and through inductor's partitioner (the aot_eager_decomp_partition backend: inductor's
+decompositions and min-cut partitioning without its code generation), in bf16 with the grouped GEMM as on a GPU."""
+import pytest
+import torch
+
+import moelab.model.experts as experts_module
+from moelab.config import load_config
+from moelab.model.layers import rope_cos_sin
+from moelab.model.transformer import Block
+from moelab.planner.saved import saved_per_token
+
+SHAPES = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=32",
+          "model.dense_ffn_size=256", "model.moe.expert_ffn_size=96", "model.moe.num_experts=8",
+          "train.dtype=bfloat16", "train.param_dtype=bfloat16"]
+MLA = ["model.attention=mla", "model.q_lora_rank=64", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+       "model.qk_rope_head_dim=16", "model.v_head_dim=32"]  # v as wide as q.k: CPU's flash kernel, as on a GPU
+CASES = {
+    "gqa-qk-norm-learned": ["model.qk_norm=true"],
+    "gqa-fake-gate": ["backend.fake_balanced_gate=true"],
+    "gqa-shared-gpt-oss-experts": ["model.moe.num_shared_experts=1", "model.moe.activation=gpt_oss",
+                                   "model.moe.expert_proj_bias=true"],
+    "mla-shared": MLA + ["model.moe.num_shared_experts=1"],
+    "lora-attention": ["train.lora.rank=4", "train.lora.targets=attention"],
+}
+L = 256
+
+
+def _kept_bytes(out: torch.Tensor, exclude: set) -> int:
+    """Bytes of every tensor the autograd graph of `out` keeps (storages counted once), except `exclude`'s."""
+    seen, stack, done = {}, [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in done:
+            continue
+        done.add(node)
+        tensors = list(getattr(node, "saved_tensors", ()) or ())
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                tensors += [value] if isinstance(value, torch.Tensor) else \
+                    [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in exclude:
+                seen[storage.data_ptr()] = storage.nbytes()
+        stack += [f for f, _ in node.next_functions]
+    return sum(seen.values())
+
+
+def _block_kept(cfg, index: int, compiled: bool) -> int:
+    from moelab.model.lora import apply_lora
+
+    torch.manual_seed(0)
+    m = cfg.model
+    block = Block(m, cfg.backend, index)
+    if cfg.train.lora.rank:
+        holder = torch.nn.Module()
+        holder.layers = torch.nn.ModuleDict({str(index): block})
+        apply_lora(holder, cfg)
+    block = block.to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, L, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(L), m.qk_rope_head_dim if m.attention == "mla" else m.head_dim,
+                            m.rope_theta, torch.bfloat16)
+    if compiled:
+        block.compile(backend="aot_eager_decomp_partition")
+    out = block(x, cos, sin)
+    exclude = {p.untyped_storage().data_ptr() for p in block.parameters()} | \
+        {t.untyped_storage().data_ptr() for t in (cos, sin)}
+    return _kept_bytes(out, exclude)
+
+
+@pytest.fixture
+def grouped_mm_in_bf16(monkeypatch):
+    """The GPU path of the routed experts (torch._grouped_mm in bf16), which torch also runs on CPU."""
+    monkeypatch.setattr(experts_module, "grouped_mm_supported", lambda x, *dims: True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_saved_bytes_per_token_are_what_a_real_block_keeps(name, compiled, grouped_mm_in_bf16):
+    cfg = load_config("tiny", SHAPES + CASES[name] + [f"train.compile={compiled}", f"train.seq_len={L}"])
+    torch._dynamo.reset()
+    m = cfg.model
+    # CPU's flash kernel writes its output in q's layout: MLA's q is concatenated [B, H, L, Dq], so the output
+    # projection reads a copy ([B, L, H, Dv] on the GPU kernels, which the planner counts)
+    cpu_copy = 2 * m.num_heads * m.v_head_dim if m.attention == "mla" else 0
+    for index, moe in ((m.num_layers - 1, True), (0, False)):
+        per = saved_per_token(cfg, moe, a=2)
+        planned = L * (per["attention"] + per["ffn"] + cpu_copy)
+        assert _block_kept(cfg, index, compiled) == pytest.approx(planned, rel=0.03), (name, "moe" if moe else "dense")
+
+
+def test_compiled_blocks_keep_less_and_the_fake_gate_less_than_the_learned_router():
+    base = load_config("qwen3-moe-30b-a3b-proxy", ["train.dtype=bfloat16", "train.param_dtype=bfloat16"])
+    total = lambda cfg: sum(v for k, v in saved_per_token(cfg, True, 2).items() if k != "input")  # noqa: E731
+    eager, compiled = total(base), total(base.replace(**{"train.compile": True}))
+    fake = total(base.replace(**{"backend.fake_balanced_gate": True}))
+    assert compiled < 0.75 * eager and fake < eager
+    ep = total(base.replace(**{"parallel.ep": 2}))
+    K, D = base.model.moe.top_k, base.model.hidden_size
+    assert ep - eager == K * 2 * D  # the exchange's way back keeps one more copy of the routed rows
