@@ -86,12 +86,41 @@ _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batc
                      "optimizer_state": "train.optimizer_state", "fp8": "train.fp8",
                      "loss_chunk_tokens": "backend.loss_chunk_tokens"}
 REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
-# the record's optimizer class (moelab.train.optim builds it from train.optimizer)
-_OPTIMIZERS = {"TritonAdamW": "adamw_triton", "AdamW": "adamw"}
+# what changed a default that records did not write down: records older than the commit's date ran the old value
+# (the record field, its value before, the commit, its date)
+DEFAULTS_BEFORE = (("loss", "full", "f0b7924", "2026-12-01T21:41"),  # the chunked loss became the default
+                   ("optimizer", "adamw", "258d1aa", "2026-12-01T21:53"))  # TritonAdamW became auto's kernel
+# the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
+_OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
 # recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)
 _SECTIONS = ("model.", "parallel.", "train.", "backend.")
 _BOOKKEEPING = ("train.device", "train.steps", "train.warmup_steps", "train.lr", "train.save_checkpoints",
                 "train.checkpoint_every")
+
+
+def record_settings(r: dict) -> dict:
+    """The loss, FP8 recipe and optimizer kernel a record ran, as config values: its own fields ("chunked (the
+    default at 5ad9062)" -> chunked, "TritonAdamW" -> adamw_triton), or for a dated record older than a field,
+    the code's behaviour then (DEFAULTS_BEFORE); absent where neither tells.
+
+        record_settings({"loss": "chunked", "optimizer": "TritonAdamW"})   # {'loss': 'chunked', 'optimizer': 'adamw_triton'}
+    """
+    out = {}
+    loss = str(r.get("loss") or (r.get("backends") or {}).get("loss") or "").split(" ")[0]
+    opt = str(r.get("optimizer") or "").replace("auto: ", "").split(" ")[0].lower()
+    if loss:
+        out["loss"] = loss
+    if opt:
+        out["optimizer"] = _OPTIMIZERS.get(opt, opt)
+    elif "triton-adamw" in r.get("_file", ""):  # a variant that ran TritonAdamW by the benchmark script's flag
+        out["optimizer"] = "adamw_triton"
+    date = str(r.get("date") or "")
+    for key, value, _, since in DEFAULTS_BEFORE:
+        if date and date < since:
+            out.setdefault(key, value)
+    if r.get("fp8") is not None:
+        out["fp8"] = {False: "off", True: "rowwise"}.get(r["fp8"], r["fp8"])
+    return out
 
 
 def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
@@ -131,10 +160,12 @@ def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
             over["backend.fake_gate_noise"] = float(kind.split("=")[1]) if kind.startswith("fake_noise=") else 0.0
         backends = r.get("backends") or {}
         over.update({f"backend.{k}": backends[k] for k in ("attention", "experts", "dispatcher") if backends.get(k)})
-        over["backend.loss"] = str(r.get("loss") or backends.get("loss") or "full").split()[0]
-        optimizer = str(r.get("optimizer") or "")
-        if optimizer in _OPTIMIZERS or "adamw_triton" in optimizer:
-            over["train.optimizer"] = _OPTIMIZERS.get(optimizer, "adamw_triton")
+        ran = record_settings(r)
+        over["backend.loss"] = ran.get("loss", "full")  # no loss recorded: it predates backend.loss (the full loss)
+        if "optimizer" in ran:
+            over["train.optimizer"] = ran["optimizer"]
+        if "fp8" in ran:
+            over["train.fp8"] = ran["fp8"]
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
         return cfg.replace(**over), ""
     except (ConfigError, KeyError, TypeError, ValueError) as e:

@@ -14,33 +14,8 @@ MEASURED_TARGET = 0.10  # predicted within 10% of a 1- or 2-GPU record
 PUBLISHED_TARGET = 0.20  # within 20% of a published row
 _ONE_GPU_LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vp": 1, "fsdp": 1}
 # Code changes that alter what a record ran against what the model describes (today's code), by the commit and
-# its date: records older than one ran the old behaviour. (the record field, its value before, what changed)
+# its date: records older than one ran the old behaviour (moelab.gallery_records.DEFAULTS_BEFORE has the others).
 LEAN_FSDP = ("6131a2c", "2026-12-01T11:45")  # one-rank meshes left plain, explicit prefetch under EP
-_DEFAULTS_BEFORE = (("loss", "full", "f0b7924", "2026-12-01T21:41"),  # the chunked loss became the default
-                    ("optimizer", "adamw", "258d1aa", "2026-12-01T21:53"))  # TritonAdamW became auto's kernel
-_OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
-
-
-def record_settings(r: dict) -> dict:
-    """The loss, FP8 recipe and optimizer kernel a record ran, as config values: its own fields ("chunked (the
-    default at 5ad9062)" -> chunked, "TritonAdamW" -> adamw_triton), or for a dated record older than a field,
-    the code's behaviour then (_DEFAULTS_BEFORE); absent where neither tells."""
-    out = {}
-    loss = str(r.get("loss") or "").split(" ")[0]
-    opt = str(r.get("optimizer") or "").replace("auto: ", "").split(" ")[0].lower()
-    if loss:
-        out["loss"] = loss
-    if opt:
-        out["optimizer"] = _OPTIMIZERS.get(opt, opt)
-    elif "triton-adamw" in r.get("_file", ""):  # a variant that ran TritonAdamW by the benchmark script's flag
-        out["optimizer"] = "adamw_triton"
-    date = str(r.get("date") or "")
-    for key, value, _, since in _DEFAULTS_BEFORE:
-        if date and date < since:
-            out.setdefault(key, value)
-    if r.get("fp8") is not None:
-        out["fp8"] = {False: "off", True: "rowwise"}.get(r["fp8"], r["fp8"])
-    return out
 
 
 def record_history(r: dict, p) -> list[str]:
@@ -127,7 +102,7 @@ def _comm(s) -> str:
 def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
     from moelab.config import ConfigError
     from moelab.presets import preset_names
-    from moelab.gallery_records import router_of
+    from moelab.gallery_records import record_settings, router_of
     from moelab.planner.gpus import gpu_kind
     from moelab.planner.rates import CALIBRATION_RECORDS
 

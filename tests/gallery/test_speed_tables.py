@@ -5,7 +5,8 @@ import pytest
 
 from moelab.config import load_config
 from moelab.gallery import load_entries
-from moelab.gallery_speed import published_note, record_settings, speed_section
+from moelab.gallery_records import record_settings
+from moelab.gallery_speed import published_note, speed_section
 from moelab.planner.plan import plan
 
 PROXY = "qwen3-moe-30b-a3b-proxy"
