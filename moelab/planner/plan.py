@@ -39,13 +39,13 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
-from moelab.layout.dims import ParallelDims
+from moelab.layout.dims import ParallelDims, grad_sync
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
-from moelab.planner.gathered import gathered_params
+from moelab.planner.gathered import fsdp_collectives, fsdp_units, gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
@@ -57,16 +57,20 @@ from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
 
-MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "activations", "logits", "dispatcher")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "held_unsharded", "activations", "logits",
+                "dispatcher")
 # how the table names each memory term ("parameters" there is a count; the memory they take is "weights")
 MEMORY_LABELS = {"parameters": "weights", "gradients": "gradients", "optimizer": "optimizer state",
-                 "gathered_params": "gathered weights", "activations": "activations", "logits": "logits",
+                 "gathered_params": "gathered weights", "held_unsharded": "unsharded between micro batches",
+                 "activations": "activations", "logits": "logits",
                  "dispatcher": "dispatcher buffers"}
 _TERM_HELP = {
     "parameters": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gradients": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "optimizer": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gathered_params": "a larger parallel.ep (fewer local experts gathered per layer) or more layers per stage",
+    "held_unsharded": "set parallel.fsdp_grad_sync=micro_batch (pp = 1: reduce-scatter every micro batch), or hold "
+                      "less per rank: a larger parallel.ep or parallel.pp",
     "activations": "set train.activation_checkpointing=full, lower train.micro_batch_size or train.seq_len, "
                    "or use parallel.cp",
     "logits": "lower train.micro_batch_size or train.seq_len (logits are micro batch x sequence x vocabulary), "
@@ -115,6 +119,8 @@ class Plan:
     placing_bytes: int = 0  # DDP / replicated experts: the stage allocated whole (experts by EP) before wrapping
     trained_params: int = 0  # parameters with gradients and optimizer state (fewer than total_params under LoRA)
     speed: object = None  # the predicted step on a GPU kind (moelab.planner.speed.Speed), with plan(..., gpu=)
+    # when FSDP2 reduces gradients: "micro_batch" (every one) or "step" (the last; moelab.layout.dims.grad_sync)
+    fsdp_grad_sync: str = "micro_batch"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -156,6 +162,14 @@ class Plan:
                                       f"{_bytes(c['pipeline_send_bytes_per_step'])}, cp "
                                       f"{_bytes(c['cp_bytes_per_step'])}"),
         ]
+        if c["fsdp_all_gathers_per_step"] or c["fsdp_reduce_scatters_per_step"]:
+            rows.append(("FSDP2 as scheduled", f"{c['fsdp_all_gathers_per_step']} all-gathers "
+                                               f"({_bytes(c['fsdp_all_gather_bytes_scheduled'])}), "
+                                               f"{c['fsdp_reduce_scatters_per_step']} reduce-scatters "
+                                               f"({_bytes(c['fsdp_reduce_scatter_bytes_scheduled'])}) per step, "
+                                               "gradients reduced "
+                                               + ("once per step" if self.fsdp_grad_sync == "step"
+                                                  else "every micro batch")))
         if c.get("ddp_all_reduce_bytes_per_step") or c.get("expert_grad_bytes_per_step"):
             rows.append(("replicated grads per step", f"DDP all-reduce {_bytes(c['ddp_all_reduce_bytes_per_step'])}, "
                                                       f"experts {_bytes(c['expert_grad_bytes_per_step'])}"))
@@ -336,7 +350,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
         assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"],
-        placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total))
+        placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
+        fsdp_grad_sync=grad_sync(p))
     if kind:
         result.speed = predict_speed(cfg, result, kind)
         result.assumptions += result.speed.assumptions
@@ -406,9 +421,11 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
-        if z.world > 1:  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
-            gathered = gathered_params(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, cfg, p,
-                                       z.shard, z.efsdp, a)
+        units = []  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
+        if z.world > 1:
+            held_moe = [is_moe[i] for i in layers]
+            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a)
+            units = fsdp_units(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         # (held per micro batch in flight, the working set of the one block recomputed at a time)
@@ -423,6 +440,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "gradients": trained * z.pb,
             "optimizer": trained * z.mb,
             "gathered_params": gathered,
+            # parallel.fsdp_grad_sync=step, and pp > 1 (torch's schedule): unsharded until the last backward
+            "held_unsharded": held_unsharded(units, p, z.m, a, z.pb, gathered, trained=lp is None),
             "activations": in_flight[t.activation_checkpointing],
             "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
@@ -434,7 +453,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         replicated = (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp")
         placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if replicated and z.world > 1 else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load, placing=placing,
+                             units=units, act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load,
+                             placing=placing,
                              total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))
     return per_rank, logit_bytes
 
@@ -469,6 +489,8 @@ def _communication(z: _Sizes, worst: dict) -> dict:
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
             "fsdp_all_gather_bytes_per_step": ag, "fsdp_reduce_scatter_bytes_per_step": rs,
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
+            # FSDP2's collectives as scheduled (reshard policy, parallel.fsdp_grad_sync; moelab.planner.gathered)
+            **fsdp_collectives(worst["units"], p, m, a),
             **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
 
 
@@ -514,6 +536,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "FSDP2 all-gathers counted twice per micro batch (forward, backward) and reduce-scatters every micro batch; "
         f"blocks kept gathered after forward (parallel.reshard_after_forward={p.reshard_after_forward}, experts "
         f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
+        "FSDP2 as scheduled: a unit resharded after forward gathers again in backward; gradients reduce-scattered "
+        + ("once per step (parallel.fsdp_grad_sync=step, or pp > 1): until then every unit's gradients and weights "
+           "are held unsharded" if grad_sync(p) == "step" else "every micro batch (parallel.fsdp_grad_sync)"),
     ]
     if lora_params(cfg):
         out.append("LoRA (train.lora): gradients and AdamW state for the adapters (and a trained router) only; "
