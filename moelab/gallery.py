@@ -65,6 +65,7 @@ class Entry:
     proxy_of: str | None = None
     overrides: dict = field(default_factory=dict)
     notes: str = ""
+    table_layout: str | None = None  # the reference table's layout text, where it prints '-' for a size it ran
 
     @classmethod
     def from_yaml(cls, path: Path) -> "Entry":
@@ -85,7 +86,10 @@ class Entry:
 
     @property
     def layout_text(self) -> str:
-        """The reference table's notation: [TP,PP,CP,EP,VP,FSDP] with '-' for an unused EP or VP."""
+        """The reference table's notation: [TP,PP,CP,EP,VP,FSDP] with '-' for an unused EP or VP (or the table's
+        own text, `table_layout`, where it prints '-' for an EP its run set)."""
+        if self.table_layout:
+            return self.table_layout
         L = self.layout
         return "[" + ",".join("-" if k in ("ep", "vp") and L[k] == 1 else str(L[k]) for k in LAYOUT_KEYS) + "]"
 

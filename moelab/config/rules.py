@@ -227,6 +227,21 @@ def _check_parallel(cfg: "Config") -> None:
               "(supported: ep, fsdp, pp with vp)")
     _check_replication(p, t)
     _check_ep_overlap(p, cfg.backend)
+    _check_grad_sync(p)
+
+
+def _check_grad_sync(p: ParallelConfig) -> None:
+    """parallel.fsdp_grad_sync (moelab.layout.dims.grad_sync): what torch's pipeline schedule allows, and an
+    FSDP2 unit to apply it to."""
+    if p.fsdp_grad_sync == "micro_batch" and p.pp > 1:
+        _fail("parallel.fsdp_grad_sync", p.fsdp_grad_sync, f"torch's pipeline schedule (pp={p.pp}) holds FSDP2's "
+              "gradients unsharded until the step's last backward and reduce-scatters them once per step "
+              "(PipelineStage.backward_maybe_with_nosync); set parallel.fsdp_grad_sync=auto (or step), or "
+              "parallel.pp=1")
+    if p.fsdp_grad_sync == "step" and (p.data_parallel, p.expert_dp) == ("ddp", "replicate"):
+        _fail("parallel.fsdp_grad_sync", p.fsdp_grad_sync, "applies to FSDP2's weights, and with "
+              "parallel.data_parallel=ddp and expert_dp=replicate there are none (DDP and the experts' exchange "
+              "reduce once per step already); set parallel.fsdp_grad_sync=auto")
 
 
 def _check_backend(cfg: "Config") -> None:

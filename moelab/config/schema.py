@@ -177,6 +177,16 @@ class ParallelConfig:
     # All-gathers issued as the CPU reaches each unit (implicit) or a block ahead (explicit); auto = explicit
     # when ep > 1 (the dispatcher's host syncs hold the CPU back; torchtitan's rule).
     fsdp_prefetch: Literal["auto", "implicit", "explicit"] = "auto"
+    # When FSDP2 reduce-scatters gradients with gradient accumulation (moelab.parallel.fsdp.set_micro_batch; same
+    # math). micro_batch: every micro batch's backward, so only sharded gradients are ever held (FSDP2's and
+    # torchtitan's default: they keep it for memory-bound runs, the reduce-scatter hidden behind backward).
+    # step: the last micro batch's only (Megatron-Core's way, no_sync until the last); the others accumulate
+    # unsharded gradients (in the reduce dtype) and leave their units gathered from backward to the next
+    # forward (set_reshard_after_backward, as torch's pipeline schedule does): one reduce-scatter instead of m
+    # and m+1 all-gathers instead of 2m per unit and step, for a stage's unsharded gradients and weights in
+    # memory (the planner's held_unsharded). auto: micro_batch, and step under pp > 1, where torch's pipeline
+    # schedule holds FSDP2's gradients to the last micro batch itself (micro_batch is refused there).
+    fsdp_grad_sync: Literal["auto", "step", "micro_batch"] = "auto"
 
 
 @dataclass

@@ -190,3 +190,14 @@ def reshard_after_forward(policy: str, pp: int, last: bool) -> bool:
     if policy != "default":
         return policy == "always"
     return pp == 1 and not last
+
+
+def grad_sync(p: ParallelConfig) -> str:
+    """When FSDP2 reduce-scatters gradients under gradient accumulation (parallel.fsdp_grad_sync resolved):
+    "micro_batch" (every micro batch's backward) or "step" (the last micro batch's only; the others accumulate
+    unsharded gradients and keep their units gathered until the next forward). auto: micro_batch, except under
+    pp > 1, where torch's pipeline schedule holds FSDP2's gradients to the step's last backward itself
+    (PipelineStage.backward_maybe_with_nosync). The config refuses micro_batch under pp > 1."""
+    if p.fsdp_grad_sync != "auto":
+        return p.fsdp_grad_sync
+    return "step" if p.pp > 1 else "micro_batch"

@@ -92,8 +92,8 @@ class ExpertGradExchange:
 
     def overlap_with_backward(self) -> None:
         """Launch each parameter's exchange from its post-accumulate-grad hook while the rest of backward runs,
-        in backward passes where ``armed`` is set (the step's last micro batch: moelab.parallel.replicate sets
-        it); ``reduce`` then only waits and decodes."""
+        in backward passes where ``armed`` is set (the step's last micro batch:
+        DistributedParallelized.start_micro_batch sets it); ``reduce`` then only waits and decodes."""
         for name, p in self.named_params:
             p.register_post_accumulate_grad_hook(lambda param, name=name: self._launch(name, param) if self.armed
                                                  else None)

@@ -30,8 +30,8 @@ from moelab.parallel.place import Parallelized, apply_activation_checkpointing, 
 from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)
-from moelab.parallel.fsdp import apply_fsdp
-from moelab.layout.dims import ParallelDims
+from moelab.parallel.fsdp import apply_fsdp, set_micro_batch
+from moelab.layout.dims import ParallelDims, grad_sync
 from moelab.parallel.mesh import Meshes, build_meshes
 from moelab.parallel.replicate import REPLICAS
 
@@ -50,6 +50,20 @@ class DistributedParallelized(Parallelized):
         # bf16 compute without autocast: FSDP2's mixed precision, or weights stored in bf16
         self.casts_params = cfg.train.dtype == "bfloat16" and layout.data_parallel == "fsdp"
         self.grad_exchange = None  # replicated experts' gradient exchange (moelab.parallel.replicate)
+        self.grad_sync = grad_sync(layout)  # FSDP2's reduce-scatter: every micro batch, or the step's last
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        """Gradients are reduced over ranks in the step's last micro batch only by DDP (no_sync before) and by the
+        replicated experts' exchange, and by FSDP2 under parallel.fsdp_grad_sync=step (moelab.parallel.fsdp);
+        FSDP2 reduce-scatters in every micro batch under micro_batch (nothing to set). Pipeline schedules run
+        their micro batches themselves (moelab.parallel.pipeline)."""
+        last = index == count - 1
+        if self.layout.data_parallel == "ddp":
+            self.model.set_requires_gradient_sync(last)
+        if self.grad_exchange is not None:
+            self.grad_exchange.armed = last
+        if self.grad_sync == "step" and count > 1:
+            set_micro_batch(self.model, last)
 
     def shard_sequence(self, tokens_BL: torch.Tensor) -> torch.Tensor:
         return self.cp.shard(tokens_BL) if self.cp is not None else tokens_BL

@@ -23,6 +23,10 @@ are reduced, and how all-gathers are prefetched.
   experts, each block's pre-backward the previous one's (set_modules_to_forward/backward_prefetch); auto picks
   it when ep > 1, as torchtitan does (the dispatcher's device-to-host copy holds the CPU, so FSDP2's implicit
   gathers, issued when the CPU reaches a unit, start late).
+- Gradient sync (parallel.fsdp_grad_sync, resolved by moelab.layout.dims.grad_sync): micro_batch leaves FSDP2
+  at its default (reduce-scatter in every backward); step calls ``set_micro_batch`` before each micro batch's
+  forward (the trainer, through Parallelized.start_micro_batch), so only the last one reduce-scatters and
+  reshards after backward. Under pp > 1 torch's pipeline schedule does the same itself (step is all it does).
 """
 from __future__ import annotations
 
@@ -95,3 +99,18 @@ def set_prefetch(root: nn.Module, blocks: list[nn.Module], experts: list[nn.Modu
     for here, prev in zip(backward, reversed(units)):
         if prev:
             here.set_modules_to_backward_prefetch(prev)
+
+
+def set_micro_batch(model: nn.Module, last: bool) -> None:
+    """parallel.fsdp_grad_sync=step, before each micro batch's forward: every FSDP2 unit of `model` reduce-scatters
+    its gradients and reshards its weights after backward only when `last` (the step's last micro batch). Before
+    that, gradients accumulate unsharded in the reduce dtype and each unit stays gathered from its backward to
+    the next micro batch's forward (FSDP2's set_requires_gradient_sync / set_reshard_after_backward, as torch's
+    pipeline schedule sets them under pp > 1).
+
+        for i in range(n): set_micro_batch(model, last=i == n - 1); model(x[i]).sum().backward()
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(last, recurse=False)
+            module.set_reshard_after_backward(last, recurse=False)

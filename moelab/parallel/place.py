@@ -70,6 +70,10 @@ class Parallelized:
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def start_micro_batch(self, index: int, count: int) -> None:
+        """Called by the trainer before micro batch `index` of the step's `count`: which backward reduces the
+        gradients over ranks (moelab.parallel.distributed; nothing to reduce on one process)."""
+
     # Replicated experts (moelab.parallel.replicate): their gradient exchange after backward, and its per-rank
     # state (error feedback) for checkpoints.
     def finish_gradients(self) -> None:

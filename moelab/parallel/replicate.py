@@ -7,14 +7,16 @@ or parallel.expert_dp=replicate (pp = cp = 1, checked by the config).
 - data_parallel=ddp: torch's composable ``replicate`` (DistributedDataParallel without a wrapper, so parameter
   names and checkpoints stay those of FSDP2 runs) over the dense (dp*cp) mesh: gradients all-reduced in
   buckets while backward runs, once per optimizer step (``set_requires_gradient_sync`` off for all but the
-  last micro batch), gradients as views of the buckets (no second copy). Parameters stay fp32; bf16 compute is
-  the trainer's autocast.
-- expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone);
-  on a one-rank expert-FSDP mesh (ep = dp) they stay plain tensors, left out of DDP (moelab.parallel.fsdp).
+  last micro batch: DistributedParallelized.start_micro_batch), gradients as views of the buckets (no second
+  copy). Parameters stay fp32; bf16 compute is the trainer's autocast.
+- expert_dp=fsdp: the experts are FSDP2 units on the expert-FSDP mesh (DDP leaves fully-sharded modules alone),
+  resharded after forward by parallel.expert_reshard_after_forward; on a one-rank expert-FSDP mesh (ep = dp)
+  they stay plain tensors, left out of DDP (moelab.parallel.fsdp).
 - expert_dp=replicate: every rank of the expert-FSDP mesh holds its EP rank's experts whole; neither DDP nor
   FSDP2 touches them; moelab.parallel.compression.ExpertGradExchange averages their gradients (exactly, or 1-bit
   with error feedback: train.expert_grad_compression), each launched from its gradient hook in the last micro
-  batch's backward (so it overlaps the backward of the layers below) and decoded after backward.
+  batch's backward (armed by DistributedParallelized.start_micro_batch; so it overlaps the backward of the
+  layers below) and decoded after backward.
 A replicated parameter's gradient sits on several ranks: ``REPLICAS`` on the parameter says on how many, so the
 global gradient norm counts it once (moelab.parallel.distributed.DistributedParallelized.clip_grad_norm).
 """
@@ -25,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from moelab.config import Config
+from moelab.layout.dims import reshard_after_forward
 from moelab.parallel.compression import ExpertGradExchange
 
 REPLICAS = "_moelab_replicas"  # attribute on a parameter: the ranks holding the same gradient (default 1)
@@ -45,9 +48,13 @@ def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, appl
         # experts on a one-rank expert-FSDP mesh (ep = dp) stay plain: nothing to shard or reduce, and autocast
         # (not FSDP2) makes the bf16 compute under DDP
         sharded = p.expert_dp == "fsdp" and meshes.efsdp.size() > 1
-        if sharded:
-            for e in experts:
-                fully_shard(e, mesh=meshes.efsdp, mp_policy=MixedPrecisionPolicy())
+        if sharded:  # each its own FSDP2 root: the policy is passed (a root's default keeps it gathered)
+            blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.layers.values()]
+            for i, block in enumerate(blocks):
+                if getattr(block, "is_moe", False):
+                    fully_shard(block.ffn.experts, mesh=meshes.efsdp, mp_policy=MixedPrecisionPolicy(),
+                                reshard_after_forward=reshard_after_forward(p.expert_reshard_after_forward, p.pp,
+                                                                            i == len(blocks) - 1))
         from torch.distributed._composable.replicate import replicate
 
         dense = meshes.dense.get_group()
@@ -66,16 +73,4 @@ def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, appl
             setattr(q, REPLICAS, meshes.efsdp.size())
         exchange = ExpertGradExchange(named, meshes.efsdp.get_group(), cfg.train.expert_grad_compression)
         exchange.overlap_with_backward()
-    n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * meshes.layout.fsdp)
-    seen = [0]
-
-    def on_last_micro_batch(module, args):  # DDP syncs, and the experts' exchange starts, in its backward only
-        last = seen[0] % n_micro == n_micro - 1
-        seen[0] += 1
-        if p.data_parallel == "ddp":
-            model.set_requires_gradient_sync(last)
-        if exchange is not None:
-            exchange.armed = last
-
-    model.register_forward_pre_hook(on_last_micro_batch, prepend=True)  # before replicate's own pre-hook
     return exchange

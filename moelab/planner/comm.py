@@ -95,22 +95,26 @@ def fsdp_counts(cfg: Config, p, m: int, policy: str, last: bool, rank: int = 0, 
     pipeline rank, `twice`: entered twice per micro batch (the experts under parallel.ep_overlap: two unshards
     in forward, two reduce-scatters in backward).
 
-    - pp = 1: moelab's trainer leaves FSDP2's gradient sync on, so every micro batch reduce-scatters; a unit
+    - pp = 1, parallel.fsdp_grad_sync=micro_batch (the default): every micro batch reduce-scatters; a unit
       resharded after forward is gathered in forward and again in backward, one kept gathered only in forward
-      (resharded after backward).
+      (resharded after backward). fsdp_grad_sync=step: one reduce-scatter after the last backward; the unit
+      stays gathered between micro batches, so it is gathered once, plus once per backward if it reshards
+      after forward.
     - pp > 1 (moelab.planner.schedule): the stages reduce once, after their last backward. 1F1B and GPipe keep
       the blocks gathered through the step (one gather), or, resharding after each forward, gather m + 1 times
       (every backward that follows a forward gathers again); interleaved 1F1B gathers a stage each time it comes
       back into the three stages the schedule keeps gathered.
     """
-    from moelab.layout.dims import reshard_after_forward
+    from moelab.layout.dims import grad_sync, reshard_after_forward
     from moelab.planner.schedule import interleaved_gathers
 
     entries = 2.0 if twice else 1.0
     reshards = (cfg.parallel.reshard_after_forward == "always" if policy == "root"
                 else reshard_after_forward(policy, p.pp, last))
-    if p.pp == 1:
+    if p.pp == 1 and grad_sync(p) == "micro_batch":
         return entries * (2.0 if reshards else 1.0), entries * m
+    if p.pp == 1:  # parallel.fsdp_grad_sync=step: gathered from the first forward to the last backward
+        return entries * (1.0 + m * reshards) / m, entries
     per_step = m + 1.0 if reshards else 1.0
     if p.vp > 1 and p.pp_schedule != "gpipe":
         held = interleaved_gathers(p.pp, p.vp, m, rank)
@@ -166,7 +170,10 @@ def fsdp_traffic(cfg: Config, units: list[FSDPUnit], m: int, compute_bytes: int)
                                                      reduce_bytes).items()}
         rows.append({**dataclasses.asdict(u), **{f"{k}_bytes_per_step": v for k, v in b.items()}})
         total = {k: total[k] + b[k] for k in total}
-    return {"fsdp_all_gather_bytes_per_step": total["all_gather"],
+    sharded = [u for u in units if u.ranks > 1]  # a one-rank unit (a bf16 cast) issues no collective
+    return {"fsdp_all_gathers_per_step": round(sum(u.count * u.gathers_per_micro_batch * m for u in sharded)),
+            "fsdp_reduce_scatters_per_step": round(sum(u.count * u.reduce_scatters_per_step for u in sharded)),
+            "fsdp_all_gather_bytes_per_step": total["all_gather"],
             "fsdp_reduce_scatter_bytes_per_step": total["reduce_scatter"],
             "fsdp_gather_copied_bytes_per_step": total["gather_copied"],
             "fsdp_reduce_copied_bytes_per_step": total["reduce_copied"], "fsdp_units": rows}

@@ -1,7 +1,9 @@
-"""The planner's gathered-weights term for a distributed run: what FSDP2 holds unsharded on one rank
-(moelab.parallel.fsdp).
+"""The planner's FSDP2 memory terms for a distributed run: what a rank's units (moelab.planner.comm.fsdp_units,
+which also counts their collectives) keep gathered or unsharded.
 
     gathered_params(pieces, [True, True], first=True, last=True, cfg=cfg, p=layout, shard=2, efsdp=1, a=2)
+    held_unsharded(fsdp_units(cfg, layout, pieces, [True, True], True, True, 2, 1, m=4), layout, m=4, a=2, pb=4,
+                   gathered=...)
 
 - Units on one-rank meshes are not wrapped unless FSDP2 casts them to bf16 (moelab.layout.dims.fsdp_wraps):
   nothing is gathered for a plain one.
@@ -10,11 +12,16 @@
   from its forward through its backward by reshard_after_forward=False (parallel.reshard_after_forward and
   expert_reshard_after_forward: torchtitan's default keeps the last block, and under pp > 1 every block, of a
   stage; the first held block is the one already counted as computing).
+- Gradient sync once per step (parallel.fsdp_grad_sync=step, and always under pp > 1: moelab.layout.dims.grad_sync)
+  with several micro batches: from the first backward to the last, every unit's gradient is held unsharded in
+  the reduce dtype and its weights gathered in the compute dtype (``held_unsharded``: what that adds to the
+  gathered term and to the sharded gradients, which exist only after the last reduce-scatter; one-rank units'
+  gradients are those sharded gradients).
 """
 from __future__ import annotations
 
 from moelab.config import Config
-from moelab.layout.dims import fsdp_wraps, reshard_after_forward
+from moelab.layout.dims import fsdp_wraps, grad_sync, reshard_after_forward
 
 
 def wrapped(cfg: Config, p, shard: int, efsdp: int) -> tuple[bool, bool]:
@@ -43,11 +50,27 @@ def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg
     units += [pieces.embedding * dense_on] * first + [pieces.head * dense_on] * last
     biggest = max(units, default=0)
     n = len(moe_layers)
-    # the experts' own policy where they are their own unit (ep > 1; DDP runs leave theirs at FSDP2's default)
-    expert_policy = "always" if p.data_parallel == "ddp" else (
-        p.expert_reshard_after_forward if p.ep > 1 else p.reshard_after_forward)
+    # the experts' own policy where they are their own unit (ep > 1, and DDP runs' expert units)
+    own = p.ep > 1 or p.data_parallel == "ddp"
+    expert_policy = p.expert_reshard_after_forward if own else p.reshard_after_forward
     held = [d * (not reshard_after_forward(p.reshard_after_forward, p.pp, i == n - 1))
             + e * experts_on * (not reshard_after_forward(expert_policy, p.pp, i == n - 1))
             for i, (d, e) in enumerate(zip(dense_i, experts_i))]
     extra_held = sum(held) - max(held, default=0)
     return 2 * biggest * a + biggest * 4 + extra_held * a
+
+
+def _grad_bytes(p) -> int:
+    """FSDP2 accumulates unsharded gradients, and reduce-scatters them, in the reduce dtype."""
+    return 2 if p.reduce_dtype == "bfloat16" else 4
+
+
+def held_unsharded(units: list, p, m: int, a: int, pb: int, gathered: int, trained: bool = True) -> int:
+    """Bytes held unsharded between micro batches when gradients are reduced once per step (see the module
+    docstring), beyond the `gathered` term and in place of the sharded gradients (`pb` bytes each, counted in the
+    plan's gradients: they exist only after the last reduce-scatter); 0 when gradients are reduced every micro
+    batch or there is one. `trained`=False (LoRA): the units' weights are frozen, their gradients not counted."""
+    if grad_sync(p) != "step" or m == 1:
+        return 0
+    grads = sum(u.count * (u.params * _grad_bytes(p) - -(-u.params // u.ranks) * pb) for u in units if u.ranks > 1)
+    return max(0, sum(u.count * u.params * a for u in units) + grads * trained - gathered)

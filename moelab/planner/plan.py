@@ -43,14 +43,14 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
-from moelab.layout.dims import ParallelDims
+from moelab.layout.dims import ParallelDims, grad_sync
 from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token, fsdp_traffic, fsdp_units
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.fp8 import fp8_cache_bytes
-from moelab.planner.gathered import gathered_params, wrapped
+from moelab.planner.gathered import gathered_params, held_unsharded, wrapped
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
@@ -63,18 +63,21 @@ from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, 
 DEFAULT_GPU_MEMORY_GB = 80.0  # an H100 80GB, the reference table's GPU
 RESERVE = 0.05  # share of GPU memory kept for the CUDA context, NCCL buffers and fragmentation
 
-MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "fp8_weights", "activations", "logits",
-                "dispatcher")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "gathered_params", "held_unsharded", "fp8_weights",
+                "activations", "logits", "dispatcher")
 # how the table names each memory term ("parameters" there is a count; the memory they take is "weights")
 MEMORY_LABELS = {"parameters": "weights", "gradients": "gradients", "optimizer": "optimizer state",
-                 "gathered_params": "gathered weights", "fp8_weights": "FP8 expert weights",
-                 "activations": "activations", "logits": "logits", "dispatcher": "dispatcher buffers"}
+                 "gathered_params": "gathered weights", "held_unsharded": "unsharded between micro batches",
+                 "fp8_weights": "FP8 expert weights", "activations": "activations", "logits": "logits",
+                 "dispatcher": "dispatcher buffers"}
 _TERM_HELP = {
     "parameters": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gradients": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "optimizer": "shard more: more GPUs (parallel.fsdp), a larger parallel.ep, or a larger parallel.pp",
     "gathered_params": "a larger parallel.ep (fewer local experts gathered per layer) or more layers per stage",
     "fp8_weights": "a larger parallel.ep or parallel.pp (fewer local experts to cache), or train.fp8=off",
+    "held_unsharded": "set parallel.fsdp_grad_sync=micro_batch (pp = 1: reduce-scatter every micro batch), or hold "
+                      "less per rank: a larger parallel.ep or parallel.pp",
     "activations": "set train.activation_checkpointing=full, lower train.micro_batch_size or train.seq_len, "
                    "or use parallel.cp",
     "logits": "lower train.micro_batch_size or train.seq_len (logits are micro batch x sequence x vocabulary), "
@@ -123,6 +126,8 @@ class Plan:
     placing_bytes: int = 0  # DDP / replicated experts: the stage allocated whole (experts by EP) before wrapping
     trained_params: int = 0  # parameters with gradients and optimizer state (fewer than total_params under LoRA)
     speed: object = None  # the predicted step on a GPU kind (moelab.planner.speed.Speed), with plan(..., gpu=)
+    # when FSDP2 reduces gradients: "micro_batch" (every one) or "step" (the last; moelab.layout.dims.grad_sync)
+    fsdp_grad_sync: str = "micro_batch"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -164,6 +169,14 @@ class Plan:
                                       f"{_bytes(c['pipeline_send_bytes_per_step'])}, cp "
                                       f"{_bytes(c['cp_bytes_per_step'])}"),
         ]
+        if c["fsdp_all_gathers_per_step"] or c["fsdp_reduce_scatters_per_step"]:
+            rows.append(("FSDP2 as scheduled", f"{c['fsdp_all_gathers_per_step']} all-gathers "
+                                               f"({_bytes(c['fsdp_all_gather_bytes_per_step'])}), "
+                                               f"{c['fsdp_reduce_scatters_per_step']} reduce-scatters "
+                                               f"({_bytes(c['fsdp_reduce_scatter_bytes_per_step'])}) per step, "
+                                               "gradients reduced "
+                                               + ("once per step" if self.fsdp_grad_sync == "step"
+                                                  else "every micro batch")))
         if c.get("ddp_all_reduce_bytes_per_step") or c.get("expert_grad_bytes_per_step"):
             rows.append(("replicated grads per step", f"DDP all-reduce {_bytes(c['ddp_all_reduce_bytes_per_step'])}, "
                                                       f"experts {_bytes(c['expert_grad_bytes_per_step'])}"))
@@ -314,7 +327,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
         assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"],
-        placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total))
+        placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
+        fsdp_grad_sync=grad_sync(p))
     if kind:
         result.speed = predict_speed(cfg, result, kind)
         result.assumptions += result.speed.assumptions
@@ -387,9 +401,11 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
         experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp)[1]  # DTensors: no FP8 weight cache
-        if z.world > 1:  # FSDP2's units (moelab.planner.gathered): the biggest twice, blocks held, plain casts
-            gathered = gathered_params(pieces, [is_moe[i] for i in layers], r == 0, r == p.pp - 1, cfg, p,
-                                       z.shard, z.efsdp, a)
+        units = []  # FSDP2's units (moelab.planner.comm) and what they gather (moelab.planner.gathered)
+        if z.world > 1:
+            held_moe = [is_moe[i] for i in layers]
+            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a)
+            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, z.shard, z.efsdp, z.m, r)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         # (held per micro batch in flight, the working set of the one block recomputed at a time)
@@ -405,6 +421,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
             "optimizer": trained * z.mb,
             "gathered_params": gathered,
             "fp8_weights": fp8_cache_bytes(cfg, pieces, n_moe, p.ep, experts_sharded, z.m),
+            # parallel.fsdp_grad_sync=step, and pp > 1 (torch's schedule): unsharded until the last backward
+            "held_unsharded": held_unsharded(units, p, z.m, a, z.pb, gathered, trained=lp is None),
             "activations": in_flight[t.activation_checkpointing],
             "logits": logits_total if r == p.pp - 1 else 0,
             "dispatcher": 2 * T * mdl.moe.top_k * mdl.hidden_size * a if p.ep > 1 and n_moe else 0,
@@ -416,7 +434,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         replicated = (p.data_parallel, p.expert_dp) != ("fsdp", "fsdp")
         placing = (dense + math.ceil(experts / p.ep) + adapters) * z.pb if replicated and z.world > 1 else 0
         per_rank.append(dict(rank=r, layers=layers, n_moe=n_moe, dense=dense, experts=experts, local=local,
-                             act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load, placing=placing,
+                             units=units, act=act, flight=flight, in_flight=in_flight, mem=mem, loading=load,
+                             placing=placing,
                              total=max(_peak(mem, z.m), load["device_bytes"] if load else 0, placing)))
     return per_rank, logit_bytes
 
@@ -430,10 +449,6 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
     a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    # FSDP2's units of this rank and how often the schedule gathers and reduces each (moelab.planner.comm)
-    units = fsdp_units(z.cfg, p, block_params(mdl), [i >= mdl.num_dense_layers for i in worst["layers"]],
-                       worst["rank"] == 0, worst["rank"] == p.pp - 1, z.shard, z.efsdp, m,
-                       worst["rank"]) if z.world > 1 else []
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
@@ -449,7 +464,7 @@ def _communication(z: _Sizes, worst: dict) -> dict:
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
             "dispatch_ranks_per_token": fanout,
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
-            **fsdp_traffic(z.cfg, units, m, a),
+            **fsdp_traffic(z.cfg, worst["units"], m, a),  # FSDP2's units as scheduled (moelab.planner.comm)
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
             **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
 
@@ -501,6 +516,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "stages; blocks kept gathered after forward "
         f"(parallel.reshard_after_forward={p.reshard_after_forward}, experts "
         f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
+        "FSDP2 as scheduled: a unit resharded after forward gathers again in backward; gradients reduce-scattered "
+        + ("once per step (parallel.fsdp_grad_sync=step, or pp > 1): until then every unit's gradients and weights "
+           "are held unsharded" if grad_sync(p) == "step" else "every micro batch (parallel.fsdp_grad_sync)"),
     ]
     if lora_params(cfg):
         out.append("LoRA (train.lora): gradients and AdamW state for the adapters (and a trained router) only; "

@@ -165,6 +165,7 @@ class Trainer:
             return par.pipeline.forward_backward(batch[:, :-1], batch[:, 1:], BatchContext(loss_scale=loss_scale))
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
+            par.start_micro_batch(i, self.micro_per_rank)  # which backward reduces gradients over ranks
             first = (par.dp_rank * self.micro_per_rank + i) * t.micro_batch_size
             documents = None
             if self.cfg.data.kind == "sft":  # chats: loss masks, packed documents (moelab.data.sft_batches)

@@ -5,8 +5,8 @@
 After training, every parameter is gathered to a full tensor (all shards, all experts) and rank 0 saves them to
 RUN_DIR/params.pt, so a test can compare them with a single-process run; every rank writes
 RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, the FSDP2 units with their
-reshard and prefetch settings, the optimizer groups' parameter kinds, and how many parameters were allocated
-whole or as FSDP2 shards).
+reshard and prefetch settings, the optimizer groups' parameter kinds, how many parameters were allocated
+whole or as FSDP2 shards, and FSDP2's collectives in each training step: ``count_collectives``).
 
 TEST_TRITON_MIN_NUMEL=N lowers TritonAdamW.MIN_NUMEL (train.optimizer=adamw_triton under TRITON_INTERPRET=1), so
 the tiny model's tensors go through the Triton kernel rather than torch's step.
@@ -71,6 +71,49 @@ def record_allocation() -> None:
     distributed.materialize = spy
 
 
+COLLECTIVES: list[dict] = []  # per training step: FSDP2's all-gathers and reduce-scatters on this rank
+
+
+def count_collectives(trainer) -> None:
+    """Count, per training step, the calls FSDP2 makes to torch.distributed.all_gather_single and
+    reduce_scatter_single (its collectives) on groups of two or more ranks, and the bytes each sends ((n - 1) / n
+    of the whole tensor), so a test can hold the planner's schedule (moelab.planner.gathered) to them."""
+    import inspect
+
+    import torch.distributed as dist
+
+    now = {"all_gathers": 0, "reduce_scatters": 0, "all_gather_bytes": 0, "reduce_scatter_bytes": 0}
+
+    def spy(name, whole):
+        inner = getattr(dist, name)
+        sig = inspect.signature(inner)
+        kind = "all_gather" if name == "all_gather_single" else "reduce_scatter"
+
+        def counted(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs).arguments
+            n = dist.get_world_size(bound.get("group"))
+            if n > 1:
+                t = bound[whole]
+                now[f"{kind}s"] += 1
+                now[f"{kind}_bytes"] += t.numel() * t.element_size() * (n - 1) // n
+            return inner(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    spy("all_gather_single", "output_tensor")
+    spy("reduce_scatter_single", "input")
+    step_fn = trainer.train_step
+
+    def counted_step(step, *args, **kwargs):
+        for k in now:
+            now[k] = 0
+        out = step_fn(step, *args, **kwargs)
+        COLLECTIVES.append(dict(now))
+        return out
+
+    trainer.train_step = counted_step
+
+
 def main(run_dir: Path) -> None:
     record_allocation()
     if os.environ.get("TEST_TRITON_MIN_NUMEL"):
@@ -91,11 +134,13 @@ def main(run_dir: Path) -> None:
             return step_fn(step)
 
         trainer.train_step = faulty_step
+    count_collectives(trainer)
     env = trainer.env
     shutdown, env.shutdown = env.shutdown, lambda: None  # keep the process group for the gather below
     trainer.run()
     (run_dir / f"placement_rank{env.rank}.json").write_text(json.dumps({**placement(trainer.model, trainer.optimizer),
-                                                                        "allocated": ALLOCATED}))
+                                                                        "allocated": ALLOCATED,
+                                                                        "collectives": COLLECTIVES}))
     params = full_state_dict(trainer.par)
     if env.rank == 0:
         torch.save(params, run_dir / "params.pt")

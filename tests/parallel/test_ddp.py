@@ -33,6 +33,15 @@ def test_replicated_layout_reproduces_single_process(name, reference, helpers, t
     kinds = json.loads((tmp_path / "placement_rank0.json").read_text())["params"]
     experts_plain = name == "ddp2xep2" or "replicated_experts" in name
     assert {k for k, v in kinds.items() if ".experts." in k and v == ("dtensor" if experts_plain else "plain")} == set()
+    if name == "ddp2":  # the experts' FSDP2 units (each its own root) follow parallel.expert_reshard_after_forward
+        from moelab.planner.plan import plan
+
+        got = json.loads((tmp_path / "placement_rank0.json").read_text())
+        experts = sorted((k for k in got["units"] if ".experts" in k), key=lambda k: int(k.split(".")[1]))
+        assert [got["units"][k]["reshard_after_forward"] for k in experts] == [True] * (len(experts) - 1) + [False]
+        planned = plan(helpers.small_config(*overrides), gpus=nproc).comm  # and their collectives are planned
+        assert [(c["all_gathers"], c["reduce_scatters"]) for c in got["collectives"]] == [
+            (planned["fsdp_all_gathers_per_step"], planned["fsdp_reduce_scatters_per_step"])] * 4
     if "replicated_experts" in name:  # moelab's exchange counted what it sent: an exact ring all-reduce
         comm = ev[0]["comm"]
         assert comm["expert_grad_bytes"] == pytest.approx(comm["expert_grad_uncompressed_bytes"]) and comm[

@@ -23,6 +23,10 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     "ep2xfsdp2overlap": (4, ["parallel.ep=2", OVERLAP], ()),
     # FSDP2 options that change no value: every block gathered through backward, explicit prefetching
     "fsdp2-lean": (2, ["parallel.reshard_after_forward=never", "parallel.fsdp_prefetch=explicit"], ()),
+    # gradients reduce-scattered once per step (2 micro batches per rank): the first accumulates them unsharded;
+    # with EP the experts' own units too (micro batches of 1: 2 per rank on 4 ranks)
+    "fsdp2-step": (2, ["parallel.fsdp_grad_sync=step"], ()),
+    "ep2xfsdp2-step": (4, ["parallel.ep=2", "parallel.fsdp_grad_sync=step"], ("train.micro_batch_size=1",)),
     # the fused loss (backend.loss=chunked, the default) in chunks of 24 tokens: 64 tokens per rank and micro
     # batch leave a partial chunk (CP's 32 per rank too), with the head FSDP2-sharded, on the last pipeline stage,
     # next to EP, and over CP's sequence shards
@@ -115,6 +119,46 @@ def test_ep_overlap_gives_the_plain_ep_run(name, layout_run, helpers):
     print("overlap vs plain, worst (max abs, relative norm):", max(diff.values()))
     assert max(d[0] for d in diff.values()) < 1e-5 and max(d[1] for d in diff.values()) < 5e-6, diff
 
+
+
+# FSDP2's collectives in each step, counted on the ranks (rank_entry.count_collectives), against the planner's
+# schedule (moelab.planner.comm.fsdp_counts): a unit that reshards after forward gathers again in
+# backward; gradients are reduce-scattered every micro batch, or once per step under fsdp_grad_sync=step and
+# under pp > 1 (torch's schedule). 2 micro batches per rank here (4 under pp2xep2's schedule).
+SCHEDULED = ["fsdp2", "fsdp2-lean", "fsdp2-step", "ep2xfsdp2", "ep2xfsdp2-step", "pp2xep2"]
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_fsdp_collectives_follow_the_planned_schedule(name, layout_run, helpers):
+    import json
+
+    from moelab.planner.plan import plan
+
+    nproc, overrides, shared = LAYOUTS[name]
+    run_dir = layout_run(name)[2]
+    planned = plan(helpers.small_config(*shared, *overrides), gpus=nproc)
+    rank = planned.stage * nproc // planned.layout["pp"]  # the first rank of the stage the plan is for
+    steps = json.loads((run_dir / f"placement_rank{rank}.json").read_text())["collectives"]
+    c = planned.comm
+    assert len(steps) == 4 and c["fsdp_reduce_scatters_per_step"] > 0
+    for got in steps:
+        assert (got["all_gathers"], got["reduce_scatters"]) == (c["fsdp_all_gathers_per_step"],
+                                                                c["fsdp_reduce_scatters_per_step"]), got
+        # FSDP2 pads each parameter's rows to a multiple of the ranks: a few elements more than the model has
+        assert got["all_gather_bytes"] == pytest.approx(c["fsdp_all_gather_bytes_per_step"], rel=0.01)
+        assert got["reduce_scatter_bytes"] == pytest.approx(c["fsdp_reduce_scatter_bytes_per_step"], rel=0.01)
+
+
+def test_grad_sync_per_step_reduces_once(layout_run):
+    """fsdp_grad_sync=step against the same layout reducing every micro batch: half the reduce-scatters (two
+    micro batches), fewer all-gathers (no gather before the second forward), the same losses far tighter than
+    the single-process tolerance (only the order of the gradient sums differs)."""
+    import json
+
+    (plain_losses, _, plain_dir), (losses, _, step_dir) = layout_run("fsdp2"), layout_run("fsdp2-step")
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    a, b = (json.loads((d / "placement_rank0.json").read_text())["collectives"][-1] for d in (plain_dir, step_dir))
+    assert 2 * b["reduce_scatters"] == a["reduce_scatters"] and b["all_gathers"] < a["all_gathers"], (a, b)
 
 
 def check_placement(name, run_dir):

@@ -47,6 +47,12 @@ def test_mixed_precision_policy_carries_the_reduce_dtype():
      "parallel.reduce_dtype='bfloat16'"),
     (["parallel.reshard_after_forward=sometimes"], "parallel.reshard_after_forward='sometimes'"),
     (["parallel.fsdp_prefetch=eager"], "parallel.fsdp_prefetch='eager'"),
+    (["parallel.fsdp_grad_sync=sometimes"], "parallel.fsdp_grad_sync='sometimes'"),
+    # torch's pipeline schedule reduces FSDP2's gradients once per step: micro_batch cannot be honoured
+    (["parallel.fsdp_grad_sync=micro_batch", "parallel.pp=2"], "parallel.fsdp_grad_sync='micro_batch'.*pp=1"),
+    # nothing is FSDP2's to sync once per step
+    (["parallel.fsdp_grad_sync=step", "parallel.data_parallel=ddp", "parallel.expert_dp=replicate"],
+     "parallel.fsdp_grad_sync='step'.*auto"),
 ])
 def test_config_refuses_what_fsdp2_would_not_do(overrides, field):
     with pytest.raises(ConfigError, match=field.replace("[", r"\[")):
