@@ -20,6 +20,7 @@ import warnings
 from moelab.cli import jobs, tools
 from moelab.config import ConfigError
 from moelab.contract.folder import FolderLocked
+from moelab.contract.writes import FolderWriteError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,7 @@ def one_line_error(e: BaseException) -> str | None:
         return f"config error: {e}"
     if isinstance(e, (FolderLocked, NotCancellable)):
         return f"refused: {e}"
-    if isinstance(e, FileNotFoundError):
+    if isinstance(e, (FileNotFoundError, FolderWriteError)):  # a folder write names the cause, the path, the fix
         return str(e)
     if isinstance(e, RankFailed):
         lines = [x for x in str(e).splitlines() if x.strip()]

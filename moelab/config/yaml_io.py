@@ -103,13 +103,14 @@ def expanded_size(node, limit: int = MAX_NODES) -> int:
     return size(node)
 
 
-def read_text(path: "str | Path", what: str = "config file") -> str:
-    """A config file's text: a regular file of at most MAX_BYTES, else a ConfigError naming it."""
+def read_text(path: "str | Path", what: str = "config file",
+              fix: str = "give a YAML file or a preset name") -> str:
+    """A config file's (or another small text file's, `what`) text: a regular file of at most MAX_BYTES, else a
+    ConfigError naming it and `fix`."""
     path = Path(path)
     try:
         if not path.is_file():
-            raise ConfigError(f"{what} {shown(str(path))} cannot be read (not a regular file); give a YAML "
-                              f"file or a preset name")
+            raise ConfigError(f"{what} {shown(str(path))} cannot be read (not a regular file); {fix}")
         with open(path, "rb") as f:
             data = f.read(MAX_BYTES + 1)
     except OSError as e:

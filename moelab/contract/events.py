@@ -238,7 +238,8 @@ class EvalEvent(Event):
 @dc.dataclass(kw_only=True)
 class WarningEvent(Event):
     """Something a person should know. Kinds: "preempted" (a stop signal; a checkpoint was saved),
-    "corrupt_checkpoint", "layout_changed", "truncated_metrics_line", "damaged_metrics_line" (moelab.train.checkpoint,
+    "not_requeued" (SLURM refused the requeue after it: moelab.launch.executors), "corrupt_checkpoint",
+    "layout_changed", "truncated_metrics_line", "damaged_metrics_line" (moelab.train.checkpoint,
     moelab.contract.stream); "dead_expert" and "overloaded_expert" (moelab.train.health: also layer and expert, and
     the overloaded one's share).
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.contract.status import SLURM_ENDED, slurm_job_state
-from moelab.contract.writes import write_atomic, write_if_possible
+from moelab.contract.writes import write_atomic, write_if_possible, writing
 
 CONFIG = "config.yaml"       # the config the run trains (written before any rank starts)
 METRICS = "metrics.jsonl"    # the event stream (moelab.contract.stream)
@@ -277,16 +277,22 @@ class FolderLock:
         self.acquired = False
 
     def acquire(self) -> "FolderLock":
+        """Take the lock (see the class docstring). A folder that cannot be written (read-only, not ours, full)
+        raises FolderWriteError naming it, and nothing is held."""
+        with writing(self.path / LOCK, left="no lock was taken", then="try again"):
+            return self._acquire()
+
+    def _acquire(self) -> "FolderLock":
         import fcntl
 
         self.acquired = True
         self.path.mkdir(parents=True, exist_ok=True)
         key = str(self.path.resolve())
         if key in _HELD:
-            _HELD[key][1] += 1
-            self.key = key
             if self.role != "submit":  # the submitter trains it itself (inline): say so
                 self._write_owner(_HELD[key][0], {**read_owner(self.path), "role": self.role})
+            _HELD[key][1] += 1
+            self.key = key
             return self
         owner = read_owner(self.path)
         if owner.get("pid") == os.getppid() and owner.get("host") == socket.gethostname() and pid_alive(owner["pid"]):
@@ -324,8 +330,12 @@ class FolderLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "role": self.role, "since": time.time(),
               "job_id": os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
               "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+        try:
+            self._write_owner(fd, me)
+        except OSError:
+            os.close(fd)  # a full disk: the flock goes with the fd, nothing stays held
+            raise
         _HELD[key] = [fd, 1]
-        self._write_owner(fd, me)
         self.key = key
         return self
 

@@ -9,11 +9,14 @@ recorded with `write_if_possible`, which skips silently where the folder cannot 
     append_line("runs/a/metrics.jsonl", b"{...}\\n")
     try: ...
     except FolderWriteError as e: e.cause, e.path, e.need, e.free   # "disk full", ..., 81, 0
+    with writing("runs/a/.lock"): os.open(...)   # any other write (the lock): the same error
+    folder_cause(exc)                            # the OSError a person must fix in an exception's chain, or None
 
 Standard library only (the contract layer).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -27,19 +30,23 @@ CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.
 
 class FolderWriteError(OSError):
     """A write to a run folder failed for a reason a person must fix: `cause` ("disk full", "read-only file
-    system", "permission denied", ...), `path`, `need` (bytes the write needed) and `free` (bytes free there).
+    system", "permission denied", ...), `path`, `need` (bytes the write needed; None: not known) and `free`
+    (bytes free there). `left`: what the failed write left behind; `then`: what to do once the folder can be
+    written (default: resume the run in the folder of `path`).
 
         FolderWriteError(errno.ENOSPC, "runs/a/metrics.jsonl", need=812, free=0)
-        # runs/a/metrics.jsonl: disk full: writing 812 bytes, 0 bytes free there; nothing was changed ...
+        # runs/a/metrics.jsonl: disk full: writing 812 bytes, 0 bytes free there; the file was left as it was ...
     """
 
-    def __init__(self, err: int, path: "str | Path", need: int, free: "int | None" = None):
+    def __init__(self, err: int, path: "str | Path", need: "int | None", free: "int | None" = None,
+                 left: str = "the file was left as it was (no temporary file)", then: "str | None" = None):
         self.cause, self.path, self.need = CAUSES.get(err, os.strerror(err)), Path(path), need
         self.free = free_bytes(self.path) if free is None else free
         fix = "free space" if err in (errno.ENOSPC, errno.EDQUOT) else "make the folder writable"
-        super().__init__(err, f"{self.path}: {self.cause}: writing {need:,} bytes, {self.free:,} bytes free there; "
-                              f"the file was left as it was (no temporary file). {fix.capitalize()}, then "
-                              f"resume the run (`moelab resume {self.path.parent}`)")
+        then = then or f"resume the run (`moelab resume {self.path.parent}`)"
+        size = "" if need is None else f"writing {need:,} bytes, "
+        super().__init__(err, f"{self.path}: {self.cause}: {size}{self.free:,} bytes free there; {left}. "
+                              f"{fix.capitalize()}, then {then}")
 
     def __str__(self) -> str:
         return self.strerror
@@ -57,11 +64,38 @@ def free_bytes(path: "str | Path") -> int:
         return 0
 
 
-def _fail(e: OSError, path: "str | Path", need: int):
+def _fail(e: OSError, path: "str | Path", need: "int | None", **kw):
     """FolderWriteError for the errors a person must fix, else the OSError itself."""
     if e.errno in CAUSES and not isinstance(e, FolderWriteError):
-        raise FolderWriteError(e.errno, path, need) from e
+        raise FolderWriteError(e.errno, path, need, **kw) from e
     raise e
+
+
+@contextlib.contextmanager
+def writing(path: "str | Path", need: "int | None" = None, **kw):
+    """Writes of the block (mkdir, open, write) whose failures a person must fix raise FolderWriteError naming
+    `path` (`kw`: its `left` and `then`); other errors pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        _fail(e, path, need, **kw)
+
+
+def folder_cause(exc: "BaseException | None", errnos=tuple(CAUSES)) -> "OSError | None":
+    """The first OSError with an errno of `errnos` (default: those a person must fix) anywhere in `exc`'s chain:
+    causes, contexts, and the per-rank `failures` of torch.distributed.checkpoint's CheckpointException (where
+    torch's zip writer hides ENOSPC under a RuntimeError "unexpected pos ..."); None when there is none."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in errnos:
+            return e
+        stack += [e.__cause__, e.__context__]
+        stack += [pair[0] if isinstance(pair, tuple) else pair for pair in getattr(e, "failures", {}).values()]
+    return None
 
 
 def write_atomic(path: "str | Path", data: "str | bytes", durable: bool = False) -> None:

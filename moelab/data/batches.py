@@ -5,12 +5,11 @@ Each sample is seq_len + 1 token ids (inputs and shifted targets).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from moelab.config import Config, ConfigError
+from moelab.config.paths import check_path
 
 
 class GeneratedData:
@@ -143,9 +142,7 @@ class TextData(TokenWindows):
 def check_token_file(path: str, dtype: str, vocab: int, seq_len: int, field: str = "data.path") -> np.ndarray:
     """Memory-map a token file after one vectorised scan of all of it: size a whole number of ids, every id
     within [0, vocab). Anything else is a ConfigError naming the field, the value and the fix."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"{field}={path!r}: no such file (a flat file of {dtype} token ids)")
+    file = check_path(field, path, "file", f"give a flat file of {dtype} token ids")
     item = np.dtype(dtype).itemsize
     size = file.stat().st_size
     if size % item:

@@ -29,6 +29,7 @@ from typing import Iterator
 import numpy as np
 
 from moelab.config import Config, ConfigError
+from moelab.config.paths import check_path
 from moelab.data.tokenizer import bpe_vocab_size, check_vocab, load_tokenizer
 
 FORMAT = 1  # bump when the cached files' layout changes
@@ -62,15 +63,13 @@ def corpus_files(spec: str, field: str = "data.path") -> list[Path]:
         files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     else:
         path = Path(spec).expanduser()
-        if path.is_file():
-            files = [path]
-        elif path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        elif glob.has_magic(spec):
+        if glob.has_magic(spec) and not path.exists():
             files = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
-        else:
-            raise ConfigError(f"{field}={spec!r}: no such file or folder; give a text file, a folder, a glob, "
-                              f"or one of the demo corpora: {', '.join(DEMO_CORPORA)}")
+        elif check_path(field, path, "file or folder", f"give a text file, a folder, a glob, or one of the demo "
+                                                       f"corpora: {', '.join(DEMO_CORPORA)}").is_file():
+            files = [path]
+        else:  # a folder: its files of the known suffixes (links to devices or FIFOs are not files)
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     if not files:
         raise ConfigError(f"{field}={spec!r}: the corpus has no files (a folder is searched for "
                           f"{', '.join(TEXT_SUFFIXES)}); point it at text files")
@@ -197,7 +196,8 @@ def prepare_corpus(cfg: Config, progress: bool = True) -> PreparedCorpus:
     val_source = Source(cfg, d.val_path, "data.val_path") if d.val_path else None
     tok_spec = d.tokenizer if d.tokenizer in ("bytes", "bpe") else str(Path(d.tokenizer).expanduser().resolve())
     corpus_key = _digest([FORMAT, d.kind, source.fingerprint, d.text_field, d.val_fraction])
-    root = cache_root(cfg)
+    root = check_path("data.cache_dir", cache_root(cfg), "folder to write", "set data.cache_dir or $MOELAB_CACHE "
+                                                                          "to a writable folder")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:

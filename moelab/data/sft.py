@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import Config, ConfigError
+from moelab.config.paths import check_path
+from moelab.config.yaml_io import read_text
 
 IGNORE_INDEX = -100  # targets left out of the loss (transformers' and torch's convention)
 
@@ -65,10 +67,8 @@ class Example:
 
 def read_records(path: str) -> list[tuple[int, list[dict]]]:
     """(line number, messages) of every non-blank line of a JSON lines file; a ConfigError names a bad line."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"data.path={path!r}: no such file (data.kind='sft' reads a JSON lines file of "
-                          f"{{\"messages\": [...]}} or {{\"prompt\": ..., \"response\": ...}} records)")
+    file = check_path("data.path", path, "file", "data.kind='sft' reads a JSON lines file of {\"messages\": [...]} "
+                                                 "or {\"prompt\": ..., \"response\": ...} records")
     records = []
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
@@ -152,11 +152,8 @@ def load_chat_tokenizer(cfg: Config):
     if not tok.is_fast:
         raise ConfigError(f"data.tokenizer={name!r}: a slow (Python) tokenizer; data.kind='sft' needs a "
                           f"fast one (a tokenizer.json) for its character offsets")
-    if d.chat_template:
-        file = Path(d.chat_template)
-        if not file.is_file():
-            raise ConfigError(f"data.chat_template={d.chat_template!r}: no such file (a jinja chat template)")
-        tok.chat_template = file.read_text(encoding="utf-8")
+    if d.chat_template:  # a few KB: read as a config file is (a regular file, at most 1 MiB)
+        tok.chat_template = read_text(d.chat_template, "data.chat_template", "give a jinja chat template file")
     if not tok.chat_template:
         raise ConfigError(f"data.tokenizer={name!r}: has no chat template, which data.kind='sft' renders "
                           f"chats with; use the checkpoint's tokenizer folder (tokenizer_config.json "

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from moelab.config import Config, ConfigError
+from moelab.config.paths import check_path
 
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]")
 BPE_EOD = "<|endoftext|>"
@@ -54,7 +55,8 @@ class HFTokenizer:
     def __init__(self, path: "str | Path", field: str = "data.tokenizer", eod_token: str | None = None):
         from tokenizers import Tokenizer
 
-        path = Path(path)
+        path = check_path(field, path, "file or folder", "give 'bytes', 'bpe', a tokenizer.json file or a "
+                                                          "folder holding one")
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise ConfigError(f"{field}={str(path)!r}: no tokenizer.json there; give 'bytes', 'bpe', a "

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, ConfigError, load_config
+from moelab.config.paths import check_path
 from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
 from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
@@ -56,9 +57,7 @@ def _dtype(dtype) -> "torch.dtype | None":
 
 
 def _out_folder(out: "str | Path", force: bool) -> Path:
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"out={str(out)!r}: is a file; give a folder to write the checkpoint into")
+    out = check_path("out", out, "folder to write", "give a folder to write the checkpoint into")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise ConfigError(f"out={str(out)!r}: the folder is not empty; give an empty or new folder, or "

@@ -91,7 +91,6 @@ def owned_slices(model: nn.Module):
                 continue
             seen.add(id(t))
             full = f"{mod_name}.{name}" if mod_name else name
-            full = full.replace("_checkpoint_wrapped_module.", "")
             start = 0
             if isinstance(t, DTensor):
                 start, t = shard_start(full, t), t.to_local()

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import zlib
 from pathlib import Path
 from typing import Any
@@ -220,18 +221,53 @@ class TrainJob:
         dist = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                                       overwrite=True)
         _limit_cpu_threads(dist.local_world_size)
-        return train_rank(self.run_dir)
+        try:
+            return train_rank(self.run_dir)
+        except subprocess.CalledProcessError as e:  # from the requeue that the trainer chained to, after its end
+            if not requeue_refused(e):
+                raise
+            return not_requeued(self.run_dir, e)
 
     def checkpoint(self, *args, **kwargs):
         """submitit calls this on preemption or at the time limit (its signal, USR2), from the handler that the
         trainer chains to only after it saved a checkpoint at the step boundary (moelab.train.signals):
-        submitit then requeues this same job, which resumes from that checkpoint."""
+        submitit then requeues this same job, which resumes from that checkpoint. Where SLURM refuses the
+        requeue (JobRequeue=0, --no-requeue), the job ends there: PREEMPTED, resumed by hand (`not_requeued`)."""
         import submitit
 
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"TrainJob({self.run_dir!r})"
+
+
+def requeue_refused(error: BaseException) -> bool:
+    """Is `error` submitit's `scontrol requeue JOB` failing (what SLURM answers where requeueing is off: "Requested
+    operation is presently disabled")?"""
+    cmd = getattr(error, "cmd", None) if isinstance(error, subprocess.CalledProcessError) else None
+    return isinstance(cmd, (list, tuple)) and list(cmd[:2]) == ["scontrol", "requeue"]
+
+
+def not_requeued(run_dir: "str | Path", error: BaseException) -> dict:
+    """After a stop whose requeue SLURM refused: the run has saved its checkpoint and written its end (PREEMPTED),
+    so the job ends cleanly (the scheduler's COMPLETED reads PREEMPTED: moelab.contract.status.reconcile) with a
+    warning event that says why and how to continue. Returns the run's summary."""
+    import sys
+
+    from moelab.contract.events import WarningEvent
+    from moelab.contract.folder import RunFolder, read_json
+    from moelab.contract.stream import append_event, tail_events
+
+    folder = RunFolder(run_dir)
+    ends = tail_events(folder.metrics, kinds=("end",))[0]
+    step = ends[-1].step if ends else None
+    job = " ".join(map(str, error.cmd[2:])) if hasattr(error, "cmd") else "?"
+    message = (f"SLURM refused to requeue job {job} (`{' '.join(map(str, error.cmd))}` failed: requeueing is off "
+               f"on this cluster, JobRequeue=0, or for this job, --no-requeue); the run ends PREEMPTED with its "
+               f"checkpoint at step {step}: continue it with `moelab resume {folder.path}`")
+    print(f"moelab: {message}", file=sys.stderr)
+    append_event(folder.metrics, WarningEvent(step=step, kind="not_requeued", message=message))
+    return read_json(folder.summary) or {}
 
 
 def master_port(job_id: str) -> int:

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 
 import numpy as np
 
+from moelab.config.paths import check_path
 from moelab.live.state import ROUTING_WINDOW, DashState, load_state
 
 MAX_POINTS = 2000  # line charts thin long histories to this many points
@@ -392,7 +393,8 @@ def write_report(run, out: "str | Path | None" = None) -> list[Path]:
     """Write throughput.png, memory.png and routing.png for a run folder (default into FOLDER/report/)."""
     st = _state(run)
     folder = Path(getattr(run, "folder", run)) if not isinstance(run, DashState) else Path(".")
-    out = Path(out) if out is not None else folder / "report"
+    out = check_path("out", out if out is not None else folder / "report", "folder to write",
+                     "give a folder for the PNG files (moelab report RUN --out FOLDER)")
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, fn in (("throughput", plot_throughput), ("memory", plot_memory), ("routing", plot_routing)):

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from moelab.config import Config, ConfigError
+from moelab.config.paths import check_path
 from moelab.contract.events import EvalEvent, Event, StepEvent
 from moelab.contract.stream import JsonlTail, scan_events
 
@@ -173,6 +174,8 @@ def export_run(run_dir: "str | Path", to: str = "tensorboard", out: "str | Path 
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no metrics.jsonl)")
     config = load_config(run_dir / "config.yaml").to_dict() if (run_dir / "config.yaml").is_file() else {}
+    if out:
+        check_path("out", out, "folder to write", f"give a folder for the {to} files (moelab export RUN --out FOLDER)")
     if to == "tensorboard":
         folder = Path(out) if out else run_dir / "tensorboard"
         sink = TensorBoardSink(folder, config)

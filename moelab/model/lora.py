@@ -88,8 +88,7 @@ def target_modules(model: nn.Module, targets: list[str]) -> dict[str, list[tuple
     pipeline stage of one); experts map to (MoE layer, "experts")."""
     found: dict[str, list] = {t: [] for t in targets}
     for block in model.layers.values():
-        block = getattr(block, "_checkpoint_wrapped_module", block)
-        attn = getattr(block.attention, "_checkpoint_wrapped_module", block.attention)
+        attn = block.attention
         for name in ATTENTION_ATTRS:
             if name in found and isinstance(getattr(attn, name, None), nn.Linear):
                 found[name].append((attn, name))

@@ -102,8 +102,9 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()
 
-    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
-        return self.routed(x_BLD, *self.router(x_BLD, ctx.token_mask_BL), loss_scale=ctx.loss_scale)
+    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT, record: dict | None = None) -> torch.Tensor:
+        """`record`: a dict that takes the router's statistics instead of its buffers (Router.forward)."""
+        return self.routed(x_BLD, *self.router(x_BLD, ctx.token_mask_BL, record), loss_scale=ctx.loss_scale)
 
     def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss, loss_scale: float = 1.0) -> torch.Tensor:
         """Everything after the router: dispatch, experts, combine, shared experts (selective recompute reruns

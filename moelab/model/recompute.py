@@ -1,5 +1,14 @@
-"""Selective activation checkpointing (train.activation_checkpointing=selective): recompute a block's cheap
-parts in backward, keep its matmul outputs, and never re-run the router.
+"""Activation checkpointing of a block (train.activation_checkpointing): full and selective recompute.
+
+Full: the whole block runs again in backward from its input. The recomputed forward is side-effect free: the
+router puts its statistics into a record that the checkpointed function returns, and the block adds the real
+forward's record to the router's step statistics once (the recompute's copy is dropped), so routed tokens,
+balance, dead experts and the aux-loss-free bias update see each token once, as without recompute.
+
+    block.recompute = "full"                 # moelab.parallel.place.apply_activation_checkpointing sets it
+    y_BLD = block(x_BLD, cos_LD, sin_LD, ctx)   # same values, gradients and routing statistics as without
+
+Selective: recompute a block's cheap parts in backward, keep its matmul outputs, and never re-run the router.
 
 A block runs as three checkpointed pieces and the router between them:
 
@@ -52,3 +61,15 @@ def selective_forward(block, x_BLD, cos_LD, sin_LD, ctx):
     xn_BLD = _piece(block.ffn_norm, h_BLD)
     route = block.ffn.router(xn_BLD, ctx.token_mask_BL)  # outside any checkpoint: kept, never recomputed
     return h_BLD + _piece(functools.partial(block.ffn.routed, loss_scale=ctx.loss_scale), xn_BLD, *route)
+
+
+def full_forward(block, x_BLD, cos_LD, sin_LD, ctx):
+    """moelab.model.transformer.Block.forward with full recompute (module docstring)."""
+    def body(x_BLD):
+        record = {}  # made inside: the recompute fills a fresh one, which nobody adds
+        return block.compute(x_BLD, cos_LD, sin_LD, ctx, record), record
+
+    y_BLD, record = checkpoint(body, x_BLD, use_reentrant=False, preserve_rng_state=False)
+    if record:  # a dense block records nothing
+        block.ffn.router.add_record(record)
+    return y_BLD

@@ -5,7 +5,9 @@ Shapes: B batch, L sequence, T tokens (B*L), D hidden, E experts, K top-k, P exp
 
 Routing statistics are accumulated in buffers on the device (no host synchronisation); the trainer reads and
 resets them once per optimizer step (``pop_stats``). The expert bias only changes which experts are selected,
-never the combine weights, and is updated after the optimizer step (``update_bias``).
+never the combine weights, and is updated after the optimizer step (``update_bias``). A forward given a `record`
+dict puts its statistics there instead, so that a forward recomputed in backward counts nothing twice
+(moelab.model.recompute adds what the real forward recorded, once: ``add_record``).
 """
 from __future__ import annotations
 
@@ -75,10 +77,12 @@ class Router(nn.Module):
         if self.cfg.init_bias_skew:  # a skewed router for routing experiments (MoEConfig.init_bias_skew)
             self.expert_bias.copy_(self.cfg.init_bias_skew * torch.linspace(1, -1, self.num_experts))
 
-    def forward(self, x_BLD: torch.Tensor, token_mask_BL: torch.Tensor | None = None):
+    def forward(self, x_BLD: torch.Tensor, token_mask_BL: torch.Tensor | None = None, record: dict | None = None):
         """Returns (weights_TK, experts_TK, keep_TK or None, loss) where loss (aux + z) carries gradient.
         `token_mask_BL`: bool, the tokens that count (moelab.backends.full_loss.loss_mask; None: every token); padding
-        stays out of the aux and z losses and the statistics."""
+        stays out of the aux and z losses and the statistics. The call's routing statistics are added to the
+        step's, or put into `record` (detached tensors by name, for ``add_record``): then the call has no side
+        effect."""
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         # Routing in fp32 even inside a bf16 autocast region: near-ties between experts decide the selection.
@@ -105,15 +109,19 @@ class Router(nn.Module):
 
         mask_T = token_mask_BL.reshape(-1) if token_mask_BL is not None else None
         loss = logits_TE.new_zeros(())
+        stats = self._stats(experts_TK, keep_TK, scores_TE.detach(), logits_TE.detach(), mask_T)
         if self.cfg.aux_loss_coeff > 0 and self.training and not self.fake_balanced_gate:
             aux = self._aux_loss(scores_TE, experts_TK, B, L, mask_T)
             loss = loss + self.cfg.aux_loss_coeff * aux
-            self.stat_aux_loss += aux.detach()
+            stats["aux_loss"] = aux.detach()
         if self.cfg.z_loss_coeff > 0 and self.training:
             z = _mean(torch.logsumexp(logits_TE, -1).pow(2), mask_T)
             loss = loss + self.cfg.z_loss_coeff * z
-            self.stat_z_loss += z.detach()
-        self._record(experts_TK, keep_TK, scores_TE.detach(), logits_TE.detach(), mask_T)
+            stats["z_loss"] = z.detach()
+        if record is None:
+            self.add_record(stats)
+        else:
+            record.update(stats)
         return weights_TK.to(x_BLD.dtype), experts_TK, keep_TK, loss
 
     # ------------------------------------------------------------------ selection
@@ -181,19 +189,27 @@ class Router(nn.Module):
         return E * (f_E * mean(probs_TE.mean(0))).sum()
 
     # ------------------------------------------------------------------ statistics
-    def _record(self, experts_TK, keep_TK, scores_TE, logits_TE, mask_T=None):
+    def _stats(self, experts_TK, keep_TK, scores_TE, logits_TE, mask_T=None) -> dict[str, torch.Tensor]:
+        """One call's statistics by stat_* buffer name (without the prefix)."""
         flat = experts_TK.reshape(-1)
         # padding (mask_T false) is counted nowhere: weights 0 for its K assignments
         w = mask_T.repeat_interleave(self.top_k).to(scores_TE.dtype) if mask_T is not None else None
-        self.stat_routed_per_expert += count_ids(flat, self.num_experts, w)
+        stats = {"routed_per_expert": count_ids(flat, self.num_experts, w)}
         if keep_TK is not None:
             kept = keep_TK.reshape(-1)
-            self.stat_dropped += (~kept).sum() if w is None else ((~kept) * w).sum()
+            stats["dropped"] = (~kept).sum() if w is None else ((~kept) * w).sum()
             flat = torch.where(kept, flat, self.num_experts)
-        self.stat_tokens_per_expert += count_ids(flat, self.num_experts + 1, w)[: self.num_experts]
+        stats["tokens_per_expert"] = count_ids(flat, self.num_experts + 1, w)[: self.num_experts]
         p = scores_TE / scores_TE.sum(-1, keepdim=True)
-        self.stat_entropy += _mean(-(p * (p + 1e-20).log()).sum(-1), mask_T)
-        self.stat_logit_norm += _mean(logits_TE.norm(dim=-1), mask_T)
+        stats["entropy"] = _mean(-(p * (p + 1e-20).log()).sum(-1), mask_T)
+        stats["logit_norm"] = _mean(logits_TE.norm(dim=-1), mask_T)
+        return stats
+
+    @torch.no_grad()
+    def add_record(self, record: dict[str, torch.Tensor]) -> None:
+        """Add one call's statistics (a `record` that forward filled) to the step's: once per real forward."""
+        for name, value in record.items():
+            getattr(self, f"stat_{name}").add_(value)
         self.stat_calls += 1
 
     def pop_stats(self) -> dict[str, torch.Tensor]:

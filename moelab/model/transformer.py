@@ -22,7 +22,7 @@ from moelab.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moelab.model.lora import lora_init_std
 from moelab.model.moe import MoE
 from moelab.layout.shapes import layer_window
-from moelab.model.recompute import selective_forward
+from moelab.model.recompute import full_forward, selective_forward
 
 
 def build_attention(cfg: ModelConfig, backend: BackendConfig, index: int) -> nn.Module:
@@ -48,14 +48,22 @@ class Block(nn.Module):
         self.is_moe = index >= cfg.num_dense_layers
         self.ffn = (MoE(cfg.hidden_size, cfg.moe, backend, cfg.hidden_act) if self.is_moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, cfg.hidden_act))
-        self.recompute = None  # "selective": moelab.model.recompute (set by train.activation_checkpointing)
+        # "full" or "selective": moelab.model.recompute (set by train.activation_checkpointing)
+        self.recompute = None
 
     def forward(self, x_BLD, cos_LD, sin_LD, ctx: BatchContext = NO_CONTEXT):
         if self.recompute == "selective":
             return selective_forward(self, x_BLD, cos_LD, sin_LD, ctx)
+        if self.recompute == "full":
+            return full_forward(self, x_BLD, cos_LD, sin_LD, ctx)
+        return self.compute(x_BLD, cos_LD, sin_LD, ctx)
+
+    def compute(self, x_BLD, cos_LD, sin_LD, ctx: BatchContext = NO_CONTEXT, record: dict | None = None):
+        """The block without recompute. `record`: a dict that takes the router's statistics instead of its
+        buffers (Router.forward; moelab.model.recompute.full_forward)."""
         x_BLD = x_BLD + self.attention(self.attention_norm(x_BLD), cos_LD, sin_LD, ctx.documents_BL)
         h_BLD = self.ffn_norm(x_BLD)
-        return x_BLD + (self.ffn(h_BLD, ctx) if self.is_moe else self.ffn(h_BLD))
+        return x_BLD + (self.ffn(h_BLD, ctx, record) if self.is_moe else self.ffn(h_BLD))
 
 
 class MoETransformer(nn.Module):

@@ -215,7 +215,6 @@ def full_state_dict(par: DistributedParallelized) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in par.model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        name = name.replace("_checkpoint_wrapped_module.", "")
         if ep_group is not None and ".experts." in name:
             parts = [torch.empty_like(t) for _ in range(par.layout.ep)]
             dist.all_gather(parts, t.contiguous(), group=ep_group)

@@ -64,8 +64,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes, ignored_params: set | None
     blocks = list(model.layers.values())
     experts: list[nn.Module | None] = []  # each block's experts when they are their own FSDP2 unit
     for i, block in enumerate(blocks):
-        inner = getattr(block, "_checkpoint_wrapped_module", block)
-        unit = inner.ffn.experts if p.ep > 1 and getattr(inner, "is_moe", False) and not ignored_params else None
+        unit = block.ffn.experts if p.ep > 1 and getattr(block, "is_moe", False) and not ignored_params else None
         if unit is not None and not wraps(meshes.efsdp, cfg):
             ignored |= set(unit.parameters())  # plain: the block's unit must not take them in
             unit = None

@@ -130,17 +130,12 @@ def shard_start(name: str, t) -> int:
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:
     """Recompute each block in backward ("full"), or its cheap parts, keeping matmul outputs and the router's
-    choices ("selective": moelab.model.recompute)."""
+    choices ("selective"); either way the routing statistics are counted once (moelab.model.recompute)."""
     mode = cfg.train.activation_checkpointing
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for key, block in list(model.layers.items()):
-        if mode == "full":
-            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            block.recompute = "selective"
+    for block in model.layers.values():
+        block.recompute = mode
 
 
 def apply_compile(model: nn.Module, cfg: Config) -> None:

@@ -34,8 +34,7 @@ REPLICAS = "_moelab_replicas"  # attribute on a parameter: the ranks holding the
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.layers.values()]
-    return [b.ffn.experts for b in blocks if getattr(b, "is_moe", False)]
+    return [b.ffn.experts for b in model.layers.values() if getattr(b, "is_moe", False)]
 
 
 def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, apply_fsdp) -> ExpertGradExchange | None:
@@ -67,8 +66,7 @@ def apply_data_parallel(model: nn.Module, cfg: Config, meshes, device: str, appl
                 setattr(q, REPLICAS, meshes.dense.size())
     exchange = None
     if p.expert_dp == "replicate":
-        named = [(n.replace("_checkpoint_wrapped_module.", ""), q) for n, q in model.named_parameters()
-                 if id(q) in expert_params]
+        named = [(n, q) for n, q in model.named_parameters() if id(q) in expert_params]
         for _, q in named:
             setattr(q, REPLICAS, meshes.efsdp.size())
         exchange = ExpertGradExchange(named, meshes.efsdp.get_group(), cfg.train.expert_grad_compression)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
 from moelab.config.live import check_changes
+from moelab.config.paths import RUN_FOLDER_FIX, check_path
 from moelab.contract.controls import append_request, who as who_is
 from moelab.contract.folder import RunFolder, lock_folder, read_json, write_json
 from moelab.run.controls import live_config, resolve
@@ -100,7 +101,7 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
     from moelab.train.checkpoint import step_dir_name
 
     step, cfg, config_changes, checked = check_fork(parent, step, changes)
-    dest = RunFolder(folder)
+    dest = RunFolder(check_path("folder", folder, "folder to write", RUN_FOLDER_FIX))
     if dest.holds_run():
         raise ConfigError(f"folder={str(dest.path)!r} already holds a run; choose a new folder for the fork")
     with lock_folder(dest.path, "fork"):
@@ -155,7 +156,8 @@ def fork_points(parent, grid: dict, step: int | None = None, folder: "str | Path
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
     for p in points:
         step = check_fork(parent, step, p)[0]  # every point checked first; the step resolved once
-    root = Path(folder) if folder else parent.folder.parent / f"{parent.folder.name}-forks{step}"
+    root = check_path("folder", folder or parent.folder.parent / f"{parent.folder.name}-forks{step}",
+                      "folder to write", RUN_FOLDER_FIX)
     if RunFolder(root).is_sweep():
         raise ConfigError(f"folder={str(root)!r} already holds a sweep; choose a new folder")
     names = [f"{i:02d}-" + ",".join(f"{k.rsplit('.', 1)[-1]}={v:g}" if isinstance(v, float) else

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.config import Config, ConfigError, flatten, load_config
+from moelab.config.paths import RUN_FOLDER_FIX, check_path
 from moelab.launch import warm
 
 
@@ -82,7 +83,7 @@ class Session:
         from moelab.launch.claim import claim_folder
 
         kind, world = validate(executor, nproc, cluster_options, [self._config])
-        path = Path(folder) if folder else _default_folder(self._config.name)
+        path = check_path("folder", folder or _default_folder(self._config.name), "folder to write", RUN_FOLDER_FIX)
         existed = path.exists()
         with claim_folder(path):  # the lock first (moelab.launch.claim); a folder holding a run is refused
             folder = prepare_folder(path, self._config)
@@ -117,7 +118,8 @@ class Session:
         points = [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]
         configs = [load_config(self._config, p) for p in points]  # every point is validated before any submit
         kind, world = validate(executor, nproc, cluster_options, configs)
-        root = Path(folder) if folder else _default_folder(f"{self._config.name}-sweep")
+        root = check_path("folder", folder or _default_folder(f"{self._config.name}-sweep"), "folder to write",
+                          RUN_FOLDER_FIX)
         if RunFolder(root).is_sweep():
             raise ConfigError(f"folder={str(root)!r} already holds a sweep; choose a new folder")
         root.mkdir(parents=True, exist_ok=True)

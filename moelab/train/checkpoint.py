@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ from moelab.config import Config, ConfigError
 from moelab.train import diskspace
 from moelab.train.checkpoint_experts import copy_back, global_experts
 from moelab.contract.stream import rewind_metrics, write_durably
+from moelab.contract.writes import FolderWriteError, folder_cause
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -259,8 +261,10 @@ class Checkpointer:
         layout's moelab.parallel.mesh.Meshes when there is one (needed with expert parallelism). Refused with
         DiskFullError before anything is written when the size estimated from the state dict is more than the
         free space (`check_space=False` skips that check: as where a quota hides the real limit, the save then
-        meets the full disk while writing). A save that fails removes its partial folder; every rank raises
-        DiskFullError when it ran out of space, CheckpointError otherwise; older checkpoints stay intact."""
+        meets the full disk while writing). A save that fails removes its partial folder (where it can; a
+        partial folder is never loaded); every rank raises DiskFullError when it ran out of space,
+        FolderWriteError (moelab.contract.writes, as any write to the run folder) when the folder cannot be
+        written (read-only, not ours), CheckpointError otherwise; older checkpoints stay intact."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -280,14 +284,18 @@ class Checkpointer:
         if refusal:
             raise DiskFullError(refusal)
         error, mine = None, {}
-        try:
-            if self._rank == 0:
+        if self._rank == 0:
+            try:
                 (tmp / "rng").mkdir(parents=True)
-            self._barrier()
+            except OSError as e:  # a read-only folder: every rank hears of it (no rank waits in DCP's collectives)
+                error = e
+        try:
+            if not self._broadcast(error is None):  # also the barrier: the folder exists for every rank
+                raise CheckpointError(f"rank 0 could not create {tmp}")
             with one_process_is_meant(not self._dist):
                 dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
             rng_name = f"rng/rank_{self._rank:05d}.json"
-            (tmp / rng_name).write_text(json.dumps(_rng_state(self.env.device)))
+            write_durably(tmp / rng_name, json.dumps(_rng_state(self.env.device)))
             own_name = f"rank_state/rank_{self._rank:05d}.pt"  # replicated experts' error feedback
             if rank_state:
                 (tmp / "rank_state").mkdir(exist_ok=True)
@@ -296,25 +304,28 @@ class Checkpointer:
             mine = {f: _file_record(tmp / f) for f in _files(tmp)
                     if f.startswith(f"__{self._rank}_") or f in (rng_name, own_name)}
         except (Exception, CheckpointException) as e:
-            error = e
+            error = error or e
         parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
-                              "no_space": diskspace.no_space_error(error)})
+                              "cause": _cause(error)})
         failure = next((p["error"] for p in parts if p["error"]), None)
-        outcome = None  # rank 0: None when saved, else (out of space?, message) for every rank to raise
+        outcome = None  # rank 0: None when saved, else what every rank raises (_failed)
         if self._rank == 0:
             if failure is None:
                 try:
                     self._finish(step, tmp, final, {f: r for p in parts for f, r in p["files"].items()})
                 except Exception as e:
                     error, failure = e, _describe(e)
-                    parts.append({"no_space": diskspace.no_space_error(e)})
+                    parts.append({"cause": _cause(e)})
             if failure is not None:
-                outcome = self._failed(step, tmp, need, failure, any(p["no_space"] for p in parts))
+                outcome = self._failed(step, tmp, need, failure, {p["cause"] for p in parts} - {None})
         outcome = self._broadcast(outcome)
-        if outcome is not None:
-            no_space, message = outcome
-            raise (DiskFullError if no_space else CheckpointError)(message) from error
-        return final
+        if outcome is None:
+            return final
+        kind, message, err, free = outcome
+        if kind == "folder":
+            raise FolderWriteError(err, tmp, need, free=free, left=message,
+                                   then=f"resume the run (`moelab resume {self.run_dir}`)") from error
+        raise (DiskFullError if kind == "disk" else CheckpointError)(message) from error
 
     def _finish(self, step: int, tmp: Path, final: Path, files: dict) -> None:
         """Rank 0: metadata.json (written last: it means "complete"), the rename into place, pruning."""
@@ -333,16 +344,24 @@ class Checkpointer:
         _fsync_dir(self.root)
         self._prune()
 
-    def _failed(self, step: int, tmp: Path, need: int, failure: str, no_space: bool) -> tuple[bool, str]:
-        """Rank 0, after a failed save: remove the partial folder; (out of space?, the message to raise)."""
+    def _failed(self, step: int, tmp: Path, need: int, failure: str, causes: set[int]) -> tuple:
+        """Rank 0, after a failed save whose ranks met the folder errors `causes` (errnos): remove the partial
+        folder; (kind, message, errno, free) for every rank to raise: kind "disk" (DiskFullError), "folder"
+        (FolderWriteError: read-only, not ours; the message says what was left) or "other" (CheckpointError)."""
         written, free = diskspace.folder_bytes(tmp), diskspace.free_bytes(self.root)
-        no_space = no_space or diskspace.left_too_little(need, written, free)
+        no_space = sorted(causes & {errno.ENOSPC, errno.EDQUOT})
+        unwritable = sorted(causes - {errno.ENOSPC, errno.EDQUOT})
+        existed = tmp.exists()
         shutil.rmtree(tmp, ignore_errors=True)
-        if no_space:
-            free = diskspace.free_bytes(self.root)
-            return True, diskspace.disk_full_message(self.root, step, need, free, self.run_dir, tmp)
-        return False, f"checkpoint step {step} could not be saved in {self.root} ({failure}); the partial " \
-                      f"folder {tmp} was removed, older checkpoints are intact"
+        left = (f"the partial checkpoint {tmp} stays (a folder that cannot be removed here; it is never loaded)"
+                if tmp.exists() else f"the partial checkpoint {tmp} was removed" if existed else
+                f"nothing of checkpoint step {step} was written") + "; older checkpoints are intact"
+        free = diskspace.free_bytes(self.root)
+        if no_space or (not unwritable and diskspace.left_too_little(need, written, free)):
+            return "disk", diskspace.disk_full_message(self.root, step, need, free, self.run_dir, tmp), None, free
+        if unwritable:
+            return "folder", left, unwritable[0], free
+        return "other", f"checkpoint step {step} could not be saved in {self.root} ({failure}); {left}", None, free
 
     def _prune(self) -> None:
         complete = [p for p in list_checkpoints(self.run_dir) if (p / "metadata.json").is_file()]
@@ -435,6 +454,12 @@ def lora_base(cfg: Config) -> dict:
     where the config has it) or the random-init seed."""
     init_from = getattr(cfg.train, "init_from", "")
     return {"init_from": init_from} if init_from else {"seed": cfg.train.seed}
+
+
+def _cause(e: "BaseException | None") -> "int | None":
+    """The errno of a folder error (disk full, read-only, not ours: moelab.contract.writes) behind a failed save."""
+    cause = folder_cause(e)
+    return None if cause is None else cause.errno
 
 
 def _describe(e: BaseException) -> str:

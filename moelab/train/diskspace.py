@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.contract.writes import free_bytes  # noqa: F401 - one definition, used here and by checkpoint.py
+from moelab.contract.writes import folder_cause, free_bytes  # noqa: F401 - free_bytes: checkpoint.py's too
 
 # Measured on torch 2.13's FileSystemWriter (tiny preset, 2 layers, 126 tensors: 3.51 MB of tensors, 3.75 MB on
 # disk): each tensor costs ~1.4 kB of container header and .metadata entry; each rank writes ~36 kB of RNG state
@@ -57,17 +57,7 @@ def shortage(need: int, free: int) -> "int | None":
 def no_space_error(exc: "BaseException | None") -> bool:
     """Is ENOSPC / EDQUOT anywhere in `exc`'s chain? (DCP wraps each rank's exception in
     CheckpointException.failures; torch's zip writer raises RuntimeError("unexpected pos ...") over it.)"""
-    seen, stack = set(), [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
-            return True
-        stack += [e.__cause__, e.__context__]
-        stack += [pair[0] if isinstance(pair, tuple) else pair for pair in getattr(e, "failures", {}).values()]
-    return False
+    return folder_cause(exc, _NO_SPACE) is not None
 
 
 def left_too_little(need: int, written: int, free: int) -> bool:

@@ -3,8 +3,11 @@ validation data, and its perplexity, as an ``eval`` event.
 
 The evaluation batches are fixed (moelab.data.batches.eval_batch) and split over the data-parallel ranks exactly
 as training batches are, and the losses are summed through the same weighting as the training loss: the same
-number on every layout. The forward runs without gradient and in eval mode (no router losses); the routing
-statistics it leaves in the routers are discarded, so the next training step reports only its own routing.
+number on every layout. Each micro batch's loss is the training loss: the model's own loss path (backend.loss;
+the fused one never holds the logits), padding and -100 targets left out and the same token mask given to the
+routers (moelab.backends.full_loss.loss_mask). The forward runs without gradient and in eval mode (no router
+losses); the routing statistics it leaves in the routers are discarded, so the next training step reports only
+its own routing.
 
     ev = Evaluator(trainer); ev.run(step=100)     # {"step": 100, "loss": 2.31, "perplexity": 10.1, ...}
 """
@@ -15,8 +18,9 @@ from contextlib import contextmanager
 
 import torch
 
+from moelab.backends.full_loss import loss_mask
 from moelab.data.batches import eval_batch, make_eval_dataset
-from moelab.backends.full_loss import cross_entropy
+from moelab.model.batch_context import BatchContext
 
 
 class Evaluator:
@@ -37,8 +41,7 @@ class Evaluator:
             for b in range(t.eval_batches):
                 for first in rank_micro_batches(tr):
                     batch = eval_batch(self.dataset, tr.cfg, b, first, t.micro_batch_size).to(dev)
-                    logits = inspect_forward(tr, batch[:, :-1])
-                    loss_sum += cross_entropy(logits, par.shard_sequence(batch[:, 1:])).float()
+                    loss_sum += inspect_forward(tr, batch[:, :-1], batch[:, 1:]).float()
         total = par.all_reduce_sum(par.loss_contribution(loss_sum)).item()
         loss = total / (t.eval_batches * tr.micro_per_rank * par.dp_size)
         return {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 700.0)),
@@ -68,9 +71,15 @@ def inspecting(trainer):
             moe.router.pop_stats()
 
 
-def inspect_forward(trainer, inputs_BL: torch.Tensor) -> torch.Tensor:
+def inspect_forward(trainer, inputs_BL: torch.Tensor, targets_BL: torch.Tensor | None = None) -> torch.Tensor:
     """The model's logits for this rank's share (sequence-sharded under CP) of `inputs_BL`, as training computes
-    them (autocast where training uses it)."""
+    them (autocast where training uses it); with `targets_BL`, the mean loss instead, as training computes it
+    (the model's loss path, padding and -100 left out of it and out of routing)."""
     par, dev, dtype = trainer.par, trainer.env.device, trainer.dtype
+    ctx = None
+    if targets_BL is not None:
+        targets_BL = par.shard_sequence(targets_BL)
+        ctx = BatchContext(token_mask_BL=loss_mask(targets_BL, trainer.cfg.model.pad_token_id))
     with torch.autocast(dev.split(":")[0], dtype=dtype, enabled=dtype != torch.float32 and not par.casts_params):
-        return trainer.model(par.shard_sequence(inputs_BL), par.positions(trainer.cfg.train.seq_len, dev))
+        return trainer.model(par.shard_sequence(inputs_BL), par.positions(trainer.cfg.train.seq_len, dev),
+                             targets_BL=targets_BL, ctx=ctx)

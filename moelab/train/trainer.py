@@ -27,7 +27,7 @@ from moelab.parallel.deepep import close_dispatchers
 from moelab.train.preflight import preflight
 from moelab.parallel.env import DistEnv
 from moelab.contract.folder import RunFolder
-from moelab.train.checkpoint import Checkpointer, list_checkpoints
+from moelab.train.checkpoint import Checkpointer, DiskFullError, list_checkpoints
 from moelab.train.controls import Controls, drop_frozen_grads
 from moelab.data.batches import make_dataset, micro_batch
 from moelab.train.evaluate import Evaluator
@@ -40,7 +40,7 @@ from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalE
                                     WarningEvent, parse_event)
 from moelab.contract.folder import write_json
 from moelab.contract.stream import MetricsWriter, append_event, scan_events
-from moelab.contract.writes import write_atomic
+from moelab.contract.writes import FolderWriteError, write_atomic
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
@@ -414,13 +414,16 @@ class Trainer:
         return {**per_rank[0], "max_peak_allocated_gb": max(r[key] for r in per_rank), "per_rank": per_rank}
 
     def _report_error(self, e: BaseException) -> None:
-        """Every rank that fails appends an error event (with its traceback) to the stream."""
+        """Every rank that fails appends an error event (with its traceback) to the stream. A run folder that
+        cannot be written (disk full, read-only: FolderWriteError, DiskFullError) is its message alone, which
+        names the cause, the path and the fix (the traceback stays in the rank's log)."""
         if isinstance(e, (KeyboardInterrupt, SystemExit)):  # SystemExit: submitit requeueing the job
             return
+        folder = isinstance(e, (FolderWriteError, DiskFullError))
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             append_event(self.folder.metrics, ErrorEvent(step=self.step, rank=self.env.rank,
                                                          message=f"{type(e).__name__}: {e}",
-                                                         traceback=traceback.format_exc()))
+                                                         traceback="" if folder else traceback.format_exc()))
         except OSError:
             pass

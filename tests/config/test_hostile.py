@@ -1,7 +1,11 @@
 """Issue 33.5: hostile configs through YAML, `--set` and Session are refused fast with a ConfigError naming the
-field, in one readable line, before anything is submitted (moelab.config.bounds, moelab.config.yaml_io)."""
+field, in one readable line, before anything is submitted (moelab.config.bounds, moelab.config.yaml_io); so are
+data paths and run or output folders that are a FIFO, a device, a folder where a file belongs or a file where a
+folder belongs (moelab.config.paths)."""
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import pytest
@@ -9,6 +13,8 @@ import yaml
 
 from moelab import Session
 from moelab.config import ConfigError, load_config
+from moelab.config.paths import check_path
+from moelab.config.yaml_io import read_text
 
 from support import SMALL_CLI
 from support import moelab_cli as moelab
@@ -100,3 +106,63 @@ def test_a_yaml_files_stem_becomes_a_safe_default_name(tmp_path):
     path = tmp_path / "my run (v2).yaml"
     path.write_text("base: tiny\n")
     assert load_config(path).name == "my-run--v2-"
+
+
+@pytest.fixture
+def odd_paths(tmp_path):
+    """{name: path}: a FIFO, a character device, a link to one, a folder, a regular file, nothing."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file.txt").write_text("some text\n")
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    return {"fifo": tmp_path / "fifo", "device": "/dev/zero", "link to a device": tmp_path / "zero.txt",
+            "folder": tmp_path / "folder", "file": tmp_path / "file.txt", "nothing": tmp_path / "nothing"}
+
+
+def test_a_path_is_taken_only_for_what_it_is(odd_paths):
+    there = {"fifo": "a FIFO (named pipe), not", "device": "a character device, not",
+             "link to a device": "a character device, not", "folder": "a folder, not", "file": "a regular file, not",
+             "nothing": "no such"}
+    accepts = {"file": {"file"}, "folder": {"folder"}, "file or folder": {"file", "folder"},
+               "folder to write": {"folder", "nothing"}}
+    for want, ok in accepts.items():
+        for name, path in odd_paths.items():
+            if name in ok:
+                assert check_path("f.x", path, want, "fix it") == type(path)(path)
+            else:
+                refused(lambda: check_path("f.x", path, want, "fix it"),
+                        rf"^f\.x='{re.escape(str(path))}': {re.escape(there[name])} .*; fix it$")
+    refused(lambda: read_text(odd_paths["fifo"], "data.chat_template", "give a jinja file"),  # never blocks
+            "data.chat_template .* cannot be read .not a regular file.; give a jinja file")
+
+
+@pytest.mark.parametrize("name", ["fifo", "device", "link to a device", "folder", "nothing"])
+def test_data_paths_that_are_no_file_are_refused_before_submission(odd_paths, name, tmp_path):
+    path = str(odd_paths[name])
+    cases = [({"kind": "tokens", "path": path}, "data.path", "give a flat file of uint16 token ids")]
+    if name != "folder":  # a text corpus may be a folder; a tokenizer may be one holding tokenizer.json
+        cases += [({"kind": "text", "path": path}, "data.path", "give a text file, a folder, a glob"),
+                  ({"kind": "text", "path": str(odd_paths["file"]), "tokenizer": path}, "data.tokenizer",
+                   "give 'bytes', 'bpe', a tokenizer.json file")]
+    if name not in ("folder", "nothing"):
+        cases.append(({"kind": "text", "path": str(odd_paths["file"]), "cache_dir": path}, "data.cache_dir",
+                      "set data.cache_dir or .MOELAB_CACHE to a writable folder"))
+    for data, field, fix in cases:
+        session = Session("tiny", data=data, train={"device": "cpu"})
+        refused(lambda: session.submit("inline", folder=tmp_path / "run"),
+                rf"^{field}='{re.escape(path)}': (.*, not|no such) .*; {fix}")
+        assert not (tmp_path / "run").exists()  # refused before the folder was made
+
+
+@pytest.mark.parametrize("name", ["fifo", "device", "link to a device", "file"])
+def test_run_folders_that_are_no_folder_are_refused_with_the_field_and_the_fix(odd_paths, name, tmp_path):
+    path = odd_paths[name]
+    match = rf"^folder='{re.escape(str(path))}': .*, not a folder; give a new folder, or a folder of yours"
+    refused(lambda: Session("tiny", train={"device": "cpu"}).submit("inline", folder=path), match)
+    refused(lambda: Session("tiny", train={"device": "cpu"}).sweep({"train.lr": [1e-3]}, "inline", folder=path),
+            match)
+    if name == "fifo":  # the command line: one line, exit code 2, nothing written
+        out = moelab("run", "tiny", *SMALL_CLI, "--out", path)
+        assert out.returncode == 2 and out.stderr.startswith(f"moelab: config error: folder='{path}': a FIFO")
+        assert len(out.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "file.txt", "folder", "zero.txt"]

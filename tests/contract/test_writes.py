@@ -2,9 +2,8 @@
 gives FolderWriteError (cause, path, bytes needed and free), leaves no temporary file and the files as they
 were; readers of a finished run in a read-only folder work and write nothing.
 
-The disks are real: a small tmpfs (full) and a tmpfs remounted read-only, which need root (the CI machine runs
-tests as root, where chmod would not stop a write). Without root a read-only folder is made with chmod, and the
-full-disk tests are skipped."""
+The disks are real: a small tmpfs (full) and a tmpfs remounted read-only (the `tmpfs` fixture, tests/conftest.py),
+which need root (the CI machine runs tests as root, where chmod would not stop a write); skipped without."""
 from __future__ import annotations
 
 import json
@@ -21,31 +20,6 @@ from moelab.contract.events import EndEvent, StartEvent, StepEvent
 from moelab.contract.folder import RunFolder, write_json
 from moelab.contract.stream import MetricsWriter
 from moelab.contract.writes import FolderWriteError, append_line, write_atomic, write_if_possible
-
-ROOT = os.geteuid() == 0
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(size, ro=False) -> a fresh tmpfs of `size` bytes; unmounted afterwards."""
-    if not ROOT:
-        pytest.skip("mounting a tmpfs (a real full disk) needs root")
-    mounts = []
-
-    def mount(size: int) -> Path:
-        where = tmp_path / f"mnt{len(mounts)}"
-        where.mkdir()
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-        if out.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-        mounts.append(where)
-        return where
-
-    yield mount
-    for where in mounts:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
 
 def fill(folder: Path) -> None:
     """Fill the file system of `folder` up to the last byte."""
@@ -104,13 +78,11 @@ def test_append_line_takes_back_a_line_cut_short_by_a_full_disk(tmpfs):
 
 @pytest.fixture
 def read_only(tmp_path, tmpfs):
-    """make(folder) -> `folder` moved onto a file system remounted read-only (chmod when not root)."""
+    """make(folder) -> `folder` moved onto a file system remounted read-only."""
     def make(folder: Path) -> Path:
         disk = tmpfs(4 << 20)
         subprocess.run(["cp", "-a", str(folder), str(disk)], check=True)
-        out = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
-        if out.returncode:
-            pytest.skip(f"cannot remount read-only: {out.stderr.strip()}")
+        tmpfs.read_only(disk)
         return disk / folder.name
 
     return make

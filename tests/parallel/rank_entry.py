@@ -32,7 +32,7 @@ def placement(model, optimizer) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    clean = lambda n: n.replace("_checkpoint_wrapped_module.", "") or "<root>"  # noqa: E731
+    clean = lambda n: n or "<root>"  # noqa: E731
     names = {id(m): clean(n) for n, m in model.named_modules()}
     units = {}
     for n, m in model.named_modules():

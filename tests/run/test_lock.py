@@ -1,5 +1,6 @@
 """The run folder's writer lock (moelab.contract.folder.FolderLock), with real processes: a second writer is refused
-naming the owner, the lock of a killed owner is taken over, and re-entry in one process is allowed."""
+naming the owner, the lock of a killed owner is taken over, and re-entry in one process is allowed; a folder that
+cannot be written (read-only, full) is the FolderWriteError of any write there, and no lock stays held."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,10 @@ import time
 
 import pytest
 
+from moelab.contract import folder as folder_module
 from moelab.contract.folder import FolderLocked, lock_folder, read_owner
+from moelab.contract.writes import FolderWriteError
+from support import SMALL_CLI, moelab_cli
 
 HOLD = ("import sys, time\nfrom moelab.contract.folder import lock_folder\nlock_folder(sys.argv[1], 'test holder')\n"
         "print('held', flush=True)\ntime.sleep(600)\n")
@@ -159,3 +163,33 @@ def test_a_lock_of_a_slurm_job_is_held_while_the_job_runs_and_stale_once_it_ends
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_read_only_or_full_folder_is_a_folder_write_error_and_no_lock_stays_held(tmpfs):
+    disk = tmpfs(64 * 1024)
+    (disk / "old").mkdir()
+    tmpfs.read_only(disk)
+    for folder in (disk / "old", disk / "new"):  # the lock file, or the folder itself, cannot be made
+        with pytest.raises(FolderWriteError) as e:
+            lock_folder(folder, "inline")
+        assert e.value.cause == "read-only file system" and e.value.path == folder / ".lock"
+        assert str(e.value).endswith("no lock was taken. Make the folder writable, then try again")
+    out = moelab_cli("run", "tiny", *SMALL_CLI, "--steps", "1", "--out", disk / "new")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"moelab: {e.value}"  # one line, as any folder write
+    tmpfs.read_only(disk, on=False)
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # the disk full to its last byte
+    for size in (4096, 1):
+        try:
+            while os.write(fd, b"x" * size) == size:
+                pass
+        except OSError:
+            pass
+    os.close(fd)
+    with pytest.raises(FolderWriteError, match="disk full") as e:
+        lock_folder(disk / "old", "inline")
+    assert e.value.path == disk / "old" / ".lock" and not folder_module._HELD
+    (disk / "filler").unlink()
+    holder = _holder(disk / "old")  # another process takes it: nothing was left held here
+    holder.kill()
+    holder.wait()

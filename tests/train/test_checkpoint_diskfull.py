@@ -1,7 +1,9 @@
 """Disk full while saving a checkpoint, on a real file system that fills up (a small tmpfs; needs root, as CI
 has): the save is refused before writing when the estimate does not fit, and one that runs out of space while
 writing removes its partial folder; either way the error names the folder, the bytes needed and free and the
-fix, older checkpoints stay intact, and the run resumes once space is freed."""
+fix, older checkpoints stay intact, and the run resumes once space is freed. A checkpoints folder that is
+read-only is the FolderWriteError of any other write to the run folder (moelab.contract.writes), an error event
+without a traceback, and nothing that could pass for a checkpoint."""
 from __future__ import annotations
 
 import errno
@@ -18,6 +20,7 @@ from moelab.launch.resume import resume
 from moelab.train import diskspace
 from moelab.train.checkpoint import DiskFullError, list_checkpoints, verify
 from moelab.contract.stream import read_events, write_durably
+from moelab.contract.writes import FolderWriteError, append_line
 from moelab.train.trainer import Trainer
 
 # ~3.75 MB per checkpoint (1.17 MB of weights, twice that of AdamW moments)
@@ -160,3 +163,32 @@ def test_two_ranks_refuse_together_and_resume_once_space_is_freed(small_disk):
     resize("20m")
     assert resume(run).wait().summary()["status"] == "COMPLETED"
     assert sorted(_steps(run)) == [1, 2, 3, 4]
+
+
+def test_a_read_only_checkpoints_folder_fails_as_any_folder_write_and_resume_works_after(tmpfs, tmp_path):
+    baseline = tmp_path / "baseline"
+    assert Trainer(_cfg(), baseline).run()["status"] == "COMPLETED"
+    disk = tmpfs(8 << 20)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(disk)  # the run folder writable, its checkpoints read-only
+    tmpfs.read_only(disk)
+    with pytest.raises(FolderWriteError) as saved:
+        Trainer(_cfg(), run).run()
+    with pytest.raises(FolderWriteError) as appended:  # what a metrics write there says
+        append_line(disk / "metrics.jsonl", b"{}\n")
+    shape = re.compile(r"(\S+): read-only file system: writing [\d,]+ bytes, [\d,]+ bytes free there; (.+)\. "
+                       r"Make the folder writable, then resume the run \(`moelab resume (\S+)`\)")
+    got, metrics = shape.fullmatch(str(saved.value)), shape.fullmatch(str(appended.value))
+    assert got and metrics, (str(saved.value), str(appended.value))
+    assert got.groups() == (str(run / "checkpoints/.step_000002.tmp"),
+                            "nothing of checkpoint step 2 was written; older checkpoints are intact", str(run))
+    assert saved.value.cause == appended.value.cause == "read-only file system"
+    error = read_events(run / "metrics.jsonl")[-1]
+    assert error["event"] == "error" and error["step"] == 2
+    assert error["message"] == f"FolderWriteError: {saved.value}" and error["traceback"] == ""
+    assert list(disk.iterdir()) == [] and list_checkpoints(run) == []
+    tmpfs.read_only(disk, on=False)  # writable again
+    assert resume(run).wait().summary()["status"] == "COMPLETED"
+    assert _steps(run) == _steps(baseline)
+    assert [p.name for p in list_checkpoints(run)] == ["step_000004"]

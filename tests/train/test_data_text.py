@@ -120,7 +120,7 @@ def test_the_stdlib_demo_corpus_needs_no_download():
     (["data.path=BADJSON"], "is not valid JSON"),
     (["data.text_field=body"], "data.text_field='body'"),
     (["data.tokenizer=bpe", "data.bpe_vocab_size=1024"], "its vocabulary has 1024 ids but model.vocab_size=256"),
-    (["data.tokenizer=/no/tokenizer"], "no tokenizer.json there"),
+    (["data.tokenizer=/no/tokenizer"], "data.tokenizer='/no/tokenizer': no such file or folder; give 'bytes'"),
     (["data.val_fraction=0.01"], "data.val_fraction=0.01: the validation split has no documents"),
     (["data.val_path=EMPTY"], "data.val_path="),
     (["train.seq_len=100000"], "fewer than train.seq_len"),

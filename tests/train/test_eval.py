@@ -1,16 +1,21 @@
 """Held-out evaluation and expert-token records in the trainer: eval events at every train.eval_every steps and
-the last, a falling eval loss on real text, no effect on training, exactly once per step after a resume."""
+the last, a falling eval loss on real text, no effect on training, exactly once per step after a resume; the eval
+loss is the training loss (padding left out, the model's fused loss path)."""
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from moelab.backends.full_loss import cross_entropy
 from moelab.config import load_config
+from moelab.data.batches import eval_batch, make_eval_dataset
 from moelab.run import Run
 from moelab.train.checkpoint import latest_checkpoint
 from moelab.train.expert_tokens import expert_token_table, plot_expert_tokens, read_expert_tokens
 from moelab.contract.stream import read_events
+from moelab.train.evaluate import rank_micro_batches
 from moelab.train.trainer import Trainer
 
 SMALL = {"model.num_layers": 2, "train.seq_len": 32, "train.global_batch_size": 4, "train.micro_batch_size": 2,
@@ -79,3 +84,35 @@ def test_eval_events_appear_once_per_step_after_a_resume(tmp_path):
     assert [e["step"] for e in cut] == [2, 4, 6, 8]
     assert [e["loss"] for e in cut] == pytest.approx([e["loss"] for e in full], abs=1e-6)
     assert summary["first_eval_loss"] == cut[0]["loss"]
+
+
+def test_eval_loss_is_the_training_loss_with_padding_left_out(tmp_path):
+    base = load_config("tiny", {**SMALL, "train.steps": 1, "train.eval_every": 1, "train.eval_batches": 2})
+    # the pad id: the commonest target of the held-out batches, so that padding weighs in the loss
+    targets = torch.cat([eval_batch(make_eval_dataset(base), base, b, 0, 4)[:, 1:] for b in range(2)])
+    pad = int(targets.flatten().mode().values)
+    cfg = base.replace(**{"model.pad_token_id": pad})
+    tr = Trainer(cfg, tmp_path / "run")
+    tr.setup()
+    got = tr.evaluator.run(step=0)["loss"]
+    masked, unmasked = [], []  # the training loss function on the full logits, and the loss with pads counted
+    tr.model.eval()
+    with torch.no_grad():
+        for b in range(2):
+            for first in rank_micro_batches(tr):
+                batch = eval_batch(tr.evaluator.dataset, cfg, b, first, 2)
+                logits = tr.model(batch[:, :-1])
+                masked.append(float(cross_entropy(logits, batch[:, 1:], pad_token_id=pad)))
+                unmasked.append(float(cross_entropy(logits, batch[:, 1:])))
+    assert got == pytest.approx(sum(masked) / len(masked), rel=1e-5)
+    assert abs(got - sum(unmasked) / len(unmasked)) > 1e-4 * got  # the pads would weigh: 10x the tolerance
+
+
+def test_evaluation_never_holds_the_logits_with_the_fused_loss(tmp_path, monkeypatch):
+    tr = Trainer(load_config("tiny", {**SMALL, "train.steps": 1, "train.eval_every": 1}), tmp_path / "run")
+    tr.setup()
+    assert tr.model.loss_kind == "chunked"
+    shapes = []
+    monkeypatch.setattr(tr.model.output, "forward", lambda h: shapes.append(h.shape) or h)
+    tr.evaluator.run(step=0)
+    assert shapes == []  # the head ran inside the chunked loss, never over the whole hidden states
