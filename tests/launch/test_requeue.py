@@ -46,11 +46,14 @@ def reference(tmp_path_factory, small_session):
 
 
 def _release_when_requeued(job_id: str) -> None:
-    """SLURM holds a requeued job back (BeginTime about two minutes ahead); let the test cluster start it now."""
+    """SLURM holds a requeued job back (BeginTime about two minutes ahead); let the test cluster start it soon.
+    Not within the second of the requeue: slurmd refuses a start whose credential is no newer than the killed
+    attempt's revocation ("Job credential revoked"), and the job then ends FAILED."""
     end = time.monotonic() + WAIT_S
     while time.monotonic() < end:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
         if out.startswith("PENDING"):
+            time.sleep(2.0)
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
             return
         time.sleep(0.2)
