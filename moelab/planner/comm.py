@@ -126,7 +126,7 @@ def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last
                m: int, rank: int = 0) -> list[FSDPUnit]:
     """The FSDP2 units of a pipeline rank holding blocks `moe_layers` (True: MoE), the embedding when `first`, the
     LM head when `last` (moelab.parallel.fsdp.apply_fsdp; one-rank meshes left plain by
-    moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, at FSDP2's default)."""
+    moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, resharding by parallel.expert_reshard_after_forward)."""
     from moelab.layout.dims import fsdp_wraps
 
     dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
@@ -151,7 +151,7 @@ def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last
         add("root", 1, pieces.embedding * first + pieces.head * last, shard, "root", False)
     n_moe = sum(moe_layers)
     if experts_own and n_moe:
-        policy = "always" if p.data_parallel == "ddp" else p.expert_reshard_after_forward
+        policy = p.expert_reshard_after_forward  # DDP runs too (their experts are units of their own)
         ends_moe = moe_layers[-1]
         twice = p.ep_overlap
         add("experts", n_moe - ends_moe, pieces.moe_experts // p.ep, efsdp, policy, False, twice)
