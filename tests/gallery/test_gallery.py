@@ -1,13 +1,12 @@
 """The benchmark gallery: entries match the reference table, the report renders and marks what was not run,
 `gallery run` refuses what the hardware cannot do and runs a CPU entry end to end."""
 import json
-import shutil
 
 import pytest
 import torch
 
 from moelab.cli import main
-from moelab.gallery import (RESULT_FIELDS, GalleryError, default_root, get_entry, load_entries, render_report,
+from moelab.gallery import (RESULT_FIELDS, GalleryError, get_entry, load_entries, render_report,
                             run_entry)
 from moelab.planner.plan import plan
 from moelab.presets import preset_names
@@ -22,15 +21,6 @@ REFERENCE = {
     "gpt-oss-20b-8gpu": (8, 256, "[1,1,1,-,-,8]", "TE + DeepEP + FlexAttn", 279, 13058),
     "gpt-oss-120b-64gpu": (64, 512, "[1,1,1,-,-,64]", "TE + DeepEP + FlexAttn", 231, 7626),
 }
-
-
-@pytest.fixture
-def gallery(tmp_path):
-    """A copy of the gallery's entries with an empty results folder."""
-    root = tmp_path / "gallery"
-    shutil.copytree(default_root() / "entries", root / "entries")
-    (root / "results").mkdir()
-    return root
 
 
 def test_entries_match_the_reference_table():

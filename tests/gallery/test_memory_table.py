@@ -5,8 +5,6 @@ loss, FP8 recipe, compile flag, router and overrides, not its entry's settings o
 import json
 import shutil
 
-import pytest
-
 from moelab.gallery import MEMORY_TARGET, default_root, load_entries, load_results, render_report
 from moelab.gallery_records import rebuild_config
 
@@ -52,14 +50,6 @@ BASE = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "gpus": 1, "g
         "seq_len": 4096, "dtype": "bfloat16", "param_dtype": "bfloat16", "compile": True, "fp8": "off",
         "router": "learned", "loss": "chunked", "command": "synthetic", "commit": "abc",
         "date": "2026-12-02T00:00:00Z"}
-
-
-@pytest.fixture
-def gallery(tmp_path):
-    root = tmp_path / "gallery"
-    shutil.copytree(default_root() / "entries", root / "entries")
-    (root / "results").mkdir()
-    return root
 
 
 def _render(gallery, records: dict) -> dict:

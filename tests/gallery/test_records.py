@@ -2,20 +2,9 @@
 current record per system and workload, an entry's row says when its record ran other settings, and the router
 sweep's table renders from its records."""
 import json
-import shutil
 
-import pytest
-
-from moelab.gallery import default_root, get_entry, load_entries, render_report
+from moelab.gallery import get_entry, load_entries, render_report
 from moelab.gallery_records import RouterOf, before_fix, current_best, router_of
-
-
-@pytest.fixture
-def gallery(tmp_path):
-    root = tmp_path / "gallery"
-    shutil.copytree(default_root() / "entries", root / "entries")
-    (root / "results").mkdir()
-    return root
 
 
 def _rec(system="moelab", workload="qwen3-moe-30b-a3b-proxy", **kw):
