@@ -53,6 +53,21 @@ def dispatch_ranks_per_token(moe, ep: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- FSDP2
+def wrapped(cfg: Config, p, shard: int, efsdp: int) -> tuple[bool, bool]:
+    """(dense weights, experts) wrapped by FSDP2 (DTensors gathered per unit), as moelab.parallel.fsdp does it;
+    `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh."""
+    from moelab.layout.dims import fsdp_wraps
+
+    dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
+    if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
+        experts_on = p.expert_dp == "fsdp" and efsdp > 1
+    elif p.ep == 1:  # the experts are part of their block's unit
+        experts_on = p.expert_dp == "fsdp" and dense_on
+    else:  # their own unit on the expert-FSDP mesh
+        experts_on = p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
+    return dense_on, experts_on
+
+
 @dataclass(frozen=True)
 class FSDPUnit:
     """One kind of FSDP2 unit on a pipeline rank (moelab.parallel.fsdp wraps it), and how often the schedule
@@ -127,13 +142,8 @@ def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last
     """The FSDP2 units of a pipeline rank holding blocks `moe_layers` (True: MoE), the embedding when `first`, the
     LM head when `last` (moelab.parallel.fsdp.apply_fsdp; one-rank meshes left plain by
     moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, resharding by parallel.expert_reshard_after_forward)."""
-    from moelab.layout.dims import fsdp_wraps
-
-    dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
-    if p.data_parallel == "ddp":
-        experts_own = p.expert_dp == "fsdp" and efsdp > 1
-    else:
-        experts_own = p.ep > 1 and p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
+    dense_on, experts_on = wrapped(cfg, p, shard, efsdp)
+    experts_own = experts_on and (p.ep > 1 or p.data_parallel == "ddp")  # a unit of their own
     in_block = p.ep == 1 and p.expert_dp == "fsdp"  # the experts are part of their block's unit
     size = [(pieces.moe_layer - (0 if in_block else pieces.moe_experts) if moe else pieces.dense_layer)
             for moe in moe_layers]

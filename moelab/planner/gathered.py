@@ -21,20 +21,8 @@ which also counts their collectives) keep gathered or unsharded.
 from __future__ import annotations
 
 from moelab.config import Config
-from moelab.layout.dims import fsdp_wraps, grad_sync, reshard_after_forward
-
-
-def wrapped(cfg: Config, p, shard: int, efsdp: int) -> tuple[bool, bool]:
-    """(dense weights, experts) wrapped by FSDP2 (DTensors gathered per unit), as moelab.parallel.fsdp does it;
-    `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh."""
-    dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
-    if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
-        experts_on = p.expert_dp == "fsdp" and efsdp > 1
-    elif p.ep == 1:  # the experts are part of their block's unit
-        experts_on = p.expert_dp == "fsdp" and dense_on
-    else:  # their own unit on the expert-FSDP mesh
-        experts_on = p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
-    return dense_on, experts_on
+from moelab.layout.dims import grad_sync, reshard_after_forward
+from moelab.planner.comm import wrapped
 
 
 def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg: Config, p, shard: int,

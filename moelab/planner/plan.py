@@ -44,13 +44,13 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
 from moelab.layout.dims import ParallelDims, grad_sync
-from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token, fsdp_traffic, fsdp_units
+from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token, fsdp_traffic, fsdp_units, wrapped
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.fp8 import fp8_cache_bytes
-from moelab.planner.gathered import gathered_params, held_unsharded, wrapped
+from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
