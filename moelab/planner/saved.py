@@ -9,8 +9,9 @@ laid out [B, L, H, Dv], so the output projection reads it without a copy.
 
 Eager (every op keeps what its backward formula reads):
 - RMSNorm keeps its fp32 upcast and the normalised value before the weight (D x (4 + a)); its output is kept by
-  the matmuls that read it (attention: q/k/v, MLA's latents; FFN: a dense or shared-expert MLP; not the router,
-  which keeps its own fp32 copy, nor the routed rows, gathered by index).
+  the matmuls that read it (attention: q/k/v, MLA's latents; FFN: a dense or shared-expert MLP, and the router, which
+  keeps it in the stream's dtype: an fp32 stream's value, not autocast's bf16 copy; not the routed rows, gathered
+  by index).
 - GQA: q/k norms as RMSNorm (Qwen3), the kernel's q, k, v, output and LSE; sinks (GPT-OSS) scale the output by an
   fp32 sigmoid, so the output projection reads a new tensor. MLA: the q and kv latent norms, the kernel's q and k
   (concatenated nope | rope parts), the whole kv_b projection (v is a view of it), the output and LSE.
@@ -25,8 +26,8 @@ Compiled (inductor's min-cut partitioner: pointwise work is recomputed in backwa
 kept): the block input, the normalised inputs of matmuls, the residual before the FFN norm, q/k before their
 norms, MLA's latents before and after their norms, the kernel's q, k, v (MLA: the kv_b projection) and output
 (sinks: the scaled output too), gate|up and the activation's output (the down projection's input), the routed
-rows and, with a learned router, the expert output for the routing weights' gradient; the router's fp32 input
-and scores. Expert parallelism's exchanges run outside the compiled graph (host split sizes): the two
+rows and, with a learned router, the expert output for the routing weights' gradient; the router's scores
+(its input recomputed from the kept residual). Expert parallelism's exchanges run outside the compiled graph (host split sizes): the two
 index_copy sources of the way back are kept eagerly.
 Context parallelism (sdpa): each query chunk's kernel keeps the gathered keys and values up to its end, repeated
 to every query head, and the two chunk outputs are concatenated (a second copy of the output).
@@ -136,7 +137,10 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
     K, E, F = k.top_k, k.num_experts, k.expert_ffn_size
     shared, shared_mlp = k.num_shared_experts * F, bool(k.num_shared_experts) and trained("shared_experts")
     learned, experts_in = not cfg.backend.fake_balanced_gate, trained("experts")
-    router = (4 * D if trained("router") else 0)  # the fp32 input of a router that trains
+    # the input of a router that trains, in the stream's dtype (moelab.model.router.router_logits); none extra where
+    # the stream is in the compute dtype and either a shared expert's matmul keeps the same tensor or inductor
+    # recomputes it from the kept residual (an fp32 stream under autocast: the router keeps its own fp32 value)
+    router = r * D if trained("router") and not (r == a and (shared_mlp or compiled)) else 0
     rows = K * a * (2 * F + (D + F) * experts_in)  # gate|up; routed rows and the down projection's input
     back = K * a * D * (learned + (2 if compiled else 1) * (cfg.parallel.ep > 1))  # routing weights' grad; EP
     if compiled:

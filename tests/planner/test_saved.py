@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import moelab.model.experts as experts_module
+import moelab.model.router as router_module
 from moelab.config import load_config
 from moelab.model.layers import rope_cos_sin
 from moelab.model.transformer import Block
@@ -41,6 +42,8 @@ def _kept_bytes(out: torch.Tensor, exclude: set) -> int:
                 tensors += [value] if isinstance(value, torch.Tensor) else \
                     [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
         for t in tensors:
+            if t is None:  # an operand a Function keeps only for a gradient nobody needs
+                continue
             storage = t.untyped_storage()
             if storage.data_ptr() not in exclude:
                 seen[storage.data_ptr()] = storage.nbytes()
@@ -72,10 +75,23 @@ def _block_kept(cfg, index: int, compiled: bool) -> int:
     return _kept_bytes(out, exclude)
 
 
+@torch.library.custom_op("moelab_test::mm_f32", mutates_args=())
+def _mm_f32_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.float() @ b.float()
+
+
+@_mm_f32_op.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
+
+
 @pytest.fixture
 def grouped_mm_in_bf16(monkeypatch):
-    """The GPU path of the routed experts (torch._grouped_mm in bf16), which torch also runs on CPU."""
+    """The GPU paths: the routed experts' torch._grouped_mm in bf16 (torch also runs it on CPU) and the router's
+    one-op fp32-output GEMM of bf16 operands (torch.mm's out_dtype, CUDA only; here an opaque op, so that the
+    partitioner sees no fp32 upcast to keep)."""
     monkeypatch.setattr(experts_module, "grouped_mm_supported", lambda x, *dims: True)
+    monkeypatch.setattr(router_module, "_mm_f32", _mm_f32_op)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
