@@ -195,8 +195,10 @@ def bench_losses(tr, b, args, out: Path) -> None:
     it divides; a loss whose package is missing gets an error record saying so."""
     from moelab.backends import check_backends
 
-    first_mbs = tr.cfg.train.micro_batch_size
-    for loss in args.losses.split(","):
+    first_mbs, first_chunk = tr.cfg.train.micro_batch_size, tr.model.loss_chunk_tokens
+    for spec in args.losses.split(","):
+        loss, _, chunk = spec.partition("@")
+        tr.model.loss_chunk_tokens = tr.cfg.backend.loss_chunk_tokens = int(chunk) if chunk else first_chunk
         set_micro_batch(tr, first_mbs)  # the config as built, for the switchboard's check
         try:
             kind = check_backends(tr.cfg.replace(**{"backend.loss": loss}), tr.env.device)["loss"]
@@ -211,9 +213,10 @@ def bench_losses(tr, b, args, out: Path) -> None:
             set_micro_batch(tr, mbs)
             gbs_list = ",".join(g for g in args.gbs.split(",") if int(g) % mbs == 0)
             if gbs_list:
-                bench_mode(tr, b, args, "off", out, tag=f"bf16-loss{loss}-mbs{mbs}", profile=False,
-                           gbs_list=gbs_list)
+                bench_mode(tr, b, args, "off", out, tag=f"bf16-loss{loss}{chunk and '-chunk' + chunk}-mbs{mbs}",
+                           profile=False, gbs_list=gbs_list)
     set_micro_batch(tr, first_mbs)
+    tr.model.loss_chunk_tokens = tr.cfg.backend.loss_chunk_tokens = first_chunk
     tr.model.loss_kind = tr.cfg.backend.loss
 
 
@@ -244,7 +247,7 @@ def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profil
             traceback.print_exc()
             rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         (out / f"moelab-{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-        if args.profile and profile and gbs == 2 and "error" not in rec:
+        if args.profile and profile and str(gbs) in args.profile_gbs.split(",") and "error" not in rec:
             try:
                 prof = {**base_record(tr, b, args, mode), "variant": f"profile-{name}",
                         "global_batch_size": gbs, **profile_step(b)}
@@ -345,11 +348,13 @@ def main(argv=None):
             p.add_argument("--steps", type=int, default=6)
             p.add_argument("--warmup", type=int, default=3)
             p.add_argument("--profile", action="store_true")
+            p.add_argument("--profile-gbs", default="2", help="the global batches --profile profiles, e.g. 2,16")
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
-                           help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce")
+                           help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "
+                                "chunked@2048: the chunked loss at backend.loss_chunk_tokens=2048")
             p.add_argument("--mbs", default=None, help="micro batches of --losses, e.g. 2,4 (default the config's)")
         else:
             p.add_argument("--steps", type=int, default=300)

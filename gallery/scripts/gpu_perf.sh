@@ -3,8 +3,10 @@
 # proxy, seq 4096, micro batch 2, learned router, bf16 parameters, fused AdamW), same harness and FLOPs convention.
 # Carry .whl (gallery/scripts/carry_wheels.sh downloads it). Parts run in priority order, each behind `timeout`;
 # a part that no longer fits in the call's budget (BUDGET_S, default 500 s) is skipped and says so.
-#   PARITY_MODES=off,rowwise  FP8_GBS=16,2
+#   PARITY_MODES=off,rowwise  FP8_GBS=16,2  BF16_GBS=2,16  LOSS_GBS=2,16  PROFILE_GBS=2 (moelab's profiled batches)
+#   FP8_PROFILE_GBS=16 (profile the FP8 step too)  TRITON_GBS=2 (also time the other AdamW kernel at these batches)
 #   PARTS="tt-compile tt-blocks moelab moelab-loss parity moelab-fp8"   (default: all, in this order)
+#     check       the router's bf16 logits and the chunked loss against their references, timed (gpu_check_router_loss.py)
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS
@@ -63,9 +65,11 @@ if [ -z "${DRY_RUN:-}" ]; then
   part tt-blocks 90 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode blocks \
     --global-batch 2,16 --json $R/torchtitan-compile-blocks-gbs{gbs}.json
 fi
-part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 --profile \
-  --triton-adamw --triton-gbs ${TRITON_GBS:-2} $DRY
-part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs 2,16 \
+part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
+TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
+part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
+  --profile-gbs ${PROFILE_GBS:-2} $TRITON $DRY
+part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \
   --losses ${LOSSES:-chunked,full,liger,cce} --mbs ${LOSS_MBS:-2,4} --steps 4 --warmup 2 $DRY
 # parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
 # depend on it), each under its own timeout so that neither outlives the part
@@ -73,7 +77,8 @@ PAR="timeout -k 5 85 python3 gallery/scripts/gpu_perf.py parity --out $R --steps
 part parity 95 bash -c "for m in ${PARITY_MODES//,/ }; do $PAR \$m > $L/parity-\$m.log 2>&1 & done; wait; \
   cat $L/parity-*.log"
 # FP8 at global batch 16 first (its record is written before 2 starts, so a timeout keeps it)
-part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} $DRY
+part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} \
+  ${FP8_PROFILE_GBS:+--profile --profile-gbs $FP8_PROFILE_GBS} $DRY
 part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
@@ -83,6 +88,6 @@ if [ -z "${DRY_RUN:-}" ]; then
   part hf 70 python3 gallery/peers/hf_transformers.py $PEER --experts grouped_mm --global-batch 2 \
     --json $R/hf-transformers-grouped_mm-gbs{gbs}.json
 fi
-grep -h "^profile\|^  " $L/moelab.log 2>/dev/null | head -24
+grep -h "^profile\|^  " $L/moelab.log $L/moelab-fp8.log 2>/dev/null | head -60
 echo "[$(el)s] done"
 python3 gallery/scripts/gpu_perf.py table $R

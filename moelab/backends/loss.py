@@ -38,8 +38,10 @@ def _logits_grad(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor
     valid_C = targets_C != IGNORE_INDEX
     index_C1 = targets_C.clamp(min=0).unsqueeze(1)
     loss = ((lse_C - logits_CV.gather(1, index_C1).squeeze(1)) * valid_C).sum()
-    d_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))
-    d_CV = d_CV.scatter_add(1, index_C1, torch.full_like(index_C1, -1.0, dtype=d_CV.dtype))
+    # softmax - one-hot as one elementwise expression (a compare with the column index, not a scatter into an
+    # fp32 copy): compiled, inductor writes d in the compute dtype in one pass over the logits
+    onehot_CV = torch.arange(logits_CV.shape[1], device=logits_CV.device) == index_C1
+    d_CV = torch.exp(logits_CV - lse_C.unsqueeze(1)) - onehot_CV.to(logits_CV.dtype)
     return loss, (d_CV * (valid_C * scale).unsqueeze(1)).to(h_CD.dtype)
 
 
@@ -55,6 +57,16 @@ def _logits_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, targets_C: torch.Tensor
 def _compiled(fn):
     # built on first use: importing torch's compiler costs seconds, which runs that never compile should not pay
     return torch.compile(fn, dynamic=False)
+
+
+def _weight_grad(d_CV: torch.Tensor, h_CD: torch.Tensor) -> torch.Tensor:
+    """d^T h in fp32: the first chunk's term writes the accumulator (no zeros to read back)."""
+    if d_CV.is_cuda and d_CV.dtype != torch.float32:
+        try:
+            return torch.mm(d_CV.t(), h_CD, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=)
+            pass
+    return (d_CV.t() @ h_CD).float()
 
 
 def _add_weight_grad(dw_VD: torch.Tensor, d_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
@@ -88,13 +100,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = 1.0 / count.clamp(min=1).float()
         loss = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         dh_TD = torch.empty(h_TD.shape, dtype=dtype, device=h_TD.device)
-        dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+        dw_VD = None
         for s in range(0, T, chunk):
             h_CD = h_TD[s:s + chunk].to(dtype)
             loss_c, d_CV = step(h_CD, w_c, targets_T[s:s + chunk], scale)
             loss += loss_c
             torch.mm(d_CV, w_c, out=dh_TD[s:s + chunk])
-            _add_weight_grad(dw_VD, d_CV, h_CD)
+            if dw_VD is None:
+                dw_VD = _weight_grad(d_CV, h_CD)
+            else:
+                _add_weight_grad(dw_VD, d_CV, h_CD)
             del d_CV
         # kept in the dtypes autograd hands them back in: a bf16 head's gradient needs no fp32 copy until backward
         ctx.dh_TD, ctx.dw_VD = dh_TD.to(h_TD.dtype), dw_VD.to(w_VD.dtype)
@@ -104,7 +119,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dh_TD, dw_VD = ctx.dh_TD, ctx.dw_VD
         del ctx.dh_TD, ctx.dw_VD
-        return dh_TD * grad_loss.to(dh_TD.dtype), dw_VD * grad_loss.to(dw_VD.dtype), None, None, None, None
+        # scaled in place: nothing else holds them, and a second [V, D] copy would sit next to the activations
+        return dh_TD.mul_(grad_loss.to(dh_TD.dtype)), dw_VD.mul_(grad_loss.to(dw_VD.dtype)), None, None, None, None
 
 
 def chunked_loss_no_grad(h_TD, w_VD, targets_T, chunk: int, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
