@@ -39,13 +39,21 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
 
 
+def _split_bf16(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 g as hi + lo in bf16: hi = g with its low 16 bits cleared (exact in bf16), lo = g - hi (exact in fp32,
+    rounded once): 16 significant bits, relative error about 2**-16. Bits are cleared, not rounded through bf16 and
+    back: inductor may keep such a round trip in fp32, and lo would be zero."""
+    hi = (g.contiguous().view(torch.int32) & -65536).view(torch.float32)
+    return hi.to(torch.bfloat16), (g - hi).to(torch.bfloat16)
+
+
 def _grad_mm(g: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
-    """g @ b for an fp32 gradient g and a bf16 b at about fp32 accuracy. `split` (CUDA): g as the sum of two bf16
-    terms (hi + lo: 16 significant bits, relative error about 2**-17) through two bf16 GEMMs; else g @ b in fp32."""
+    """g @ b for an fp32 gradient g and a bf16 b at about fp32 accuracy: `split` (CUDA) through two bf16 GEMMs of
+    g's two bf16 terms (_split_bf16), else in fp32."""
     if not split:
         return g @ b.float()
-    hi = g.to(torch.bfloat16)
-    return _mm_f32(hi, b) + _mm_f32((g - hi.float()).to(torch.bfloat16), b)
+    hi, lo = _split_bf16(g)
+    return _mm_f32(hi, b) + _mm_f32(lo, b)
 
 
 class _Bf16Logits(torch.autograd.Function):

@@ -3,7 +3,7 @@ gradients, keep x in bf16 (not an fp32 copy), and a frozen router keeps no input
 import torch
 import torch.nn.functional as F
 
-from moelab.model.router import _grad_mm, router_logits
+from moelab.model.router import _grad_mm, _split_bf16, router_logits
 
 
 def _operands(T=64, D=96, E=8, seed=0):
@@ -40,6 +40,17 @@ def test_split_gradient_matmul_keeps_about_fp32_accuracy():
     err = lambda t: ((t.double() - exact).norm() / exact.norm()).item()
     assert err(split) < 1e-5
     assert err(one_term) > 10 * err(split)  # one bf16 term would not do
+
+
+def test_the_split_keeps_its_second_term_when_compiled():
+    # inductor keeps a bf16 round trip in fp32: a split written as lo = g - float(bf16(g)) had lo = 0 compiled, and
+    # the router's compiled gradients were bf16-accurate only (gpu_check_router_loss.py, 2026-12-02)
+    g = torch.randn(128, 32, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    for split in (_split_bf16, torch.compile(_split_bf16, dynamic=False)):
+        hi, lo = split(g)
+        assert hi.dtype == lo.dtype == torch.bfloat16 and lo.abs().max() > 0
+        assert ((hi.float() + lo.float() - g).norm() / g.norm()).item() < 2e-5
 
 
 def test_router_keeps_x_in_bf16_and_a_frozen_router_keeps_no_input():
