@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     T, D, E, V, reps = (256, 64, 8, 1000, 2) if args.small else (8192, 2048, 128, 151_936, 10)
-    rec = {"variant": "check-router-loss", "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+    rec = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "check-router-loss", "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "torch_version": torch.__version__, "commit": commit_id(), "command": " ".join(["python"] + sys.argv),
            "shapes": {"tokens": T, "hidden": D, "experts": E, "vocab": V}}
     for name, fn in (("router", lambda: check_router(dev, T, D, E, reps)),
