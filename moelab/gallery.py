@@ -23,8 +23,9 @@ import yaml
 
 from moelab.config import Config, ConfigError, load_config
 from moelab.gallery_memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
-from moelab.gallery_records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, peers_section,
-                                   rebuild_config, router_of, router_sweep_section, stale_note)
+from moelab.gallery_current import peers_section
+from moelab.gallery_records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, rebuild_config,
+                                   router_of, router_sweep_section, stale_note)
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vp", "fsdp")
 RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu",
@@ -262,7 +263,7 @@ def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
         return None
 
 
-def _moelab_result(results: list[dict], entry: Entry) -> dict | None:
+def entry_result(results: list[dict], entry: Entry) -> dict | None:
     """The newest moelab result of `entry`: one named after it, or a run of its preset through moelab's command
     (not a `python` script, which may change the model in place) on the same number of GPUs whose recorded
     settings (batch, sequence, dtypes, checkpointing, compile, FP8, router kind, EP) equal the entry's; a newer
@@ -318,7 +319,7 @@ def _published_section(entries: list, results: list, by_name: dict) -> list[str]
              "router | planned memory/GPU | status |",
              "|---|---|---:|---|---:|---|---:|---:|---:|---:|---|---|---:|---|"]
     for e in entries:
-        r = _moelab_result(results, e)
+        r = entry_result(results, e)
         pub = e.published or {}
         p = _planned(e, gpu_memory_of(r["gpu_name"] if r else e.hardware))
         planned = "preset not available" if isinstance(p, str) else (
@@ -359,7 +360,7 @@ def _plots(root: Path, entries: list[Entry], results: list[dict], mem_rows: list
     out = []
     by_name = {e.name: e for e in entries}
     pub = {e.name: (e.published or {}).get("tflops_per_gpu") for e in entries}
-    meas = {e.name: (_moelab_result(results, e) or {}).get("tflops_per_gpu") for e in entries}
+    meas = {e.name: (entry_result(results, e) or {}).get("tflops_per_gpu") for e in entries}
     # a proxy is drawn next to the published figure of the full model it stands for
     parent = {e.name: pub.get(e.proxy_of) for e in entries if e.proxy_of in by_name}
     names = [e.name for e in entries
@@ -422,7 +423,7 @@ def main(args) -> int:
             results, entries = load_results(args.dir), load_entries(args.dir)
             width = max(len(e.name) for e in entries)
             for e in entries:
-                r = _moelab_result(results, e)
+                r = entry_result(results, e)
                 state = (f"measured {_fmt(r.get('tokens_per_s_per_gpu'))} tok/s/GPU, router {router_of(r)}" if r
                          else hardware_need(e))
                 print(f"{e.name:{width}s} {e.gpus:4d} GPU  {e.layout_text:18s} {state}")

@@ -1,22 +1,21 @@
-"""Which benchmark records the gallery's tables show, and how a row says what it measured.
+"""What a benchmark record ran, and how a row says it.
 
 Every record states its router kind (``router``: "learned", "fake_balanced" or "fake_noise=<x>", from
 ``BackendConfig.router_kind`` of the config that ran); a record written before that field existed gets it inferred
 from what it recorded (its fake_balanced_gate / fake_gate_noise fields, its ``--set`` overrides, its gallery entry,
-its preset's default), and the row says "(inferred)". The peers table keeps one record per system and workload
-(``current_best``): records made before a fix or superseded by a newer one drop out; gallery/perf-notes.md keeps
-the history. A fake_gate_noise sweep (gallery/scripts/router_sweep.py) renders as "what imbalance costs".
+its preset's default), and the row says "(inferred)" (``RouterOf.source`` says from what). Which records the
+tables show as current is moelab.gallery_current's rule. A fake_gate_noise sweep (gallery/scripts/router_sweep.py)
+renders as "what imbalance costs".
 ``rebuild_config`` gives the config a record ran (the planned-vs-measured tables plan it).
 
     router_of(record, entries)            # RouterOf(kind="fake_balanced", inferred=True); str() -> "... (inferred)"
     cfg, why_not = rebuild_config(record, entries)    # (Config, "") or (None, the reason)
-    best, left_out = current_best(records)   # {(system, workload, gpus, batch, micro, seq, router): record}
 """
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moelab.config import BackendConfig, Config, ConfigError, load_config
 
@@ -25,15 +24,25 @@ SWEEP = "router"  # the `sweep` field of router_sweep.py's records
 
 @dataclass(frozen=True)
 class RouterOf:
-    """A record's router kind and whether it had to be inferred (the record predates the `router` field).
+    """A record's router kind, whether it had to be inferred (the record predates the `router` field) and from
+    what (`source`: "router field", "fake_balanced_gate field", "--set override", "gallery entry", "preset default",
+    "moelab's default"; not compared).
 
         str(RouterOf("learned", inferred=True))     # 'learned (inferred)'
+        RouterOf("learned", True, "preset default").how    # 'learned (inferred from the preset default)'
     """
     kind: str
     inferred: bool
+    source: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         return self.kind + (" (inferred)" if self.inferred else "")
+
+    @property
+    def how(self) -> str:
+        """The kind and, when inferred, what it was inferred from."""
+        return self.kind + (f" (inferred from the {self.source})" if self.inferred and self.source else
+                            " (inferred)" if self.inferred else "")
 
 
 def recorded_overrides(r: dict) -> dict:
@@ -53,29 +62,32 @@ def router_of(r: dict, entries: "dict | None" = None) -> RouterOf:
     the preset or `moelab` command it ran; "unknown" where none of these says."""
     if r.get("router"):  # the spelling of gpu_perf.py's first records ("fake balanced", "fake with noise 0.5") too
         kind = re.sub(r"^fake with noise ", "fake_noise=", str(r["router"])).replace("fake balanced", "fake_balanced")
-        return RouterOf(kind, inferred=False)
+        return RouterOf(kind, inferred=False, source="router field")
     over = recorded_overrides(r)
     gate, noise = r.get("fake_balanced_gate"), r.get("fake_gate_noise")
+    source = "fake_balanced_gate field"
     if gate is None and "backend.fake_balanced_gate" in over:
-        gate = over["backend.fake_balanced_gate"].lower() in ("true", "1", "yes")
+        gate, source = over["backend.fake_balanced_gate"].lower() in ("true", "1", "yes"), "--set override"
     if noise is None and "backend.fake_gate_noise" in over:
         noise = float(over["backend.fake_gate_noise"])
     if gate is None and entries and r.get("workload") in entries:
         try:
-            return RouterOf(entries[r["workload"]].config().backend.router_kind, inferred=True)
+            return RouterOf(entries[r["workload"]].config().backend.router_kind, inferred=True,
+                            source="gallery entry")
         except ConfigError:
             pass
     if gate is None:
         try:
-            base = load_config(r.get("preset", r.get("workload"))).backend
+            base, source = load_config(r.get("preset", r.get("workload"))).backend, "preset default"
         except (ConfigError, KeyError, TypeError, ValueError, OSError):
-            base = BackendConfig() if (over or str(r.get("command", "")).startswith("moelab ")) else None
+            moelab = over or str(r.get("command", "")).startswith("moelab ")
+            base, source = (BackendConfig(), "moelab's default") if moelab else (None, "")
         if base is None:
             return RouterOf("unknown", inferred=True)
         gate = base.fake_balanced_gate
         noise = base.fake_gate_noise if noise is None else noise
     return RouterOf(BackendConfig(fake_balanced_gate=bool(gate), fake_gate_noise=float(noise or 0)).router_kind,
-                    inferred=True)
+                    inferred=True, source=source)
 
 
 # ---------------------------------------------------------------------- the config a record ran
@@ -181,99 +193,15 @@ def gpu_memory_of(gpu_name: str) -> float | None:
     return None
 
 
-# ---------------------------------------------------------------------- what a table keeps
-_BEFORE_FIX = re.compile(r"before[\s_-]+(?:[\w-]+\s+){0,3}fix", re.IGNORECASE)
-
-
-def before_fix(r: dict) -> bool:
-    """A record measured before a bug was fixed: its file name or variant says so ("...-before-fix",
-    "before the autocast fix")."""
-    return bool(_BEFORE_FIX.search(f"{r.get('_file', '')} {r.get('variant', '')}"))
-
-
-def _stem(name: str) -> str:
-    return str(name).removesuffix(".json")
-
-
-def _commit(r: dict) -> str:
+# ---------------------------------------------------------------------- rendering helpers
+def commit_of(r: dict) -> str:
+    """A record's commit, short (without "-dirty")."""
     return str(r.get("commit") or "?").removesuffix("-dirty")[:7]
-
-
-def settings_key(r: dict, entries: "dict | None" = None) -> tuple:
-    """What a row compares like with like on: workload, GPUs, global and micro batch, sequence, router kind."""
-    return (r.get("workload"), r.get("gpus"), r.get("global_batch_size"), r.get("micro_batch_size"),
-            r.get("seq_len"), router_of(r, entries).kind)
-
-
-def mode_of(r: dict) -> tuple:
-    """A system's way of running a workload: compiled or not, and its FP8 recipe."""
-    return bool(r.get("compile")), str(r.get("fp8") or "off")
-
-
-def current_best(records: list, entries: "dict | None" = None) -> tuple[dict, list]:
-    """One record per system x settings (settings_key): the fastest of the current records. A record is not
-    current when it failed or measured no throughput, was made before a fix (before_fix), is named in a newer
-    record's `supersedes` list, or an equal mode (mode_of) of the same system and settings was measured at a
-    newer commit (commits ordered by their records' dates). Returns ({(system, *settings): record}, the records
-    left out)."""
-    named = {_stem(n) for r in records for n in (r.get("supersedes") or [])}
-    ok = [r for r in records if r.get("tokens_per_s_per_gpu") and "error" not in r and not before_fix(r)
-          and _stem(r.get("_file", "")) not in named]
-    commit_date: dict = {}
-    for r in ok:
-        commit_date[_commit(r)] = max(commit_date.get(_commit(r), ""), str(r.get("date", "")))
-    newest: dict = {}  # (system, settings, mode) -> the newest commit measuring it
-    for r in ok:
-        k = (r["system"], settings_key(r, entries), mode_of(r))
-        if k not in newest or commit_date[_commit(r)] > commit_date[newest[k]]:
-            newest[k] = _commit(r)
-    best: dict = {}
-    for r in ok:
-        s = settings_key(r, entries)
-        if newest[(r["system"], s, mode_of(r))] != _commit(r):
-            continue
-        k = (r["system"], *s)
-        if k not in best or r["tokens_per_s_per_gpu"] > best[k]["tokens_per_s_per_gpu"]:
-            best[k] = r
-    kept = {id(r) for r in best.values()}
-    return best, [r for r in records if id(r) not in kept]
 
 
 def fmt(v, digits: int = 0) -> str:
     """A figure with thousands separators, '-' for None."""
     return "-" if v is None else f"{v:,.{digits}f}"
-
-
-def peers_section(results: list, entries: "dict | None" = None) -> list[str]:
-    """Markdown: per workload with a peer's record, the current best record (current_best) of each system at
-    each settings a peer ran."""
-    best, _ = current_best(results, entries)
-    peer_settings = {k[1:] for k in best if k[0] != "moelab"}
-    workloads = sorted({s[0] for s in peer_settings})
-    lines = ["## Peers on the same workload and GPU", "",
-             "Each system's current best record per workload, GPUs, batch, sequence and router kind: the fastest "
-             "mode (compiled or not, FP8 recipe) at the newest commit that measured that mode. Failed runs, "
-             "records made before a fix and records a newer one `supersedes` are left out "
-             "(moelab.gallery_records.current_best); gallery/perf-notes.md keeps every record.", ""]
-    if not workloads:
-        return lines + ["No peer results yet (result files with a `system` other than \"moelab\").", ""]
-    for w in workloads:
-        lines += [f"### {w}", "", "| system | variant | GPUs | global batch | router | GPU | tokens/s/GPU | "
-                  "TFLOPs/GPU | peak memory GiB | torch | commit | record | command |",
-                  "|---|---|---:|---:|---|---|---:|---:|---:|---|---|---|---|"]
-        keys = sorted((k for k in best if k[1:] in peer_settings and k[1] == w),
-                      key=lambda k: (*(x or 0 for x in k[2:6]), k[6], k[0] != "moelab", k[0]))
-        for k in keys:
-            r = best[k]
-            lines.append(f"| {r['system']} | {r.get('variant', '-')} | {r.get('gpus', '-')} | "
-                         f"{r.get('global_batch_size', '-')} | {router_of(r, entries)} | {r.get('gpu_name', '-')} | "
-                         f"{fmt(r.get('tokens_per_s_per_gpu'))} | {fmt(r.get('tflops_per_gpu'), 1)} | "
-                         f"{fmt(r.get('peak_memory_gb'), 1)} | {r.get('torch_version', '-')} | "
-                         f"{_commit(r)} | {r.get('_file', '-')} | `{r.get('command', '-')}` |")
-        left = [r for r in results if r.get("workload") == w and id(r) not in {id(best[k]) for k in keys}]
-        lines += ["", f"{len(left)} other records of {w} are not current or not comparable with a peer "
-                  "(history: gallery/perf-notes.md).", ""]
-    return lines
 
 
 def by_router(r: dict, entries: "dict | None" = None) -> dict:
@@ -312,14 +240,14 @@ def router_sweep_section(results: list) -> list[str]:
     for r in results:
         if r.get("sweep") == SWEEP and r.get("tokens_per_s_per_gpu") and "error" not in r:
             sweeps.setdefault((r["workload"], r.get("global_batch_size")), {}).setdefault(
-                (_commit(r), str(r.get("sweep_id", ""))), []).append(r)
+                (commit_of(r), str(r.get("sweep_id", ""))), []).append(r)
     if not sweeps:
         return lines + ["No router sweep records yet.", ""]
     for (w, gbs), runs in sorted(sweeps.items(), key=lambda x: str(x[0])):
         rows = max(runs.values(), key=lambda rs: max(str(r.get("date", "")) for r in rs))
         learned = next((r for r in rows if r.get("router") == "learned"), None)
         lines += [f"### {w}, global batch {gbs}, {rows[0].get('gpus')} x {rows[0].get('gpu_name')}, commit "
-                  f"{_commit(rows[0])}", "",
+                  f"{commit_of(rows[0])}", "",
                   "| router | tokens/s/GPU | vs learned | TFLOPs/GPU | step ms | load max/mean | peak GiB | record |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in sorted(rows, key=lambda r: (r.get("router") != "learned", float(r.get("fake_gate_noise") or 0),

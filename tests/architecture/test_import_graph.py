@@ -30,8 +30,8 @@ LAYERS = [
     ("export", ["export/"]),
     ("launch", ["launch/"]),
     ("run", ["run/"]),
-    ("views", ["live/", "cli/", "gallery.py", "gallery_records.py", "gallery_speed.py", "gallery_memory.py",
-               "compare.py", "__init__.py", "__main__.py"]),
+    ("views", ["live/", "cli/", "gallery.py", "gallery_current.py", "gallery_records.py", "gallery_speed.py",
+               "gallery_memory.py",               "compare.py", "__init__.py", "__main__.py"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),

@@ -8,7 +8,7 @@ import torch
 from moelab.cli import main
 from moelab.gallery import (RESULT_FIELDS, GalleryError, get_entry, load_entries, render_report,
                             run_entry)
-from moelab.planner.plan import plan
+from moelab.planner.plan import plan, resolve_loss
 from moelab.presets import preset_names
 
 # The reference table (../shared/seeds: DGX H100, BF16), transcribed independently of gallery/entries:
@@ -59,8 +59,11 @@ def _result(system, workload, **kw):
 
 def test_report_renders_from_results_and_marks_missing(gallery):
     (gallery / "results" / "a.json").write_text(json.dumps(_result("moelab", "tiny-cpu", gpu_name="cpu")))
+    entry = get_entry("qwen3-moe-30b-a3b-proxy-1gpu", gallery)  # b ran its defaults: a row of the peers table
+    today_loss = resolve_loss(entry.config().replace(**{"backend.loss": "auto"}), gpus=1, gpu_memory_gb=140.0)
     (gallery / "results" / "b.json").write_text(json.dumps(_result(
-        "moelab", "qwen3-moe-30b-a3b-proxy-1gpu", tokens_per_s_per_gpu=31415.0, tflops_per_gpu=271.8)))
+        "moelab", entry.name, tokens_per_s_per_gpu=31415.0, tflops_per_gpu=271.8, compile=True,
+        optimizer="TritonAdamW", loss=today_loss, router="learned")))
     (gallery / "results" / "c.json").write_text(json.dumps(_result(
         "hf-transformers", "qwen3-moe-30b-a3b-proxy-1gpu", tokens_per_s_per_gpu=27182.0)))
     (gallery / "results" / "d.json").write_text(json.dumps(_result(  # a bench run of a preset, not an entry

@@ -1,10 +1,10 @@
-"""Honest gallery rows: every record's router kind (stated, or inferred and marked so), the peers table keeps one
-current record per system and workload, an entry's row says when its record ran other settings, and the router
-sweep's table renders from its records."""
+"""Honest gallery rows: every record's router kind (stated, or inferred and marked so, with what it was inferred
+from), an entry's row says when its record ran other settings, and the router sweep's table renders from its
+records. Which records are current: tests/gallery/test_current.py."""
 import json
 
 from moelab.gallery import get_entry, load_entries, render_report
-from moelab.gallery_records import RouterOf, before_fix, current_best, router_of
+from moelab.gallery_records import RouterOf, router_of
 
 
 def _rec(system="moelab", workload="qwen3-moe-30b-a3b-proxy", **kw):
@@ -43,6 +43,13 @@ def test_router_kind_of_a_record_stated_or_inferred():
         RouterOf("fake_balanced", True)
     assert router_of(old) == RouterOf("unknown", True)  # nothing says: not guessed
     assert str(RouterOf("fake_balanced", True)) == "fake_balanced (inferred)"
+    # what an inferred kind was read from (the history table of gallery/perf-notes.md shows it)
+    assert router_of({**old, "fake_balanced_gate": True}).how == \
+        "fake_balanced (inferred from the fake_balanced_gate field)"
+    assert router_of({**old, "command": cmd}).how == "fake_noise=1 (inferred from the --set override)"
+    assert router_of({"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy"}).how == \
+        "learned (inferred from the preset default)"
+    assert router_of({"router": "learned"}).how == "learned"
 
 
 def test_the_repository_records_all_state_or_infer_a_router():
@@ -57,55 +64,6 @@ def test_the_repository_records_all_state_or_infer_a_router():
     old = next((r for r in results if r["_file"] == "qwen3-moe-30b-a3b-proxy-1gpu--moelab--eager-fake-gate.json"), None)
     if old is not None and "router" not in old:  # the eager fake-gate record of commit 6751221
         assert kinds[old["_file"]] == RouterOf("fake_balanced", inferred=True)
-
-
-def test_before_fix_is_read_from_the_name_or_variant():
-    assert before_fix({"_file": "w--moelab--cli-fp32-params-autocast-before-fix.json"})
-    assert before_fix({"variant": "cli-fp32, before the autocast fix (experts fell back to the loop)"})
-    assert not before_fix({"_file": "w--moelab--bf16-compile-gbs2.json", "variant": "fixed shapes"})
-
-
-def test_peers_table_keeps_one_current_record_per_system_and_workload(gallery):
-    A, B, C = ("1111111", "2026-11-30T10:00:00Z"), ("2222222", "2026-12-01T10:00:00Z"), ("3333333", "2026-12-02T10:00:00Z")
-    w = dict(commit=A[0], date=A[1])
-    # torchtitan: eager at A then at B (B supersedes A by mode); compiled at A (faster, but a newer compiled run
-    # exists) and at B (current best)
-    _write(gallery, "tt-eager-a", system="torchtitan", variant="eager", tokens_per_s_per_gpu=40001.0, **w)
-    _write(gallery, "tt-eager-b", system="torchtitan", variant="eager", tokens_per_s_per_gpu=41002.0,
-           commit=B[0], date=B[1])
-    _write(gallery, "tt-compile-a", system="torchtitan", variant="compiled", compile=True,
-           tokens_per_s_per_gpu=55003.0, **w)
-    _write(gallery, "tt-compile-b", system="torchtitan", variant="compiled", compile=True,
-           tokens_per_s_per_gpu=50004.0, commit=B[0], date=B[1])
-    _write(gallery, "tt-gbs16", system="torchtitan", variant="compiled", compile=True, global_batch_size=16,
-           tokens_per_s_per_gpu=52005.0, commit=B[0], date=B[1])
-    _write(gallery, "tt-failed", system="torchtitan", variant="broken", error="RuntimeError: x",
-           tokens_per_s_per_gpu=99006.0, commit=C[0], date=C[1])
-    # moelab: fp8 at B superseded by name in C's record; a run before a fix (faster, newest) left out; a fake
-    # gate run is no peer comparison
-    _write(gallery, "ml-fp8-b", variant="fp8", compile=True, fp8="rowwise", tokens_per_s_per_gpu=70007.0,
-           commit=B[0], date=B[1])
-    _write(gallery, "ml-bf16-c", variant="bf16", compile=True, tokens_per_s_per_gpu=60008.0, commit=C[0],
-           date=C[1], supersedes=["ml-fp8-b.json"])
-    _write(gallery, "ml-bf16-before-fix", variant="bf16", compile=True, tokens_per_s_per_gpu=90009.0,
-           commit=C[0], date=C[1])
-    _write(gallery, "ml-fake", variant="fake gate", compile=True, tokens_per_s_per_gpu=80010.0, router=None,
-           fake_balanced_gate=True, commit=C[0], date=C[1])
-    _write(gallery, "ml-gbs16", variant="bf16", compile=True, global_batch_size=16, tokens_per_s_per_gpu=65011.0,
-           commit=C[0], date=C[1])
-    text = render_report(gallery, plots=False)
-    peers = text.split("## Peers")[1].split("## Planned")[0]
-    rows = [x.split(" | ") for x in peers.splitlines() if x.startswith("| ") and not x.startswith("| system")]
-    shown = {(r[0].lstrip("| "), r[3]): r[6] for r in rows}
-    assert shown == {("torchtitan", "2"): "50,004", ("moelab", "2"): "60,008",
-                     ("torchtitan", "16"): "52,005", ("moelab", "16"): "65,011"}, shown
-    assert all(r[4] == "learned" for r in rows)  # the router column
-    assert [r[0].lstrip("| ") for r in rows][:2] == ["moelab", "torchtitan"]  # global batch 2 first, moelab first
-    for gone in ("40,001", "41,002", "55,003", "99,006", "70,007", "90,009", "80,010"):
-        assert gone not in peers, gone
-    best, left = current_best([{**json.loads(p.read_text()), "_file": p.name}
-                               for p in sorted((gallery / "results").glob("*.json"))])
-    assert len(best) == 5 and len(left) == 6  # the fake gate run is current in its own (peerless) settings
 
 
 def test_an_entry_row_says_its_router_and_when_its_record_ran_other_settings(gallery):
