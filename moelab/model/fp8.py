@@ -45,6 +45,14 @@ def quantize_rowwise(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torc
     return x_q.contiguous(), scale.reciprocal()
 
 
+def quantize_colmajor(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(x, dim) with the e4m3 copy laid out column-major over x's last two dims (the layout a
+    scaled GEMM takes its second operand in, or the transpose of its first): the amax is read in x's own layout and
+    the transposed layout is only the e4m3 write's, not a bf16 copy made first (compiled, one pass)."""
+    x_q, inv_scale = quantize_rowwise(x, dim)
+    return x_q.transpose(-2, -1).contiguous().transpose(-2, -1), inv_scale
+
+
 def dequantize(x_q: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
     return x_q.float() * inv_scale
 
@@ -82,13 +90,12 @@ class _FP8Matmul(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_MK = g_MN @ w_NK: w scaled along N (its columns), column-major
             g_q, sg_M1 = quantize_rowwise(g_MN, -1)
-            wt_q, swt_K1 = quantize_rowwise(w_NK.t().contiguous(), -1)
-            dx = scaled_mm(g_q, sg_M1, wt_q.t(), swt_K1.t().contiguous(), ctx.out_dtype,
-                           fast_accum=True).to(x_MK.dtype)
+            w_q, sw_1K = quantize_colmajor(w_NK, 0)
+            dx = scaled_mm(g_q, sg_M1, w_q, sw_1K, ctx.out_dtype, fast_accum=True).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:  # dw_NK = g_MN^T @ x_MK: both scaled along M (the tokens)
-            gt_q, sgt_N1 = quantize_rowwise(g_MN.t().contiguous(), -1)
-            xt_q, sxt_K1 = quantize_rowwise(x_MK.t().contiguous(), -1)
-            dw = scaled_mm(gt_q, sgt_N1, xt_q.t(), sxt_K1.t().contiguous(), ctx.out_dtype,
+            g_q, sg_1N = quantize_colmajor(g_MN, 0)  # g^T row-major
+            x_q, sx_1K = quantize_colmajor(x_MK, 0)
+            dw = scaled_mm(g_q.t(), sg_1N.t().contiguous(), x_q, sx_1K, ctx.out_dtype,
                            fast_accum=False).to(w_NK.dtype)
         return dx, dw, None
 
@@ -138,12 +145,17 @@ def _grouped_wgrad(x_MK, g_MN, offs_E, num_experts) -> torch.Tensor:
     return out
 
 
+def forward_operand(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward GEMM's e4m3 weight: [E, K, N] column-major, scaled along K (scales [E, N])."""
+    w_q, s_E1N = quantize_colmajor(w_EKN, -2)
+    return w_q, s_E1N.squeeze(-2)
+
+
 def quantize_expert_weight(w_EKN: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The e4m3 operands of one stacked expert weight: (forward operand [E, K, N] column-major, its scales
     [E, N]: scaled along K) and (dgrad operand [E, N, K] column-major, its scales [E, K]: scaled along N)."""
-    wt_q, s_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1).contiguous(), -1)
     w_q, s_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
-    return wt_q.transpose(-2, -1), s_EN1.squeeze(-1), w_q.transpose(-2, -1), s_EK1.squeeze(-1)
+    return (*forward_operand(w_EKN), w_q.transpose(-2, -1), s_EK1.squeeze(-1))
 
 
 class _FP8GroupedMM(torch.autograd.Function):
@@ -154,9 +166,8 @@ class _FP8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, out_dtype, wq_f=None, s_f=None, wq_b=None, s_b=None):
         x_q, sx_M1 = quantize_rowwise(x_MK, -1)
-        if wq_f is None:  # w scaled along K (per expert and output column): its transpose quantised row-wise
-            wt_q, swt_EN1 = quantize_rowwise(w_EKN.transpose(-2, -1).contiguous(), -1)
-            wq_f, s_f = wt_q.transpose(-2, -1), swt_EN1.squeeze(-1)
+        if wq_f is None:  # w scaled along K (per expert and output column)
+            wq_f, s_f = forward_operand(w_EKN)
         ctx.save_for_backward(x_MK, w_EKN, offs_E, wq_b, s_b)
         ctx.out_dtype = out_dtype
         return scaled_grouped_mm(x_q, sx_M1.squeeze(-1), wq_f, s_f, offs_E, out_dtype)
