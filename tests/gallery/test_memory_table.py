@@ -81,7 +81,7 @@ def test_each_row_plans_what_its_record_ran(gallery):
 def test_rebuild_takes_the_records_settings_over_its_entrys():
     entries = {e.name: e for e in load_entries()}
     entry = entries["qwen3-moe-30b-a3b-proxy-1gpu"].config()
-    assert entry.train.compile and entry.backend.loss == "chunked"
+    assert entry.train.compile and entry.backend.loss == "auto"
     record = {**BASE, "workload": "qwen3-moe-30b-a3b-proxy-1gpu", "compile": False, "loss": "full (as then)",
               "fp8": "rowwise", "micro_batch_size": 1, "optimizer": "TritonAdamW",
               "command": "moelab bench x --set model.moe.top_k=4 --set train.steps=9"}
