@@ -3,21 +3,23 @@ the config it ran (moelab.gallery_records.rebuild_config), each miss with the ca
 
     lines, rows = memory_section(load_results(), {e.name: e for e in load_entries()})
 
-What a row plans: the rebuilt config on the record's GPUs. A record that timed the learned router beside a
-fake-gate headline (`real_router`; `fake_router` is the fake gate beside a learned headline) ran both in one
-process, so its peak is the learned router's, which keeps more for backward (moelab.planner.saved): it is planned
-with the learned router.
+What a row plans: the rebuilt config on the record's GPUs, as the code of the record's day ran it: a record older
+than a code change the planner can plan the old way gets the planner option of its day
+(moelab.gallery_records.planner_options, by the record's date against the change's commit; today: before 6131a2c
+FSDP2 wrapped one-rank meshes too, plan(fsdp_one_rank="wrapped")), and its note says so where the option bears
+on its layout (`day_notes`: DAY_NOTES). A record that timed the learned router beside a fake-gate headline
+(`real_router`; `fake_router` is the fake gate beside a learned headline) ran both in one process, so its peak is
+the learned router's, which keeps more for backward (moelab.planner.saved): it is planned with the learned router.
 
 Causes of a miss (`miss_causes`), rules over a record and its plan, never per-record figures:
-- CODE_CHANGES: moelab's code changed what it allocates after the record was measured (by date), for the
-  record's layout: the record ran other code than the planner counts.
 - An FP8 expert weight cache left by an earlier run in the same process: fp8_expert_weight_cache.refreshes_so_far
-  > 0 in a run of one micro batch per step, which on its own never allocates the cache.
+  > 0 in a run of one micro batch per step, which on its own never allocates the cache. The planner does not
+  count another run's memory; a run of that setting alone (on GPU) is to replace the record.
 Records with a peak that cannot be rebuilt are listed with the reason.
 """
 from __future__ import annotations
 
-from moelab.gallery_records import gpu_memory_of, rebuild_config, router_of
+from moelab.gallery_records import CODE_BEFORE, gpu_memory_of, planner_options, rebuild_config, router_of
 
 MEMORY_TARGET = 0.07  # issue 32: the plan's peak within 7% of the measured peak
 
@@ -33,27 +35,40 @@ def _one_rank_units(p) -> str:
                                                  ("the experts on the expert-FSDP mesh", experts)) if alone)
 
 
-# (commit, date it landed, what a record measured before it ran, the units of a plan it concerns)
-CODE_CHANGES = (
-    ("6131a2c", "2026-12-01T11:45:53Z",
-     "FSDP2 then wrapped units on one-rank meshes too (each unit's weights copied into gathered buffers, its "
-     "gradients reduced through fp32 buffers); since then such units stay plain (moelab.parallel.fsdp), and the "
-     "planner counts the code as it is", _one_rank_units),
-)
+# per planner option of a record's day (moelab.gallery_records.CODE_BEFORE): what that code did and how the plan
+# counts it (the paragraph under the table), what the option plans and what the code then did (the note's words),
+# and which units of a plan it bears on ("" where none)
+DAY_NOTES = {
+    "fsdp_one_rank": ("FSDP2 then wrapped units on one-rank meshes too (each unit's weights gathered into its own "
+                      "buffers, its gradients reduced through fp32 buffers); since then such units stay plain "
+                      "(moelab.parallel.fsdp). Such records are planned with moelab.planner.plan's "
+                      "fsdp_one_rank=wrapped, which counts those units as the code then held them",
+                      "FSDP2 wrapping", "wrapped one-rank meshes too", _one_rank_units),
+}
+
+
+def day_notes(r: dict, p) -> list[str]:
+    """What the note of record `r`, planned as `p` with the options of its day, says about them: each option
+    that bears on the plan's layout (see the module docstring)."""
+    out = []
+    for key, value, commit, _ in CODE_BEFORE:
+        _, topic, then, units = DAY_NOTES[key]
+        which = units(p)
+        if which and planner_options(r).get(key) == value:
+            out.append(f"planned with the {topic} of its day: its code (before {commit}) {then} ({which})")
+    return out
 
 
 def miss_causes(r: dict, p) -> list[str]:
     """The causes the record `r` shows for its peak differing from plan `p` (see the module docstring)."""
     out = []
-    for commit, landed, _, units in CODE_CHANGES:
-        which = units(p)
-        if which and str(r.get("date", "")) < landed:
-            out.append(f"measured before {commit}: one-rank FSDP2 units ({which})")
     cache = r.get("fp8_expert_weight_cache") or {}
     if r.get("fp8") not in (None, "off") and p.micro_batches_per_step == 1 and cache.get("refreshes_so_far"):
-        out.append(f"the FP8 expert weight cache of an earlier run in this process (fp8_expert_weight_cache."
-                   f"refreshes_so_far={cache['refreshes_so_far']}), which one micro batch per step never allocates "
-                   "on its own (moelab.model.fp8_cache)")
+        out.append(f"the FP8 expert weight cache of an earlier run in the same process (its command: "
+                   f"`{r.get('command', '?')}`; fp8_expert_weight_cache.refreshes_so_far="
+                   f"{cache['refreshes_so_far']}), which one micro batch per step never allocates on its own "
+                   "(moelab.model.fp8_cache): the peak is not this run's alone; left as measured until a GPU run "
+                   "of this setting alone replaces the record")
     return out
 
 
@@ -76,7 +91,9 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
              "gallery entry or preset with every setting the record states (batch, sequence, dtypes, "
              "checkpointing, compile, router, FP8, loss, backends, optimizer, layout, its `--set` overrides; "
              "records from before backend.loss ran the full loss), rebuilt by "
-             "`moelab.gallery_records.rebuild_config`. A record that timed the learned router beside a fake-gate "
+             "`moelab.gallery_records.rebuild_config`, as the code of its day ran it (a record older than a code "
+             "change gets the planner option of its day: `moelab.gallery_records.planner_options`; its note says "
+             "so). A record that timed the learned router beside a fake-gate "
              "headline is planned with the learned router, whose run its peak covers (router column: \"+ learned "
              "beside\"). A note names what the record shows about a miss (`moelab.gallery_memory.miss_causes`).",
              "", "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | "
@@ -92,7 +109,8 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
             continue
         cfg, beside = _peak_config(r, cfg)
         try:
-            p = plan(cfg, gpus=int(r.get("gpus", 1)), gpu_memory_gb=gpu_memory_of(r.get("gpu_name")))
+            p = plan(cfg, gpus=int(r.get("gpus", 1)), gpu_memory_gb=gpu_memory_of(r.get("gpu_name")),
+                     **planner_options(r))
         except (ConfigError, KeyError, TypeError, ValueError) as e:
             left_out.append(f"- {r['_file']}: its config does not plan ({str(e)[:160]})")
             continue
@@ -107,7 +125,7 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
         router = str(router_of(r, by_name)) + (" + learned beside" if beside else "")
         lines.append(f"| {r['workload']} ({r['_file']}) | {r.get('gpus')} x {r.get('gpu_name')} | {router} | "
                      f"{planned:,.2f} | {measured:,.2f} | {measured / planned:.2f} | {err:+.1%} | "
-                     f"{'yes' if held else 'NO'} | {p.biggest_term} | {'; '.join(causes) or '-'} |")
+                     f"{'yes' if held else 'NO'} | {p.biggest_term} | {'; '.join(day_notes(r, p) + causes) or '-'} |")
     if not mem_rows:
         lines.append("| (no result with a measured peak memory yet) | | | | | | | | | |")
     else:
@@ -116,12 +134,13 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
                   f"{len(ratios) - misses} of {len(ratios)} within the {MEMORY_TARGET:.0%} target (error = measured "
                   "/ planned - 1); "
                   + (f"misses without a cause the record shows: {', '.join(unexplained)}." if unexplained else
-                     f"each of the {misses} others has its cause in its note." if misses else "no miss.")]
-    named = [f"{commit} ({landed[:10]}): {then}." for commit, landed, then, _ in CODE_CHANGES
+                     ("the miss has its cause in its note." if misses == 1 else
+                      f"each of the {misses} misses has its cause in its note.") if misses else "no miss.")]
+    named = [f"{commit} ({landed[:10]}): {DAY_NOTES[key][0]}." for key, _, commit, landed in CODE_BEFORE
              if any(f"before {commit}" in line for line in lines)]
     if named:
-        lines += ["", "Code changes the notes name (a record measured before one ran other code than the planner "
-                  "counts): " + " ".join(named)]
+        lines += ["", "Code changes the notes name (a record measured before one ran other code than moelab's "
+                  "today, and is planned as that code ran): " + " ".join(named)]
     if left_out:
         lines += ["", "Records with a measured peak that are not planned (their config cannot be rebuilt "
                   "faithfully):", "", *left_out]

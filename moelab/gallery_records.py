@@ -6,10 +6,12 @@ from what it recorded (its fake_balanced_gate / fake_gate_noise fields, its ``--
 its preset's default), and the row says "(inferred)" (``RouterOf.source`` says from what). Which records the
 tables show as current is moelab.gallery_current's rule. A fake_gate_noise sweep (gallery/scripts/router_sweep.py)
 renders as "what imbalance costs".
-``rebuild_config`` gives the config a record ran (the planned-vs-measured tables plan it).
+``rebuild_config`` gives the config a record ran (the planned-vs-measured tables plan it), ``planner_options`` the
+planner options that plan it as the code of its day ran (CODE_BEFORE: what changed in the code, not in a config).
 
     router_of(record, entries)            # RouterOf(kind="fake_balanced", inferred=True); str() -> "... (inferred)"
     cfg, why_not = rebuild_config(record, entries)    # (Config, "") or (None, the reason)
+    plan(cfg, gpus=record["gpus"], **planner_options(record))   # a record from before 6131a2c: fsdp_one_rank=wrapped
 """
 from __future__ import annotations
 
@@ -102,6 +104,11 @@ REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "pa
 # (the record field, its value before, the commit, its date)
 DEFAULTS_BEFORE = (("loss", "full", "f0b7924", "2026-12-01T21:41"),  # the chunked loss became the default
                    ("optimizer", "adamw", "258d1aa", "2026-12-01T21:53"))  # TritonAdamW became auto's kernel
+# what changed in moelab's code, with no config field to say it, that the planner can still plan the old way
+# (moelab.planner.plan.plan's keywords): records older than the commit's date are planned with the option's value
+# before it (the planner option, its value before, the commit, its date); ``planner_options`` reads it
+LEAN_FSDP = ("6131a2c", "2026-12-01T11:45:53Z")  # lean FSDP: one-rank meshes left plain, explicit prefetch under EP
+CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),)  # FSDP2 wrapped units on one-rank meshes too
 # the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
 _OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
 # recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)
@@ -133,6 +140,17 @@ def record_settings(r: dict) -> dict:
     if r.get("fp8") is not None:
         out["fp8"] = {False: "off", True: "rowwise"}.get(r["fp8"], r["fp8"])
     return out
+
+
+def planner_options(r: dict) -> dict:
+    """The planner options (moelab.planner.plan.plan's keywords) that plan a record as the code of its day ran:
+    for a dated record older than a change in CODE_BEFORE, the option's value before it; {} for today's code
+    (and for an undated record, as record_settings does).
+
+        planner_options({"date": "2026-11-30T12:53:02Z"})   # {'fsdp_one_rank': 'wrapped'}
+    """
+    date = str(r.get("date") or "")
+    return {key: value for key, value, _, since in CODE_BEFORE if date and date < since}
 
 
 def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:

@@ -10,12 +10,13 @@ today's does not (``record_history``), the communication it hides or leaves expo
 """
 from __future__ import annotations
 
+# a code change that alters what a record ran against what the model describes (today's code), by its commit and
+# date: records older than it ran the old behaviour (moelab.gallery_records: LEAN_FSDP, DEFAULTS_BEFORE)
+from moelab.gallery_records import LEAN_FSDP
+
 MEASURED_TARGET = 0.10  # predicted within 10% of a 1- or 2-GPU record
 PUBLISHED_TARGET = 0.20  # within 20% of a published row
 _ONE_GPU_LAYOUT = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "vp": 1, "fsdp": 1}
-# Code changes that alter what a record ran against what the model describes (today's code), by the commit and
-# its date: records older than one ran the old behaviour (moelab.gallery_records.DEFAULTS_BEFORE has the others).
-LEAN_FSDP = ("6131a2c", "2026-12-01T11:45")  # one-rank meshes left plain, explicit prefetch under EP
 
 
 def record_history(r: dict, p) -> list[str]:

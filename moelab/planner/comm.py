@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from moelab.config import Config
+from moelab.config import Config, ConfigError
 
 
 def _replication_comm(cfg: Config, p, dense_sh: float, exp_sh: float, efsdp: int, n_moe: int) -> dict:
@@ -53,18 +53,42 @@ def dispatch_ranks_per_token(moe, ep: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- FSDP2
-def wrapped(cfg: Config, p, shard: int, efsdp: int) -> tuple[bool, bool]:
+# What FSDP2 does with a unit whose mesh has one rank, by moelab's code (the planner option `fsdp_one_rank`):
+# "plain", the code since 6131a2c (moelab.parallel.fsdp: left plain unless FSDP2's mixed precision is the bf16
+# cast, moelab.layout.dims.fsdp_wraps), what every plan counts unless asked; "wrapped", the code before it, which
+# sent every unit through fully_shard whatever its mesh (data_parallel=fsdp: each block, the root and under EP
+# each block's experts; DDP runs: the experts), so a one-rank unit still had its gathered copy and its unsharded
+# gradient. Only the gallery's memory table asks for "wrapped", to plan records measured with that code
+# (moelab.gallery_records.CODE_BEFORE).
+FSDP_ONE_RANK = ("plain", "wrapped")
+
+
+def check_one_rank(one_rank: str) -> str:
+    """`one_rank` if it is one of FSDP_ONE_RANK, else a ConfigError naming it and the choices."""
+    if one_rank not in FSDP_ONE_RANK:
+        raise ConfigError(f"fsdp_one_rank={one_rank!r}: must be one of {', '.join(FSDP_ONE_RANK)} (plain: "
+                          "moelab's code; wrapped: the code before 6131a2c, for records measured with it)")
+    return one_rank
+
+
+def wrapped(cfg: Config, p, shard: int, efsdp: int, one_rank: str = "plain") -> tuple[bool, bool]:
     """(dense weights, experts) wrapped by FSDP2 (DTensors gathered per unit), as moelab.parallel.fsdp does it;
-    `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh."""
+    `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh; `one_rank`: what the code does with a
+    one-rank mesh (FSDP_ONE_RANK; "wrapped" plans the code from before 6131a2c).
+
+        wrapped(cfg, layout, shard=2, efsdp=1)                       # bf16 parameters: (True, False)
+        wrapped(cfg, layout, shard=2, efsdp=1, one_rank="wrapped")   # (True, True)
+    """
     from moelab.layout.dims import fsdp_wraps
 
-    dense_on = p.data_parallel == "fsdp" and fsdp_wraps(shard, cfg)
+    every = one_rank == "wrapped"  # the code before 6131a2c: every unit, whatever its mesh
+    dense_on = p.data_parallel == "fsdp" and (every or fsdp_wraps(shard, cfg))
     if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
-        experts_on = p.expert_dp == "fsdp" and efsdp > 1
+        experts_on = p.expert_dp == "fsdp" and (every or efsdp > 1)
     elif p.ep == 1:  # the experts are part of their block's unit
         experts_on = p.expert_dp == "fsdp" and dense_on
     else:  # their own unit on the expert-FSDP mesh
-        experts_on = p.expert_dp == "fsdp" and fsdp_wraps(efsdp, cfg)
+        experts_on = p.expert_dp == "fsdp" and (every or fsdp_wraps(efsdp, cfg))
     return dense_on, experts_on
 
 
@@ -138,11 +162,12 @@ def fsdp_counts(cfg: Config, p, m: int, policy: str, last: bool, rank: int = 0, 
 
 
 def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last: bool, shard: int, efsdp: int,
-               m: int, rank: int = 0) -> list[FSDPUnit]:
+               m: int, rank: int = 0, one_rank: str = "plain") -> list[FSDPUnit]:
     """The FSDP2 units of a pipeline rank holding blocks `moe_layers` (True: MoE), the embedding when `first`, the
     LM head when `last` (moelab.parallel.fsdp.apply_fsdp; one-rank meshes left plain by
-    moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, resharding by parallel.expert_reshard_after_forward)."""
-    dense_on, experts_on = wrapped(cfg, p, shard, efsdp)
+    moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, resharding by
+    parallel.expert_reshard_after_forward); `one_rank`: wrapped() for code that wrapped one-rank meshes too."""
+    dense_on, experts_on = wrapped(cfg, p, shard, efsdp, one_rank)
     experts_own = experts_on and (p.ep > 1 or p.data_parallel == "ddp")  # a unit of their own
     in_block = p.ep == 1 and p.expert_dp == "fsdp"  # the experts are part of their block's unit
     size = [(pieces.moe_layer - (0 if in_block else pieces.moe_experts) if moe else pieces.dense_layer)

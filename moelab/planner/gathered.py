@@ -6,7 +6,8 @@ which also counts their collectives) keep gathered or unsharded.
                    gathered=...)
 
 - Units on one-rank meshes are not wrapped unless FSDP2 casts them to bf16 (moelab.layout.dims.fsdp_wraps):
-  nothing is gathered for a plain one.
+  nothing is gathered for a plain one. Planned as code from before 6131a2c (one_rank="wrapped":
+  moelab.planner.comm.FSDP_ONE_RANK) every unit is wrapped and counted as a sharded one.
 - Wrapped units: the biggest one twice in the compute dtype (the one computing and the one prefetched) and once
   in fp32 (its unsharded gradient before the reduce-scatter), as before; plus every further block kept gathered
   from its forward through its backward by reshard_after_forward=False (parallel.reshard_after_forward and
@@ -26,11 +27,11 @@ from moelab.planner.comm import wrapped
 
 
 def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg: Config, p, shard: int,
-                    efsdp: int, a: int) -> int:
+                    efsdp: int, a: int, one_rank: str = "plain") -> int:
     """Bytes of gathered (and cast) weights on a rank holding blocks `moe_layers` (True: MoE), the embedding
     when `first`, the LM head when `last`; `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh,
-    `a`: compute dtype bytes."""
-    dense_on, experts_on = wrapped(cfg, p, shard, efsdp)
+    `a`: compute dtype bytes; `one_rank`: what the code does with one-rank meshes (moelab.planner.comm.wrapped)."""
+    dense_on, experts_on = wrapped(cfg, p, shard, efsdp, one_rank)
     dense_i = [(pieces.moe_layer - pieces.moe_experts if moe else pieces.dense_layer) * dense_on
                for moe in moe_layers]
     experts_i = [(pieces.moe_experts // p.ep if moe else 0) for moe in moe_layers]

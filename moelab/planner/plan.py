@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
 from moelab.layout.dims import ParallelDims, grad_sync
-from moelab.planner.comm import _replication_comm, dispatch_ranks_per_token, fsdp_traffic, fsdp_units, wrapped
+from moelab.planner.comm import (_replication_comm, check_one_rank, dispatch_ranks_per_token, fsdp_traffic,
+                                 fsdp_units, wrapped)
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.loss import logits_bytes, loss_assumption
@@ -268,22 +269,26 @@ class _Sizes:
     pb: int  # stored parameter (and gradient) bytes
     mb: int  # AdamW's two moments, bytes per trained parameter (moelab.planner.states)
     T: int  # tokens of one micro batch on one rank
+    one_rank: str = "plain"  # FSDP2 on one-rank meshes, by the code planned (moelab.planner.comm.FSDP_ONE_RANK)
 
 
-def _sizes(cfg: Config, world: int) -> _Sizes:
+def _sizes(cfg: Config, world: int, one_rank: str = "plain") -> _Sizes:
     p = ParallelDims.build(cfg, world).layout
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
                   2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
-                  t.micro_batch_size * t.seq_len // p.cp)
+                  t.micro_batch_size * t.seq_len // p.cp, one_rank)
 
 
-def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None) -> Plan:
+def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
+         fsdp_one_rank: str = "plain") -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
-    kind's memory when `gpu_memory_gb` is not given.
+    kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
+    "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
+    records measured with old code (moelab.gallery_records.planner_options).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -293,12 +298,13 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
 
         cfg = load_config(cfg)
     world = gpus if gpus is not None else default_world(cfg)
+    check_one_rank(fsdp_one_rank)
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
     if cfg.backend.loss == "auto":  # planned as the loss the run will take (a GPU run: CUDA assumed)
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
-    z = _sizes(cfg, world)
+    z = _sizes(cfg, world, fsdp_one_rank)
     mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
     per_rank, logit_bytes = _memory(z, ranks)
@@ -326,7 +332,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m), loading=worst["loading"],
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m, z.one_rank), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p))
     if kind:
@@ -400,12 +406,13 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
-        experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp)[1]  # DTensors: no FP8 weight cache
+        experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp, z.one_rank)[1]  # DTensors: no FP8 cache
         units = []  # FSDP2's units (moelab.planner.comm) and what they gather (moelab.planner.gathered)
         if z.world > 1:
             held_moe = [is_moe[i] for i in layers]
-            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a)
-            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, z.shard, z.efsdp, z.m, r)
+            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a,
+                                       z.one_rank)
+            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, z.shard, z.efsdp, z.m, r, z.one_rank)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         # (held per micro batch in flight, the working set of the one block recomputed at a time)
@@ -486,7 +493,7 @@ def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str
     return False, biggest, verdict
 
 
-def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
+def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str = "plain") -> list[str]:
     t = cfg.train
     states = describe_states(t)
     if t.dtype != "bfloat16":
@@ -515,7 +522,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int) -> list[str]:
         "per step and gathers once (1F1B) or each time interleaved 1F1B brings it back among its three gathered "
         "stages; blocks kept gathered after forward "
         f"(parallel.reshard_after_forward={p.reshard_after_forward}, experts "
-        f"{p.expert_reshard_after_forward}) count in gathered weights; one-rank meshes are not wrapped",
+        f"{p.expert_reshard_after_forward}) count in gathered weights; "
+        + ("one-rank meshes are not wrapped" if one_rank == "plain" else
+           "one-rank meshes wrapped too, as the code before 6131a2c did (fsdp_one_rank=wrapped)"),
         "FSDP2 as scheduled: a unit resharded after forward gathers again in backward; gradients reduce-scattered "
         + ("once per step (parallel.fsdp_grad_sync=step, or pp > 1): until then every unit's gradients and weights "
            "are held unsharded" if grad_sync(p) == "step" else "every micro batch (parallel.fsdp_grad_sync)"),

@@ -6,7 +6,7 @@ import json
 import shutil
 
 from moelab.gallery import MEMORY_TARGET, default_root, load_entries, load_results, render_report
-from moelab.gallery_records import rebuild_config
+from moelab.gallery_records import planner_options, rebuild_config
 
 
 def _memory(text: str) -> str:
@@ -91,3 +91,22 @@ def test_rebuild_takes_the_records_settings_over_its_entrys():
     assert rebuild_config(BASE, entries)[0] is not None  # a preset's run on one GPU: no layout needed
     cfg, why = rebuild_config({k: v for k, v in BASE.items() if k != "param_dtype"}, entries)
     assert cfg is None and "lacks param_dtype" in why  # a script's variant that does not say its dtypes
+
+
+def test_a_record_from_before_lean_fsdp_is_planned_as_its_code_wrapped(gallery):
+    """EP over both GPUs (the experts on a one-rank expert-FSDP mesh): a record measured before 6131a2c is planned
+    with FSDP2 wrapping that mesh, as its code did (planner_options, by its date), and its note says so; the same
+    record measured since plans today's code. Only the date decides."""
+    two = {"gpus": 2, "global_batch_size": 4, "layout": {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "vp": 1, "fsdp": 2}}
+    old_date = "2026-11-30T10:00:00Z"
+    assert planner_options({"date": old_date}) == {"fsdp_one_rank": "wrapped"}
+    assert planner_options(BASE) == planner_options({}) == {}
+    planned, text = _render(gallery, {"ep2-old": {**two, "date": old_date}, "ep2-new": two,
+                                      "1gpu-old": {"date": old_date}, "1gpu-new": {}})
+    assert planned["ep2-old"] > planned["ep2-new"]
+    assert planned["1gpu-old"] == planned["1gpu-new"]  # one GPU: no FSDP2 then or now
+    rows = _rows(text)
+    assert rows["ep2-old.json"][9] == ("planned with the FSDP2 wrapping of its day: its code (before 6131a2c) "
+                                       "wrapped one-rank meshes too (the experts on the expert-FSDP mesh)")
+    assert rows["ep2-new.json"][9] == rows["1gpu-old.json"][9] == "-"
+    assert "fsdp_one_rank=wrapped" in text  # the paragraph on the code change the note names
