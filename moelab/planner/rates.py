@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from moelab.planner.gpus import GPU_KINDS, GPUKind
 
 _RESULTS = "gallery/results/"
-_PROFILE = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json"
+_PROFILE = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-f7ecd22.json"
 _PROFILE_CHUNKED = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-default-5ad9062.json"
 _PROFILE_FP8 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2.json"
 _FP8_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check.json"
@@ -100,7 +100,7 @@ H200_MEASURED = {
 EAGER_FACTOR = 1 + (195.3 - 137.3) / (11.785 + 1.245 + 5.958)
 H200 = GPU_KINDS["h200"]
 # the records the rates come from: a prediction of one of them is not an independent check
-CALIBRATION_RECORDS = ("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json",
+CALIBRATION_RECORDS = ("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-f7ecd22.json",
                        "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2.json",
                        "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2-compile.json")
 

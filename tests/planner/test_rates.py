@@ -43,7 +43,7 @@ def test_every_figure_names_a_record_that_exists():
 
 def test_bf16_rates_are_the_compiled_profile(proxy):
     mdl, fl = proxy
-    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json")
+    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-f7ecd22.json")
     matmul = lambda name, cat: cat == "matmul"  # noqa: E731
     grouped_ms = kernels_ms(prof, lambda n, c: matmul(n, c) and "GroupProblemShape" in n)
     dense_ms = kernels_ms(prof, lambda n, c: matmul(n, c) and "GroupProblemShape" not in n)
@@ -70,7 +70,7 @@ def test_the_chunked_loss_and_the_triton_adamw_are_the_second_profile(proxy):
     """The chunked loss's kernels and the slower head GEMMs: the categories' growth from the full-loss profile to
     the chunked-loss profile (the full loss's own kernels taken out); the Triton AdamW: its optimizer category."""
     mdl, fl = proxy
-    full = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2.json")
+    full = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-f7ecd22.json")
     chunked = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-default-5ad9062.json")
     assert (chunked["loss"].split()[0], chunked["optimizer"]) == ("chunked", "TritonAdamW")
     a, b = full["by_category_ms"], chunked["by_category_ms"]
