@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from moelab.gallery import entry_result, load_entries, load_results
@@ -207,6 +208,42 @@ def profiles(results: list) -> list[str]:
     return out
 
 
+# Named parts of a profiled step, found by kernel name among its top kernels (pattern, what it is)
+STEP_PARTS = (("CUDAFunctor_add<c10::BFloat16>", "gradient accumulation: .grad += each micro batch's bf16 gradient"),
+              ("log_softmax|nll_loss|logsumexp", "the loss's own kernels (log-softmax forward and backward)"),
+              ("adamw_kernel|LpNorm", "optimizer step and gradient norm (once per step)"),
+              ("abs_amax", "FP8 quantisation passes (amax, scale, cast: alone or fused into their producer)"))
+
+
+def micro_batch_breakdown(results: list) -> list[str]:
+    """Where one micro batch goes: the newest multi-micro-batch profile of each FP8 mode, its categories and named
+    parts (STEP_PARTS, from its top kernels) divided by its micro batches."""
+    newest: dict = {}
+    for r in results:
+        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and \
+                r.get("global_batch_size", 0) > r.get("micro_batch_size", 1):
+            if fp8_of(r) not in newest or _date(r) > _date(newest[fp8_of(r)]):
+                newest[fp8_of(r)] = r
+    if not newest:
+        return []
+    modes = sorted(newest)
+    n = {m: newest[m]["global_batch_size"] // newest[m]["micro_batch_size"] for m in modes}
+    out = ["", "### Where a micro batch goes (ms per micro batch: a profiled step divided by its micro batches)", "",
+           "Profiles: " + "; ".join(f"`train.fp8={m}`: `{stem(newest[m])}` ({n[m]} micro batches)" for m in modes)
+           + ". Named parts are sums of the step's top kernels by name (gallery/scripts/perf_tables.py STEP_PARTS);"
+           " they overlap the categories.", "",
+           "| part | " + " | ".join(f"fp8={m}" for m in modes) + " |", "|---|" + "---:|" * len(modes)]
+    rows = {k: {m: newest[m]["by_category_ms"].get(k, 0.0) / n[m] for m in modes}
+            for k in sorted({k for m in modes for k in newest[m]["by_category_ms"]})}
+    rows["idle"] = {m: newest[m]["idle_ms"] / n[m] for m in modes}
+    rows["step"] = {m: newest[m]["step_ms"] / n[m] for m in modes}
+    for pattern, label in STEP_PARTS:
+        rows[label] = {m: sum(k["ms"] for k in newest[m]["top_kernels"] if re.search(pattern, k["name"])) / n[m]
+                       for m in modes}
+    out += [f"| {k} | " + " | ".join(f"{v[m]:.1f}" for m in modes) + " |" for k, v in rows.items()]
+    return out
+
+
 def gallery_entries(results: list) -> list[str]:
     """Each gallery entry's newest record (moelab.gallery.entry_result: what gallery/README.md shows)."""
     out = ["", "### Gallery entries: each entry's newest record (`moelab gallery run ENTRY` or `moelab bench` of "
@@ -350,7 +387,7 @@ def tables(results: list | None = None) -> str:
     """perf-notes.md's text between the markers."""
     results, entries, cur = _ctx(results)
     out = current_table(cur) + ["", "### Issue 31's targets, from the records above", ""] + targets(results, cur)
-    out += profiles(results) + gallery_entries(results)
+    out += profiles(results) + micro_batch_breakdown(results) + gallery_entries(results)
     out += history_table(results, entries, cur) + earlier_issues() + checks()
     return "\n".join(out)
 
