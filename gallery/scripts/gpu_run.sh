@@ -16,7 +16,7 @@
 #                        PARTS="gallery:qwen3-moe-30b-a3b-proxy-1gpu gallery:deepseek-v3-proxy-1gpu
 #                        gallery:kimi-k2-proxy-1gpu gallery:gpt-oss-20b-proxy-1gpu gallery:gpt-oss-120b-proxy-1gpu"
 #   router-sweep[:GBS]   the Qwen3 proxy, compiled, learned router against fake_gate_noise 0, 0.1, 0.5, 1.0 on one
-#                        model (router_sweep.py; GBS comma-separated, default 2)
+#                        model (router_sweep.py; GBS comma-separated, default 2; ROUTER_DEADLINE s, default 480)
 #   tiny:pp | tiny:cp    `moelab run tiny --nproc 2` with parallel.pp=2 or parallel.cp=2 on CUDA
 #   compile-ep2          EP=2 and one GPU, both compiled (`moelab bench`), the proxy at global batch 4
 #   profile:ep2 | profile:cp2   one step of the proxy on two GPUs under torch.profiler (profile_layout.py)
@@ -60,8 +60,9 @@ for part in $PARTS; do
   gallery) timeout ${GALLERY_TIMEOUT:-300} python3 -m moelab gallery run $arg --steps $STEPS --warmup $WARMUP --dir /tmp/gal \
              --out /tmp/runs/$arg > $L/gallery-$arg.log 2>&1; report $? "gallery $arg"
            cp /tmp/gal/results/$arg--moelab.json $OUT/ 2>/dev/null; cp /tmp/runs/$arg/logs/* $L/ 2>/dev/null ;;
-  router-sweep) timeout 560 python3 gallery/scripts/router_sweep.py --out $OUT --gbs ${arg:-2} --steps $STEPS \
-                  --warmup $WARMUP --deadline-s 480 > $L/router-sweep.log 2>&1; report $? router-sweep ;;
+  router-sweep) D=${ROUTER_DEADLINE:-480}
+                timeout $((D + 80)) python3 gallery/scripts/router_sweep.py --out $OUT --gbs ${arg:-2} --steps $STEPS \
+                  --warmup $WARMUP --deadline-s $D > $L/router-sweep.log 2>&1; report $? router-sweep ;;
   tiny) timeout 120 python3 -m moelab run tiny --steps 20 --nproc 2 --set parallel.$arg=2 --set train.device=cuda \
           --out /tmp/runs/tiny-$arg-2 > $L/tiny-$arg-2.log 2>&1; report $? "tiny $arg=2"
         cp /tmp/runs/tiny-$arg-2/summary.json $OUT/tiny-$arg-2-summary.json 2>/dev/null ;;
