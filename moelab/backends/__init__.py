@@ -135,8 +135,9 @@ def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1)
 
 
 def experts_kernel(impl: str, experts=None):
-    """The function (x_ND, w_gate_up_EDF2, w_down_EFD, counts_E) -> y_ND for an experts backend on stacked
-    weights (GroupedExperts' hook). Such kernels compute plain SwiGLU experts without biases."""
+    """The function (x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, scale_N=None) -> y_ND for an experts backend on
+    stacked weights (GroupedExperts' hook; scale_N the rows' routing weights, applied before the down projection).
+    Such kernels compute plain SwiGLU experts without biases."""
     if impl == "grouped_gemm":
         if experts is not None and (experts.b_gate_up_EF2 is not None or experts.activation != "swiglu"):
             raise BackendUnavailable("backend.experts='grouped_gemm' computes SwiGLU experts without biases; this "

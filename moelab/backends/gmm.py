@@ -11,9 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moelab.model.layers import scale_rows
+
 
 def gmm_swiglu(x_ND: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor,
-               counts_E: torch.Tensor) -> torch.Tensor:
+               counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
+    """`scale_N`: each row's routing weight, applied before the down projection (moelab.model.layers.scale_rows)."""
     from grouped_gemm.ops import gmm
 
     counts_cpu = counts_E.to("cpu", torch.int64)  # the one host synchronisation gmm needs
@@ -21,7 +24,8 @@ def gmm_swiglu(x_ND: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: tor
     x = x_ND[:total] if total < x_ND.shape[0] else x_ND
     h_NF2 = gmm(x.contiguous(), w_gate_up_EDF2.contiguous(), counts_cpu)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    y = gmm((F.silu(gate_NF) * up_NF).contiguous(), w_down_EFD.contiguous(), counts_cpu)
+    a_NF = scale_rows(F.silu(gate_NF) * up_NF, scale_N[:total] if scale_N is not None else None)
+    y = gmm(a_NF.contiguous(), w_down_EFD.contiguous(), counts_cpu)
     if total < x_ND.shape[0]:
         y = torch.cat([y, y.new_zeros(x_ND.shape[0] - total, y.shape[1])])
     return y

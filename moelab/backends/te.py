@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.backends.packages import BackendUnavailable, import_package
+from moelab.model.layers import scale_rows
 
 
 def _eager(module: nn.Module) -> nn.Module:
@@ -61,18 +62,20 @@ class TEGroupedExperts(nn.Module):
         self.down_proj = te.GroupedLinear(num_experts, ffn, dim, **kw)
 
     @torch.compiler.disable
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
+        """`scale_N`: each row's routing weight, applied before the down projection (GroupedExperts.forward)."""
         if self.native:
-            # Rows past the counts (dropped by capacity) are zero (the dispatcher masks them) and go to the last
-            # expert: they add nothing to its gradients and the combine step ignores their output.
+            # Rows past the counts (dropped by capacity) are zero (the dispatcher masks them, and their weight is
+            # 0) and go to the last expert: they add nothing to its gradients and the combine ignores their output.
             splits_E = counts_E.to(torch.int64).clone()
             splits_E[-1] += x_ND.shape[0] - counts_E.sum()
             gate_NF, up_NF = self.gate_up_proj(x_ND, splits_E).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate_NF) * up_NF, splits_E)
+            return self.down_proj(scale_rows(F.silu(gate_NF) * up_NF, scale_N), splits_E)
         m_splits = counts_E.tolist()  # the per-expert path needs the split sizes on the host
         total = sum(m_splits)
         gate_NF, up_NF = self.gate_up_proj(x_ND[:total], m_splits).chunk(2, dim=-1)
-        y = self.down_proj(F.silu(gate_NF) * up_NF, m_splits)
+        y = self.down_proj(scale_rows(F.silu(gate_NF) * up_NF, scale_N[:total] if scale_N is not None else None),
+                           m_splits)
         if total < x_ND.shape[0]:  # rows dropped by capacity are not computed
             y = torch.cat([y, y.new_zeros(x_ND.shape[0] - total, y.shape[1])])
         return y

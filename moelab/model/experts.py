@@ -5,6 +5,12 @@ Shapes: N routed rows (tokens x top-k, sorted by expert), D hidden, F expert wid
 Weights: w_gate_up_EDF2 = [gate | up] of every expert, w_down_EFD; biases b_gate_up_EF2, b_down_ED.
 LoRA (moelab.model.lora adds them): per-expert adapters beside each, applied by ExpertAdapters with the same
 token grouping (R the rank).
+
+Routing weights (`scale_N`, one per row; moelab.model.moe.LocalDispatcher passes them): every path scales
+each row's activation before the down projection (and its down bias), y = w (a W_down + b_down), which is linear
+in w: the combine then only sums, and autograd keeps no expert output for the weights' gradient. d w = <d(w a), a>
+reads the activation: eager keeps it beside the weighted one (F per row instead of the output's D); compiled, the
+partitioner recomputes it from the kept gate|up.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.model.layers import gated
+from moelab.model.layers import gated, scale_rows
 
 
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:
@@ -52,6 +58,7 @@ class GroupedExperts(nn.Module):
 
         experts = GroupedExperts(num_experts=8, dim=64, ffn=128)
         y_ND = experts(x_ND, counts_E)           # rows grouped by expert, counts_E rows each
+        y_ND = experts(x_ND, counts_E, w_N)      # each row weighted by its routing weight ([N])
     """
     def __init__(self, num_experts: int, dim: int, ffn: int, impl: str = "auto", bias: bool = False,
                  activation: str = "swiglu"):
@@ -69,8 +76,9 @@ class GroupedExperts(nn.Module):
         self.b_gate_up_EF2 = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
         self.b_down_ED = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
 
-    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x_ND: rows sorted by expert; counts_E: rows per expert (rows past their sum are ignored)."""
+    def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
+        """x_ND: rows sorted by expert; counts_E: rows per expert (rows past their sum are ignored); scale_N:
+        each row's routing weight, applied before the down projection (None: unweighted rows)."""
         w1, w2, b1, b2 = self.w_gate_up_EDF2, self.w_down_EFD, self.b_gate_up_EF2, self.b_down_ED
         if x_ND.is_cuda and torch.is_autocast_enabled("cuda"):
             # autocast does not cover torch._grouped_mm: compute in its dtype, not in the fp32 residual stream's
@@ -87,7 +95,7 @@ class GroupedExperts(nn.Module):
                 raise ValueError("train.fp8 experts have no LoRA path; set train.fp8=off")
             from moelab.model.fp8 import fp8_experts
 
-            return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation])
+            return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation], scale_N)
         impl = self.impl
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"
@@ -96,9 +104,10 @@ class GroupedExperts(nn.Module):
 
             if lora is not None:  # refused by moelab.config.lora before a run starts
                 raise ValueError(f"backend.experts={impl!r} has no LoRA path; use auto, grouped_mm or loop")
-            return experts_kernel(impl, self)(x_ND, w1, w2, counts_E)
+            return experts_kernel(impl, self)(x_ND, w1, w2, counts_E, scale_N)
         fn = grouped_mm_swiglu if impl == "grouped_mm" else loop_swiglu
-        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation), lora)
+        return fn(x_ND, w1, w2, counts_E, b1, b2, ACTIVATIONS.get(self.activation) or gated(self.activation), lora,
+                  scale_N)
 
 
 # the stacked adapters of GroupedExperts: (A, B) next to w_gate_up_EDF2, then next to w_down_EFD
@@ -147,30 +156,56 @@ def expert_adapters(experts: GroupedExperts, dtype: torch.dtype) -> ExpertAdapte
     return ExpertAdapters(experts, dtype) if getattr(experts, "lora_rank", 0) else None
 
 
+class _WeightedBias(torch.autograd.Function):
+    """w_N * b_ED[expert_N]: each row's down bias times its routing weight (scale_rows), keeping only b, the
+    expert indices and the weights for backward. The weights' gradient <g_n, b_e(n)> is read off g b^T ([N, E],
+    fp32), so no gathered [N, D] bias is kept (eager) nor saved by inductor's partitioner (which keeps a gather
+    whose index is used far apart, here by both biases, rather than recompute it)."""
+
+    @staticmethod
+    def forward(ctx, b_ED, expert_N, w_N):
+        ctx.save_for_backward(b_ED, expert_N, w_N)
+        return scale_rows(b_ED[expert_N], w_N)
+
+    @staticmethod
+    def backward(ctx, g_ND):
+        b_ED, expert_N, w_N = ctx.saved_tensors
+        g_ND, db_ED, dw_N = g_ND.float(), None, None
+        if ctx.needs_input_grad[0]:  # summed in fp32
+            db_ED = torch.zeros(b_ED.shape, dtype=torch.float32, device=b_ED.device)
+            db_ED = db_ED.index_put_((expert_N,), g_ND * w_N[:, None], accumulate=True).to(b_ED.dtype)
+        if ctx.needs_input_grad[2]:
+            dw_N = (g_ND @ b_ED.float().t()).gather(1, expert_N[:, None])[:, 0].to(w_N.dtype)
+        return db_ED, None, dw_N
+
+
 def grouped_mm_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
-                      lora=None):
-    """`lora`: the experts' grouped adapters (moelab.model.lora.ExpertAdapters), added to both projections."""
+                      lora=None, scale_N=None):
+    """`lora`: the experts' grouped adapters (moelab.model.lora.ExpertAdapters), added to both projections (the
+    down adapter reads the same weighted activation); `scale_N`: each row's routing weight (scale_rows)."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NF2 = torch._grouped_mm(x_ND, w_gate_up_EDF2, offs=offs_E)
     if lora is not None:
         h_NF2 = h_NF2 + lora.delta(0, x_ND, counts_E, offs_E)
     if b_gate_up_EF2 is not None:
-        # expert of each row, found on the device (no host sync); rows past the counts get the last expert
-        expert_N = torch.searchsorted(offs_E, torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32),
-                                      right=True).clamp(max=counts_E.shape[0] - 1)
-        h_NF2 = h_NF2 + b_gate_up_EF2[expert_N]
+        # expert of each row, found on the device (no host sync); rows past the counts (dropped assignments) take
+        # the last expert's index but no bias: their gradient, undefined as the grouped GEMM leaves those rows,
+        # must not reach that expert's bias
+        rows_N = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=torch.int32)
+        expert_N = torch.searchsorted(offs_E, rows_N, right=True).clamp(max=counts_E.shape[0] - 1)
+        h_NF2 = h_NF2 + torch.where((rows_N < offs_E[-1])[:, None], b_gate_up_EF2[expert_N], 0.0)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    a_NF = act(gate_NF, up_NF)
+    a_NF = scale_rows(act(gate_NF, up_NF), scale_N)
     y_ND = torch._grouped_mm(a_NF, w_down_EFD, offs=offs_E)
     if lora is not None:
         y_ND = y_ND + lora.delta(1, a_NF, counts_E, offs_E)
     if b_down_ED is not None:
-        y_ND = y_ND + b_down_ED[expert_N]
+        y_ND = y_ND + (b_down_ED[expert_N] if scale_N is None else _WeightedBias.apply(b_down_ED, expert_N, scale_N))
     return y_ND
 
 
 def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, b_down_ED=None, act=swiglu,
-                lora=None):
+                lora=None, scale_N=None):
     """Reference: one matmul pair per expert. Reads the counts on the host (one synchronisation)."""
     out = torch.zeros_like(x_ND)
     start = 0
@@ -183,10 +218,11 @@ def loop_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, b_gate_up_EF2=None, 
             if b_gate_up_EF2 is not None:
                 h = h + b_gate_up_EF2[e]
             gate, up = h.chunk(2, dim=-1)
-            a = act(gate, up)
+            scale_n = scale_N[start:start + n] if scale_N is not None else None
+            a = scale_rows(act(gate, up), scale_n)
             y = a @ w_down_EFD[e]
             if lora is not None:
                 y = y + lora.delta_expert(1, a, e)
-            out[start:start + n] = y + b_down_ED[e] if b_down_ED is not None else y
+            out[start:start + n] = y + scale_rows(b_down_ED[e].expand_as(y), scale_n) if b_down_ED is not None else y
         start += n
     return out

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moelab.config import ConfigError
+from moelab.model.layers import scale_rows
 
 # True = run the emulation (dequantise, fp32 matmul) on CUDA too: the GPU check compares the kernels with it.
 EMULATE = False
@@ -193,21 +194,22 @@ def fp8_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor
     return _FP8GroupedMM.apply(x_MK, w_EKN, offs_E, _out_dtype(x_MK), *(cached or (None,) * 4))
 
 
-def fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act, cached=None) -> torch.Tensor:
+def fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act, cached=None, scale_N=None) -> torch.Tensor:
     """moelab.model.experts.grouped_mm_swiglu (no biases) with FP8 grouped GEMMs; `cached`: the two weights'
-    quantised operands (ExpertWeightCache.operands) or None."""
+    quantised operands (ExpertWeightCache.operands) or None; `scale_N`: each row's routing weight, applied to
+    the activation before it is quantised for the down projection (moelab.model.layers.scale_rows)."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     c1, c2 = cached if cached is not None else (None, None)
     h_NF2 = fp8_grouped_mm(x_ND, w_gate_up_EDF2, offs_E, c1)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    return fp8_grouped_mm(act(gate_NF, up_NF).contiguous(), w_down_EFD, offs_E, c2)
+    return fp8_grouped_mm(scale_rows(act(gate_NF, up_NF), scale_N).contiguous(), w_down_EFD, offs_E, c2)
 
 
-def fp8_experts(module, x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act) -> torch.Tensor:
+def fp8_experts(module, x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act, scale_N=None) -> torch.Tensor:
     """GroupedExperts.forward under train.fp8: the cached weight operands while a cache is valid."""
     cache = getattr(module, "fp8_cache", None)  # moelab.model.fp8_cache
     return fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act,
-                              cache.operands(w_gate_up_EDF2.dtype) if cache is not None else None)
+                              cache.operands(w_gate_up_EDF2.dtype) if cache is not None else None, scale_N)
 
 
 __all__ = ["FP8Linear", "fp8_experts", "fp8_grouped_mm", "fp8_grouped_swiglu", "fp8_linear", "quantize_expert_weight",

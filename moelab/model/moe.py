@@ -44,16 +44,35 @@ class Dispatcher:
     in order; a dispatcher may override it to overlap its communication with the experts' compute
     (moelab.parallel.expert_parallel.OverlappedAllToAllDispatcher), giving the same result.
 
+    Where the routing weights are applied is decided here, once: a dispatcher whose ``row_weights`` gives each
+    dispatched row its weight hands them to the experts, which scale each row's activation before the down
+    projection (the combine then only sums: autograd keeps no expert output for the weights' gradient); one whose
+    ``row_weights`` is None (the default: expert parallelism, where the rows come from other ranks and the
+    weights stay on theirs) weights the returned rows at combine.
+
         y_TD = LocalDispatcher().route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
     """
 
     def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
         x_ND, counts, ctx = self.dispatch(x_TD, experts_TK, keep_TK, num_experts)
-        return self.combine(experts(x_ND, counts), ctx, weights_TK, keep_TK, counts)
+        scale_N = self.row_weights(weights_TK, keep_TK, ctx, counts)
+        y_ND = experts(x_ND, counts) if scale_N is None else experts(x_ND, counts, scale_N)
+        return self.combine(y_ND, ctx, weights_TK, keep_TK, counts)
+
+    def row_weights(self, weights_TK, keep_TK, ctx, counts):
+        """The dispatched rows' routing weights for the experts ([N], in the router's dtype: fp32 under autocast),
+        or None: combine applies them."""
+        return None
+
+
+def _computed_rows(rows_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows the grouped GEMM computes, those before counts_E's sum (dropped assignments sort last)."""
+    return torch.arange(rows_N.shape[0], device=rows_N.device) < counts_E.sum()
 
 
 class LocalDispatcher(Dispatcher):
-    """All experts on this rank: sort the N = T*K assignments by expert, and undo it after.
+    """All experts on this rank: sort the N = T*K assignments by expert, and undo it after. The experts weight
+    their rows (``row_weights``); combine unsorts and sums each token's K rows.
 
         x_ND, counts_E, order_N = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
     """
@@ -69,17 +88,24 @@ class LocalDispatcher(Dispatcher):
         if keep_TK is not None:
             # The grouped GEMM leaves the rows past the kept ones undefined in its output AND in its input
             # gradient; masking them here keeps that garbage out of the dropped tokens' gradients.
-            valid_N = torch.arange(x_ND.shape[0], device=x_ND.device) < counts_E.sum()
-            x_ND = torch.where(valid_N[:, None], x_ND, 0.0)
+            x_ND = torch.where(_computed_rows(x_ND, counts_E)[:, None], x_ND, 0.0)
         return x_ND, counts_E, order_N
 
+    def row_weights(self, weights_TK, keep_TK, order_N, counts_E):
+        """weights_TK in dispatch order. Rows past the kept ones (dropped assignments) get 0, selected rather than
+        multiplied, so that the undefined values the grouped GEMM leaves there send no NaN into the weights'
+        gradient."""
+        w_N = weights_TK.reshape(-1)[order_N]
+        return w_N if keep_TK is None else torch.where(_computed_rows(w_N, counts_E), w_N, 0.0)
+
     def combine(self, y_ND, order_N, weights_TK, keep_TK, counts_E):
+        """y_ND: the experts' rows, already weighted (row_weights); only weights_TK's shape and dtype are read:
+        the sum over K is in the dtype a weighted combine returns (EP's: fp32 for fp32 weights)."""
         T, K = weights_TK.shape
         if keep_TK is not None:  # rows past the kept ones were not computed by the grouped GEMM
-            valid_N = torch.arange(y_ND.shape[0], device=y_ND.device) < counts_E.sum()
-            y_ND = torch.where(valid_N[:, None], y_ND, 0.0)
+            y_ND = torch.where(_computed_rows(y_ND, counts_E)[:, None], y_ND, 0.0)
         y_unsorted_ND = torch.empty_like(y_ND).index_copy(0, order_N, y_ND)
-        return (y_unsorted_ND.view(T, K, -1) * weights_TK[..., None]).sum(1)
+        return y_unsorted_ND.view(T, K, -1).sum(1, dtype=torch.promote_types(y_ND.dtype, weights_TK.dtype))
 
 
 class MoE(nn.Module):

@@ -15,7 +15,9 @@ One MoE layer's forward, implementing the dispatcher interface of moelab.model.m
   4. an autograd-aware uneven ``all_to_all_single`` (``_AllToAll``) sends the rows;
   5. the rows arrive rank-major ([from rank 0: its rows for my experts 0..X-1], [from rank 1: ...]) and are
      permuted to local-expert-major for the grouped GEMM;
-  6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights.
+  6. combine reverses 5 and 4 and sums the top-k rows of each token weighted by the router weights (they stay on
+     the token's rank, so the experts get none: ``Dispatcher.row_weights`` is None here, where the local
+     dispatcher's experts weight their rows before the down projection).
 The backward pass of 4 is the mirrored all-to-all, so gradients take the same route back.
 
 With parallel.ep_overlap, ``OverlappedAllToAllDispatcher.route`` runs 1-6 on the two halves of the tokens

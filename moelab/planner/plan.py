@@ -19,10 +19,10 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   embedding on the first stage, the final norm and LM head on the last.
 - Activations per micro batch are counted tensor by tensor from what autograd keeps in moelab.model, eager or
   as torch.compile's partitioner keeps it (train.compile), for the router that runs (a learned one keeps its
-  scores and the expert outputs), EP's exchange, CP's gathered keys, and LoRA's frozen matmuls (whose inputs
-  are not kept) (moelab.planner.saved); "full" checkpointing keeps each block's input and recomputes one
-  block at a time; "selective" keeps matmul outputs and the router's, recomputing the rest one block at a
-  time (moelab.planner.recompute).
+  scores and what its weights' gradient reads: the expert outputs under EP), EP's exchange, CP's gathered keys,
+  and LoRA's frozen matmuls (whose inputs are not kept) (moelab.planner.saved); "full" checkpointing keeps
+  each block's input and recomputes one block at a time; "selective" keeps matmul outputs and the router's,
+  recomputing the rest one block at a time (moelab.planner.recompute).
 - train.fp8 with several micro batches per step keeps an e4m3 cache of every local expert weight (two
   operands, 2 B per parameter; moelab.planner.fp8).
 - Pipelines hold several micro batches in flight: 1F1B min(m, pp - rank); interleaved Megatron's warm-up

@@ -17,18 +17,21 @@ Eager (every op keeps what its backward formula reads):
   (concatenated nope | rope parts), the whole kv_b projection (v is a view of it), the output and LSE.
 - MoE (LocalDispatcher): the routed rows x_ND, gate|up h_NF2, the activation's saved values (SwiGLU: silu(gate);
   GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, their product and up + 1), the down projection's input
-  and the expert output (the source of the index_copy that unsorts it); a learned router also keeps its fp32
-  input and scores, and the combine keeps the unsorted rows for the gradient of the routing weights. The fake
-  balanced gate's weights are constants: its router and combine keep nothing. Expert parallelism adds the
-  exchange's second index_copy source (the received rows put back rank-major).
+  (the activation weighted by the routing weights) and the expert output (the source of the index_copy that
+  unsorts it); a learned router also keeps its fp32 input and scores, and the activation before its weighting for
+  the gradient of the routing weights. The fake balanced gate's weights are constants: its router keeps nothing.
+  Expert parallelism weights the expert output at combine instead (the weights stay on the source rank): the
+  combine keeps the returned rows for the weights' gradient, and the exchange's second index_copy source (the
+  received rows put back rank-major).
 - SwiGLU MLPs (dense, shared experts): gate and up outputs, silu(gate) and their product.
 Compiled (inductor's min-cut partitioner: pointwise work is recomputed in backward, matmul and kernel inputs are
 kept): the block input, the normalised inputs of matmuls, the residual before the FFN norm, q/k before their
 norms, MLA's latents before and after their norms, the kernel's q, k, v (MLA: the kv_b projection) and output
-(sinks: the scaled output too), gate|up and the activation's output (the down projection's input), the routed
-rows and, with a learned router, the expert output for the routing weights' gradient; the router's scores
-(its input recomputed from the kept residual). Expert parallelism's exchanges run outside the compiled graph (host split sizes): the two
-index_copy sources of the way back are kept eagerly.
+(sinks: the scaled output too), gate|up and the weighted activation (the down projection's input), the routed
+rows (the routing weights' gradient recomputes the activation from gate|up); the router's scores (its input
+recomputed from the kept residual). Expert parallelism's exchanges run outside the compiled graph (host split
+sizes): the two index_copy sources of the way back are kept eagerly, and with a learned router the expert output
+for the routing weights' gradient.
 Context parallelism (sdpa): each query chunk's kernel keeps the gathered keys and values up to its end, repeated
 to every query head, and the two chunk outputs are concatenated (a second copy of the output).
 Frozen weights (train.lora, a frozen router): a matmul whose weight does not train keeps no input (only the
@@ -142,7 +145,10 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
     # recomputes it from the kept residual (an fp32 stream under autocast: the router keeps its own fp32 value)
     router = r * D if trained("router") and not (r == a and (shared_mlp or compiled)) else 0
     rows = K * a * (2 * F + (D + F) * experts_in)  # gate|up; routed rows and the down projection's input
-    back = K * a * D * (learned + (2 if compiled else 1) * (cfg.parallel.ep > 1))  # routing weights' grad; EP
+    if cfg.parallel.ep > 1:  # the expert output for the routing weights' gradient; the exchange's way back
+        back = K * a * D * (learned + (2 if compiled else 1))
+    else:  # the activation before its weighting, for the weights' gradient (compiled: recomputed from gate|up)
+        back = 0 if compiled else K * a * F * learned
     if compiled:
         norm = a * D * (1 + shared_mlp)  # the residual (and xn where a shared expert's matmul trains from it)
         router += 8 * E + 28 * K if learned else 16 * K
@@ -152,7 +158,7 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
         router += 8 * E + 28 * K + a * K if learned else 16 * K
         act = 4 if k.activation == "gpt_oss" else 1  # the activation's saved values, in units of F
         experts = rows + K * a * (act * F + D) + back  # ... and the expert output, the unsort's index_copy source
-    bias = 8 * K if k.expert_proj_bias else 0  # each row's expert index, for its bias
+    bias = 9 * K if k.expert_proj_bias else 0  # each row's expert index for its bias, and whether it is a kept row
     lora = a * (2 * K * _adapters(cfg, ["experts"]) + 3 * _adapters(cfg, ["shared_experts"]))
     return norm + router + experts + bias + lora + (_swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0)
 

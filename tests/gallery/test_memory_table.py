@@ -45,8 +45,10 @@ def test_the_committed_memory_table_is_rendered_from_the_result_files(tmp_path):
         assert within == "yes" or cells[9] != "-" or file in unexplained, file  # a miss names a cause or is listed
 
 
+# 4 sequences a micro batch: the forward/backward peak (activations, the loss's logits) lies above the optimizer
+# step's, so that the records' losses show in their planned peaks
 BASE = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "gpus": 1, "gpu_name": "NVIDIA H200",
-        "tokens_per_s_per_gpu": 1000.0, "peak_memory_gb": 50.0, "global_batch_size": 2, "micro_batch_size": 2,
+        "tokens_per_s_per_gpu": 1000.0, "peak_memory_gb": 50.0, "global_batch_size": 4, "micro_batch_size": 4,
         "seq_len": 4096, "dtype": "bfloat16", "param_dtype": "bfloat16", "compile": True, "fp8": "off",
         "router": "learned", "loss": "chunked", "command": "synthetic", "commit": "abc",
         "date": "2026-12-02T00:00:00Z"}

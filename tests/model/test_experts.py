@@ -42,3 +42,28 @@ def test_auto_picks_loop_when_grouped_mm_cannot_run():
     counts = torch.tensor([2, 3, 4])
     ref = loop_swiglu(x, experts.w_gate_up_EDF2, experts.w_down_EFD, counts)
     torch.testing.assert_close(experts(x, counts), ref)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_routing_weights_scale_the_expert_output_linearly(impl):
+    """Each row weighted before the down projection, its down bias and the LoRA down adapter (which reads the same
+    weighted activation) included: the output and every gradient, the weights' own included, are those of
+    w * experts(x)."""
+    from moelab.model.lora import add_expert_adapters
+
+    E, D, F, N = 4, 16, 8, 37
+    experts = GroupedExperts(E, D, F, impl=impl, bias=True, activation="gpt_oss")
+    add_expert_adapters(experts, rank=4, alpha=8.0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(N, D, generator=g, requires_grad=True)
+    w = torch.rand(N, generator=g, requires_grad=True)
+    counts, grad = torch.tensor([10, 0, 20, 7]), torch.randn(N, D, generator=g)
+    inputs = [x, w, *experts.parameters()]
+    weighted = experts(x, counts, w)
+    reference = experts(x, counts) * w[:, None]
+    torch.testing.assert_close(weighted, reference)
+    for a, b in zip(torch.autograd.grad(weighted, inputs, grad), torch.autograd.grad(reference, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

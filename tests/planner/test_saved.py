@@ -116,5 +116,9 @@ def test_compiled_blocks_keep_less_and_the_fake_gate_less_than_the_learned_route
     fake = total(base.replace(**{"backend.fake_balanced_gate": True}))
     assert compiled < 0.75 * eager and fake < eager
     ep = total(base.replace(**{"parallel.ep": 2}))
-    K, D = base.model.moe.top_k, base.model.hidden_size
-    assert ep - eager == K * 2 * D  # the exchange's way back keeps one more copy of the routed rows
+    K, D, F = base.model.moe.top_k, base.model.hidden_size, base.model.moe.expert_ffn_size
+    # EP weights the expert output at combine (kept for the weights' gradient, where the local path keeps the
+    # activation before its weighting) and its way back keeps one more copy of the routed rows
+    assert ep - eager == K * 2 * (D - F) + K * 2 * D
+    ep_compiled = total(base.replace(**{"parallel.ep": 2, "train.compile": True}))
+    assert ep_compiled - compiled == 3 * K * 2 * D  # compiled, the local path keeps neither
