@@ -15,6 +15,7 @@ from moelab.config import BackendConfig, MoEConfig
 from moelab.model.batch_context import NO_CONTEXT, BatchContext
 from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
+from moelab.model.rows import dispatch_rows, inverse_permutation, unsort_rows
 from moelab.model.router import Router, count_ids
 
 
@@ -74,7 +75,9 @@ class LocalDispatcher(Dispatcher):
     """All experts on this rank: sort the N = T*K assignments by expert, and undo it after. The experts weight
     their rows (``row_weights``); combine unsorts and sums each token's K rows.
 
-        x_ND, counts_E, order_N = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
+        x_ND, counts_E, (order_N, inverse_N) = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
+
+    The rows move by gathers both ways (moelab.model.rows: no scatter-add in either gradient).
     """
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
@@ -83,28 +86,29 @@ class LocalDispatcher(Dispatcher):
         if keep_TK is not None:  # dropped assignments sort last, behind a sentinel expert
             flat_N = torch.where(keep_TK.reshape(-1), flat_N, num_experts)
         order_N = torch.argsort(flat_N, stable=True)
+        inverse_N = inverse_permutation(order_N)
         counts_E = count_ids(flat_N, num_experts + 1)[:num_experts]  # on the device: no host sync
-        x_ND = x_TD[order_N // K]
+        x_ND = dispatch_rows(x_TD, order_N, inverse_N, K)
         if keep_TK is not None:
             # The grouped GEMM leaves the rows past the kept ones undefined in its output AND in its input
             # gradient; masking them here keeps that garbage out of the dropped tokens' gradients.
             x_ND = torch.where(_computed_rows(x_ND, counts_E)[:, None], x_ND, 0.0)
-        return x_ND, counts_E, order_N
+        return x_ND, counts_E, (order_N, inverse_N)
 
-    def row_weights(self, weights_TK, keep_TK, order_N, counts_E):
+    def row_weights(self, weights_TK, keep_TK, ctx, counts_E):
         """weights_TK in dispatch order. Rows past the kept ones (dropped assignments) get 0, selected rather than
         multiplied, so that the undefined values the grouped GEMM leaves there send no NaN into the weights'
         gradient."""
-        w_N = weights_TK.reshape(-1)[order_N]
+        w_N = weights_TK.reshape(-1)[ctx[0]]
         return w_N if keep_TK is None else torch.where(_computed_rows(w_N, counts_E), w_N, 0.0)
 
-    def combine(self, y_ND, order_N, weights_TK, keep_TK, counts_E):
+    def combine(self, y_ND, ctx, weights_TK, keep_TK, counts_E):
         """y_ND: the experts' rows, already weighted (row_weights); only weights_TK's shape and dtype are read:
         the sum over K is in the dtype a weighted combine returns (EP's: fp32 for fp32 weights)."""
         T, K = weights_TK.shape
         if keep_TK is not None:  # rows past the kept ones were not computed by the grouped GEMM
             y_ND = torch.where(_computed_rows(y_ND, counts_E)[:, None], y_ND, 0.0)
-        y_unsorted_ND = torch.empty_like(y_ND).index_copy(0, order_N, y_ND)
+        y_unsorted_ND = unsort_rows(y_ND, *ctx)
         return y_unsorted_ND.view(T, K, -1).sum(1, dtype=torch.promote_types(y_ND.dtype, weights_TK.dtype))
 
 

@@ -17,12 +17,12 @@ Eager (every op keeps what its backward formula reads):
   (concatenated nope | rope parts), the whole kv_b projection (v is a view of it), the output and LSE.
 - MoE (LocalDispatcher): the routed rows x_ND, gate|up h_NF2, the activation's saved values (SwiGLU: silu(gate);
   GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, their product and up + 1), the down projection's input
-  (the activation weighted by the routing weights) and the expert output (the source of the index_copy that
-  unsorts it); a learned router also keeps its fp32 input and scores, and the activation before its weighting for
+  (the activation weighted by the routing weights); the rows move by gathers (moelab.model.rows), which keep only
+  their indices; a learned router also keeps its fp32 input and scores, and the activation before its weighting for
   the gradient of the routing weights. The fake balanced gate's weights are constants: its router keeps nothing.
   Expert parallelism weights the expert output at combine instead (the weights stay on the source rank): the
-  combine keeps the returned rows for the weights' gradient, and the exchange's second index_copy source (the
-  received rows put back rank-major).
+  combine keeps the returned rows for the weights' gradient, and the exchange's two index_copy sources (the expert
+  output unsorted, the received rows put back rank-major).
 - SwiGLU MLPs (dense, shared experts): gate and up outputs, silu(gate) and their product.
 Compiled (inductor's min-cut partitioner: pointwise work is recomputed in backward, matmul and kernel inputs are
 kept): the block input, the normalised inputs of matmuls, the residual before the FFN norm, q/k before their
@@ -157,7 +157,9 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
         norm = _norm_eager(D, a, shared_mlp, trained("norms"), r)
         router += 8 * E + 28 * K + a * K if learned else 16 * K
         act = 4 if k.activation == "gpt_oss" else 1  # the activation's saved values, in units of F
-        experts = rows + K * a * (act * F + D) + back  # ... and the expert output, the unsort's index_copy source
+        # ... and under EP the expert output, the source of the index_copy that unsorts it (the local dispatcher's
+        # unsort is a gather both ways, moelab.model.rows: nothing kept)
+        experts = rows + K * a * (act * F + D * (cfg.parallel.ep > 1)) + back
     bias = 9 * K if k.expert_proj_bias else 0  # each row's expert index for its bias, and whether it is a kept row
     lora = a * (2 * K * _adapters(cfg, ["experts"]) + 3 * _adapters(cfg, ["shared_experts"]))
     return norm + router + experts + bias + lora + (_swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0)

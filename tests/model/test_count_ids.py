@@ -35,8 +35,8 @@ def test_dispatch_sizes_its_outputs_without_reading_data(drop):
     x = torch.empty(T, D, device="meta")
     experts = torch.empty(T, K, dtype=torch.long, device="meta")
     keep = torch.empty(T, K, dtype=torch.bool, device="meta") if drop else None
-    x_ND, counts_E, order_N = LocalDispatcher().dispatch(x, experts, keep, E)
-    assert x_ND.shape == (T * K, D) and counts_E.shape == (E,) and order_N.shape == (T * K,)
+    x_ND, counts_E, (order_N, inverse_N) = LocalDispatcher().dispatch(x, experts, keep, E)
+    assert x_ND.shape == (T * K, D) and counts_E.shape == (E,) and order_N.shape == inverse_N.shape == (T * K,)
 
 
 @pytest.mark.parametrize("capacity", [0.0, 1.25])

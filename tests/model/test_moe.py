@@ -30,7 +30,7 @@ def test_weighting_in_the_experts_equals_weighting_at_combine(drop):
     x_TD, experts_TK, keep_TK, weights_TK = _routing(0, drop)
     d = LocalDispatcher()
     y_TD = d.route(experts, x_TD, weights_TK, experts_TK, keep_TK, E)
-    x_ND, counts_E, order_N = d.dispatch(x_TD, experts_TK, keep_TK, E)
+    x_ND, counts_E, (order_N, _) = d.dispatch(x_TD, experts_TK, keep_TK, E)
     y_ND = experts(x_ND, counts_E)
     y_ND = torch.where((torch.arange(T * K) < counts_E.sum())[:, None], y_ND, 0.0)
     y_TKD = torch.empty_like(y_ND).index_copy(0, order_N, y_ND).view(T, K, D)

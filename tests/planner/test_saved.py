@@ -118,7 +118,8 @@ def test_compiled_blocks_keep_less_and_the_fake_gate_less_than_the_learned_route
     ep = total(base.replace(**{"parallel.ep": 2}))
     K, D, F = base.model.moe.top_k, base.model.hidden_size, base.model.moe.expert_ffn_size
     # EP weights the expert output at combine (kept for the weights' gradient, where the local path keeps the
-    # activation before its weighting) and its way back keeps one more copy of the routed rows
-    assert ep - eager == K * 2 * (D - F) + K * 2 * D
+    # activation before its weighting) and its way back keeps two index_copy sources, where the local path's
+    # gathers (moelab.model.rows) keep none
+    assert ep - eager == K * 2 * (D - F) + 2 * K * 2 * D
     ep_compiled = total(base.replace(**{"parallel.ep": 2, "train.compile": True}))
     assert ep_compiled - compiled == 3 * K * 2 * D  # compiled, the local path keeps neither
