@@ -99,7 +99,7 @@ def test_a_record_from_before_lean_fsdp_is_planned_as_its_code_wrapped(gallery):
     """EP over both GPUs (the experts on a one-rank expert-FSDP mesh): a record measured before 6131a2c is planned
     with FSDP2 wrapping that mesh, as its code did (planner_options, by its date), and its note says so; the same
     record measured since plans today's code. Only the date decides."""
-    two = {"gpus": 2, "global_batch_size": 4, "layout": {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "vp": 1, "fsdp": 2}}
+    two = {"gpus": 2, "global_batch_size": 8, "layout": {"tp": 1, "pp": 1, "cp": 1, "ep": 2, "vp": 1, "fsdp": 2}}
     old_date = "2026-11-30T10:00:00Z"
     assert planner_options({"date": old_date}) == {"fsdp_one_rank": "wrapped"}
     assert planner_options(BASE) == planner_options({}) == {}

@@ -52,6 +52,11 @@ PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2":
 # same run: switching one process from SDPA to eager attention moves parameters by up to 3e-4 absolute and 5e-4
 # relative norm (measured). CP's losses, routing counts, aux losses and gradient norms are still held tightly.
 PARAM_TOL = {"cp2": (5e-4, 1e-3), "cp2xep2": (5e-4, 1e-3), "cp2xep2-chunks": (5e-4, 1e-3)}  # (max abs difference, relative norm difference)
+# Expert parallelism weights the expert outputs at combine (the weights stay on the source rank), one process
+# weights each row's activation before the down projection (moelab.model.moe.Dispatcher.row_weights): the same
+# products in another order. Adam lifts that rounding to 2.2e-5 at most in near-zero-gradient elements (measured:
+# ep2xfsdp2-step, 4 steps; 9.4e-6 when both weighted at combine); the relative norm bound stays 1e-5.
+EP_PARAM_TOL = (4e-5, 1e-5)
 
 
 # cp2 (CP with FSDP2 over the two CP ranks, no EP) with the learned router matched one process on one CPU kind and
@@ -75,7 +80,7 @@ def test_layout_reproduces_single_process(name, reference, layout_run, helpers):
     assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=1e-4)
     assert all(len(e["memory"]["per_rank"]) == nproc for e in ev)
     assert params.keys() == ref_params.keys()
-    max_abs, max_rel = PARAM_TOL.get(name, (2e-5, 1e-5))
+    max_abs, max_rel = PARAM_TOL.get(name, EP_PARAM_TOL if any(o.startswith("parallel.ep=") for o in overrides) else (2e-5, 1e-5))
     worst = {}
     for key, ref in ref_params.items():
         assert params[key].shape == ref.shape, key
