@@ -44,6 +44,13 @@ DAY_NOTES = {
                       "(moelab.parallel.fsdp). Such records are planned with moelab.planner.plan's "
                       "fsdp_one_rank=wrapped, which counts those units as the code then held them",
                       "FSDP2 wrapping", "wrapped one-rank meshes too", _one_rank_units),
+    "local_weighting": ("the local dispatcher applied the routing weights to the expert outputs at combine and kept "
+                        "them for the weights' gradient (top_k x hidden x 2 bytes per token and MoE layer), and "
+                        "unsorted them by index_copy; since then the experts weight each row's activation before the "
+                        "down projection and the rows move by gathers (moelab.model.moe, moelab.model.rows). Such "
+                        "records are planned with moelab.planner.plan's local_weighting=combine",
+                        "routing-weight placement", "weighted the expert outputs at combine",
+                        lambda p: "the MoE layers on one rank" if p.layout.get("ep", 1) == 1 else ""),
 }
 
 
@@ -59,29 +66,9 @@ def day_notes(r: dict, p) -> list[str]:
     return out
 
 
-# The local dispatcher's routing weights moved before the experts' down projection and its rows to gathers both
-# ways (a3f8c38, 9e0dd92): records measured before kept each MoE layer's expert outputs, which today's plan does
-# not count (moelab.planner.saved)
-LOCAL_WEIGHTING = ("a3f8c38", "2026-12-02T05:04")
-
-
-def miss_causes(r: dict, p, cfg=None) -> list[str]:
-    """The causes the record `r` shows for its peak differing from plan `p` of `cfg` (see the module docstring)."""
+def miss_causes(r: dict, p) -> list[str]:
+    """The causes the record `r` shows for its peak differing from plan `p` (see the module docstring)."""
     out = []
-    date = str(r.get("date") or "")
-    over = r["peak_memory_gb"] * 2**30 > (1 + MEMORY_TARGET) * p.memory_per_gpu_bytes
-    if over and cfg is not None and date and date < LOCAL_WEIGHTING[1] and cfg.parallel.ep == 1 \
-            and not cfg.backend.fake_balanced_gate:
-        m = cfg.model
-        a = 4 if cfg.train.dtype == "float32" else 2
-        moe_layers = sum(1 for i in p.stage_layers[p.stage] if i >= m.num_dense_layers)
-        tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-        kept = moe_layers * tokens * m.moe.top_k * m.hidden_size * a / 2**30
-        out.append(f"measured before {LOCAL_WEIGHTING[0]} ({LOCAL_WEIGHTING[1][:10]}): the local dispatcher then "
-                   f"weighted the expert outputs at combine and kept them for the routing weights' gradient (top_k x "
-                   f"hidden x {a} bytes per token and MoE layer: {kept:.2f} GiB per micro batch in flight here), "
-                   "which the plan of today's code does not count; today's runs are re-measured in the rows of "
-                   "issue 31's calls 5 on")
     cache = r.get("fp8_expert_weight_cache") or {}
     if r.get("fp8") not in (None, "off") and p.micro_batches_per_step == 1 and cache.get("refreshes_so_far"):
         out.append(f"the FP8 expert weight cache of an earlier run in the same process (its command: "
@@ -138,7 +125,7 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
         mem_rows.append((r["_file"].removesuffix(".json"), planned, measured))
         err = measured / planned - 1
         held = abs(err) <= MEMORY_TARGET
-        causes = miss_causes(r, p, cfg)
+        causes = miss_causes(r, p)
         misses += not held
         if not held and not causes:
             unexplained.append(r["_file"])

@@ -108,7 +108,10 @@ DEFAULTS_BEFORE = (("loss", "full", "f0b7924", "2026-12-01T21:41"),  # the chunk
 # (moelab.planner.plan.plan's keywords): records older than the commit's date are planned with the option's value
 # before it (the planner option, its value before, the commit, its date); ``planner_options`` reads it
 LEAN_FSDP = ("6131a2c", "2026-12-01T11:45:53Z")  # lean FSDP: one-rank meshes left plain, explicit prefetch under EP
-CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),)  # FSDP2 wrapped units on one-rank meshes too
+# the local dispatcher applied the routing weights at combine and kept the expert outputs (moelab.planner.saved)
+LOCAL_WEIGHTING = ("a3f8c38", "2026-12-02T05:04")
+CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),  # FSDP2 wrapped units on one-rank meshes too
+               ("local_weighting", "combine", *LOCAL_WEIGHTING))
 # the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
 _OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
 # recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)

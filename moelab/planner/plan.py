@@ -56,7 +56,7 @@ from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
 from moelab.planner.speed import predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
-from moelab.planner.saved import saved_per_token
+from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
 from moelab.planner.stages import split_layers
 from moelab.planner.states import describe as describe_states, state_bytes
 from moelab.planner.units import GiB, bytes_text as _bytes, count_text as _num, flop_text as _flop
@@ -270,25 +270,27 @@ class _Sizes:
     mb: int  # AdamW's two moments, bytes per trained parameter (moelab.planner.states)
     T: int  # tokens of one micro batch on one rank
     one_rank: str = "plain"  # FSDP2 on one-rank meshes, by the code planned (moelab.planner.comm.FSDP_ONE_RANK)
+    weighting: str = "experts"  # where the local dispatcher weights, by the code planned (planner.saved)
 
 
-def _sizes(cfg: Config, world: int, one_rank: str = "plain") -> _Sizes:
+def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts") -> _Sizes:
     p = ParallelDims.build(cfg, world).layout
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
                   2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
-                  t.micro_batch_size * t.seq_len // p.cp, one_rank)
+                  t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting)
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
-         fsdp_one_rank: str = "plain") -> Plan:
+         fsdp_one_rank: str = "plain", local_weighting: str = "experts") -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
     kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
-    records measured with old code (moelab.gallery_records.planner_options).
+    records measured with old code (moelab.gallery_records.planner_options); `local_weighting` likewise: "experts"
+    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -299,12 +301,15 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         cfg = load_config(cfg)
     world = gpus if gpus is not None else default_world(cfg)
     check_one_rank(fsdp_one_rank)
+    if local_weighting not in LOCAL_WEIGHTING:
+        raise ConfigError(f"local_weighting={local_weighting!r}: must be one of {', '.join(LOCAL_WEIGHTING)} "
+                          "(experts: moelab's code; combine: the code before a3f8c38, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
     if cfg.backend.loss == "auto":  # planned as the loss the run will take (a GPU run: CUDA assumed)
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
-    z = _sizes(cfg, world, fsdp_one_rank)
+    z = _sizes(cfg, world, fsdp_one_rank, local_weighting)
     mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
     per_rank, logit_bytes = _memory(z, ranks)
@@ -314,7 +319,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
     source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
-    act_moe, act_dense = saved_per_token(cfg, True, z.a), saved_per_token(cfg, False, z.a)
+    act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
     counts = count_params(mdl)
@@ -332,7 +337,9 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m, z.one_rank), loading=worst["loading"],
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m, z.one_rank) + (
+            ["routing weights applied at combine, the expert outputs kept for their gradient, as the code before "
+             "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p))
     if kind:
@@ -387,7 +394,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
 
     # autocast over fp32 weights on one rank (no FSDP2 casts): the residual stream stays fp32
     residual = 4 if z.world == 1 and t.dtype == "bfloat16" and t.param_dtype == "float32" else a
-    acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual) for i in range(mdl.num_layers)]
+    acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual, z.weighting) for i in range(mdl.num_layers)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
     logits_total = logits_bytes(cfg, T, a)
     logit_bytes = logits_total // max(T, 1)  # per token, as reported

@@ -130,7 +130,13 @@ def _swiglu_mlp(width: int, a: int, compiled: bool, trained: bool) -> int:
     return a * width * (2 + (not compiled) + trained)
 
 
-def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
+# Where the local dispatcher applies the routing weights, by the code planned: "experts" (moelab's: before the
+# down projection, rows moved by gathers) or "combine" (before a3f8c38: the expert outputs weighted at combine and
+# kept for the weights' gradient, unsorted by index_copy), for records measured with that code.
+LOCAL_WEIGHTING = ("experts", "combine")
+
+
+def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int, weighting: str = "experts") -> int:
     m, k, trained = cfg.model, cfg.model.moe, trained_inputs(cfg)
     D = m.hidden_size
     if not moe:
@@ -145,8 +151,11 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
     # recomputes it from the kept residual (an fp32 stream under autocast: the router keeps its own fp32 value)
     router = r * D if trained("router") and not (r == a and (shared_mlp or compiled)) else 0
     rows = K * a * (2 * F + (D + F) * experts_in)  # gate|up; routed rows and the down projection's input
+    at_combine = cfg.parallel.ep > 1 or weighting == "combine"  # the expert output weighted after the experts
     if cfg.parallel.ep > 1:  # the expert output for the routing weights' gradient; the exchange's way back
         back = K * a * D * (learned + (2 if compiled else 1))
+    elif at_combine:  # the expert output for the routing weights' gradient
+        back = K * a * D * learned
     else:  # the activation before its weighting, for the weights' gradient (compiled: recomputed from gate|up)
         back = 0 if compiled else K * a * F * learned
     if compiled:
@@ -159,18 +168,19 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int) -> int:
         act = 4 if k.activation == "gpt_oss" else 1  # the activation's saved values, in units of F
         # ... and under EP the expert output, the source of the index_copy that unsorts it (the local dispatcher's
         # unsort is a gather both ways, moelab.model.rows: nothing kept)
-        experts = rows + K * a * (act * F + D * (cfg.parallel.ep > 1)) + back
+        experts = rows + K * a * (act * F + D * at_combine) + back
     bias = 9 * K if k.expert_proj_bias else 0  # each row's expert index for its bias, and whether it is a kept row
     lora = a * (2 * K * _adapters(cfg, ["experts"]) + 3 * _adapters(cfg, ["shared_experts"]))
     return norm + router + experts + bias + lora + (_swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0)
 
 
-def saved_per_token(cfg: Config, moe: bool, a: int, eager_attention: bool = False, residual: int = 0) -> dict:
+def saved_per_token(cfg: Config, moe: bool, a: int, eager_attention: bool = False, residual: int = 0,
+                    weighting: str = "experts") -> dict:
     """Bytes per token one block keeps for backward ({"attention", "ffn"}) and its input ("input": what full
     checkpointing keeps), for a MoE block (`moe`) or a dense one, eager or compiled as cfg.train.compile says;
     `eager_attention`: the block's attention takes moelab's reference path (moelab.model.attention);
     `residual`: bytes per element of the residual stream when not `a` (4: autocast over fp32 weights, where the
-    embedding and every residual add stay fp32 and the norms normalise in fp32)."""
+    embedding and every residual add stay fp32 and the norms normalise in fp32); `weighting`: LOCAL_WEIGHTING."""
     compiled, r = cfg.train.compile, residual or a
-    return {"attention": _attention(cfg, a, compiled, eager_attention, r), "ffn": _ffn(cfg, moe, a, compiled, r),
-            "input": r * cfg.model.hidden_size}
+    return {"attention": _attention(cfg, a, compiled, eager_attention, r),
+            "ffn": _ffn(cfg, moe, a, compiled, r, weighting), "input": r * cfg.model.hidden_size}
