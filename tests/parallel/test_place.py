@@ -54,6 +54,10 @@ full = full_state_dict(par)
 if env.rank == 0:
     torch.save({"dtypes": dtypes, "params": full}, sys.argv[1])
 env.shutdown()
+# as a moelab rank ends (moelab.launch.entry.end_process): not through the interpreter's teardown, which races the
+# gloo threads torch keeps after destroy_process_group (SIGABRT, "terminate called without an active exception")
+from moelab.launch.entry import end_process
+end_process(0)
 """
 
 
