@@ -60,9 +60,6 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
 def main(argv: list[str]) -> int:
     """Run this rank; returns its exit code (a failure's traceback goes to stderr, as an uncaught one would)."""
     quiet_idle_threads()  # before torch is imported
-    from moelab.parallel.env import HOLD_GROUPS
-
-    os.environ[HOLD_GROUPS] = "1"  # this process ends with os._exit: keep its process groups until then
     try:
         if "--bench" in argv:
             i = argv.index("--bench")

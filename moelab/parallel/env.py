@@ -60,17 +60,4 @@ class DistEnv:
 
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
-            if os.environ.get(HOLD_GROUPS):
-                from torch.distributed import distributed_c10d
-
-                _held.extend(getattr(getattr(distributed_c10d, "_world", None), "pg_map", {}))
             torch.distributed.destroy_process_group()
-
-
-# Set by moelab.launch.entry in a rank that ends with os._exit (end_process): shutdown() then keeps every process
-# group referenced (_held) until the process ends, so that nothing run between shutdown and the exit (the exit
-# handlers clearing caches that hold a mesh) drops a gloo group's last reference and runs its C++ teardown while
-# the peer ranks have already exited (a completed rank sometimes aborted: "terminate called without an active
-# exception"). A process that ends through the interpreter (tests, notebooks) does not set it.
-HOLD_GROUPS = "MOELAB_HOLD_PROCESS_GROUPS"
-_held: list = []

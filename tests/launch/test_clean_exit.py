@@ -49,23 +49,3 @@ def test_a_failing_rank_exits_1_with_its_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "Traceback" in r.stderr and "config.yaml" in r.stderr, r.stderr
-
-
-def test_a_launched_rank_keeps_its_process_groups_until_it_exits(monkeypatch):
-    """moelab.launch.entry sets HOLD_GROUPS: shutdown() destroys the groups but keeps them referenced, so nothing
-    before os._exit runs a gloo group's C++ teardown; without it (tests, notebooks) nothing is kept."""
-    import torch.distributed as dist
-
-    from moelab.parallel import env as env_module
-
-    held: list = []
-    monkeypatch.setattr(env_module, "_held", held)
-    for hold in (False, True):
-        if hold:
-            monkeypatch.setenv(env_module.HOLD_GROUPS, "1")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-        env_module.DistEnv.from_environ("cpu").shutdown()
-        assert not dist.is_initialized()
-        assert (group in held) == hold
-    held.clear()
