@@ -23,38 +23,24 @@ from pathlib import Path
 
 import torch
 
+from moelab.model.rows import dispatch_rows, inverse_permutation
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
 
 
-class RowGather(torch.autograd.Function):
-    """x_ND = x_TD[order_N // K] where every token appears exactly K times: the backward is a scatter without
-    accumulation (index_copy) and a sum over K, instead of index_put's sort-based accumulation."""
-
-    @staticmethod
-    def forward(ctx, x_TD, order_N, K: int):
-        ctx.save_for_backward(order_N)
-        ctx.K = K
-        return x_TD[order_N // K]
-
-    @staticmethod
-    def backward(ctx, g_ND):
-        (order_N,) = ctx.saved_tensors
-        g = torch.empty_like(g_ND).index_copy_(0, order_N, g_ND)
-        return g.view(-1, ctx.K, g_ND.shape[1]).sum(1), None, None
-
-
 def fast_dispatch(self, x_TD, experts_TK, keep_TK, num_experts):
-    """LocalDispatcher.dispatch with static-shape counts (scatter_add, no bincount: no graph break under
-    torch.compile) and RowGather; the variant 'fast-permute' swaps it in (keep_TK unsupported here)."""
+    """LocalDispatcher.dispatch as the first session measured its 'fast-permute' variant: static-shape counts
+    (scatter_add, no bincount) and the rows moved by gathers (then a script-only RowGather, now moelab.model.rows,
+    which the dispatcher itself uses); keep_TK unsupported here."""
     assert keep_TK is None
     T, K = experts_TK.shape
     flat_N = experts_TK.reshape(-1)
     order_N = torch.argsort(flat_N, stable=True)
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device).scatter_add_(
         0, flat_N, torch.ones_like(flat_N))
-    return RowGather.apply(x_TD, order_N, K), counts_E, order_N
+    inverse_N = inverse_permutation(order_N)
+    return dispatch_rows(x_TD, order_N, inverse_N, K), counts_E, (order_N, inverse_N)
 
 
 def main():
@@ -165,10 +151,10 @@ def main():
         from moelab.model.moe import LocalDispatcher
 
         LocalDispatcher.dispatch = fast_dispatch
-        base["permute"] = "RowGather + scatter_add counts (fast_dispatch)"
+        base["permute"] = "moelab.model.rows gathers + scatter_add counts (fast_dispatch)"
         b.set_fake_gate(True)
         record("fake-gate-gbs2-fast-permute", "as fake-gate-gbs2 with the RowGather permutation", args.steps, 2,
-               fake_balanced_gate=True, permute="RowGather")
+               fake_balanced_gate=True, permute="gathers (moelab.model.rows)")
     if "cudnn" not in skip:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
