@@ -56,7 +56,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|^weight cache\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -79,7 +79,7 @@ part parity 95 bash -c "for m in ${PARITY_MODES//,/ }; do $PAR \$m > $L/parity-\
 # FP8 at global batch 16 first (its record is written before 2 starts, so a timeout keeps it)
 part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} \
   ${FP8_PROFILE_GBS:+--profile --profile-gbs $FP8_PROFILE_GBS} $DRY
-part fp8-check 100 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
+part fp8-check 150 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
     --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json

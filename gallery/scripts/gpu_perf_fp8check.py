@@ -2,7 +2,8 @@
 gallery/scripts/gpu_perf.sh): moelab.model.fp8's dense and grouped FP8 GEMMs (forward and both gradients) on
 torch._scaled_mm / torch._scaled_grouped_mm, against the same quantised operands dequantised and multiplied in
 fp32 (moelab.model.fp8.EMULATE), and against the bf16 GEMM; the same compiled; then forward+backward times of
-FP8 and bf16 (CUDA events, median of 10 after warm-up).
+FP8 and bf16 (CUDA events, median of 10 after warm-up); the expert weight cache's tiled transpose kernel against
+inductor's pass (bytes and ms); the Triton AdamW against torch's.
 
     python gallery/scripts/gpu_perf_fp8check.py --out DIR [--small]   # --small: CPU-sized shapes (dry run)
 """
@@ -93,6 +94,53 @@ def adamw_check(res: dict, save) -> None:
         traceback.print_exc()
         res["adamw"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     print(f"adamw check: {json.dumps(res['adamw'])}", flush=True)
+    save()
+
+
+def cuda_ms(fn, reps: int = 10) -> float:
+    """Mean ms of fn() over reps calls (CUDA events), after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(reps):
+        fn()
+    ev[1].record()
+    torch.cuda.synchronize()
+    return ev[0].elapsed_time(ev[1]) / reps
+
+
+def weight_cache_check(res: dict, save, weights: dict) -> None:
+    """The expert weight cache's forward operand (e4m3, column-major, scaled along K) by moelab.model.fp8_transpose's
+    tiled kernel against inductor's fused pass (the cache's refresh before it): differing bytes and scales, ms
+    each; and one ExpertWeightCache refresh of a layer's two weights (both operands), as the trainer runs it."""
+    from moelab.model.fp8_cache import ExpertWeightCache, _refresh_into
+    from moelab.model.fp8_transpose import quantize_colmajor_kernel
+
+    out = res["weight_cache"] = {}
+    try:
+        inductor = torch.compile(_refresh_into, dynamic=False)
+        for name, w in weights.items():
+            bufs = fp8.quantize_expert_weight(w)
+            ref = [t.clone() for t in bufs]
+            inductor(w, w.dtype, ref, forward=True)
+            got = quantize_colmajor_kernel(w, w.dtype)
+            out[name] = {"differing_bytes": int((got[0].view(torch.uint8) != ref[0].view(torch.uint8)).sum()),
+                         "differing_scales": int((got[1] != ref[1]).sum()), "elements": w.numel(),
+                         "forward operand ms, inductor": cuda_ms(lambda: inductor(w, w.dtype, bufs, forward=True)),
+                         "forward operand ms, tiled kernel": cuda_ms(lambda: quantize_colmajor_kernel(
+                             w, w.dtype, out=bufs[:2])),
+                         "dgrad operand ms, inductor": cuda_ms(lambda: inductor(w, w.dtype, bufs, forward=False))}
+        holder = torch.nn.Module()
+        holder.w_gate_up_EDF2, holder.w_down_EFD = (torch.nn.Parameter(w) for w in weights.values())
+        cache = ExpertWeightCache(holder)
+        cache.refresh(torch.bfloat16)
+        out["ExpertWeightCache.refresh ms (one layer, both weights)"] = cuda_ms(lambda: cache.refresh(torch.bfloat16))
+        out["cache error"] = ExpertWeightCache.error
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(f"weight cache check: {json.dumps(out)}", flush=True)
     save()
 
 
@@ -208,6 +256,7 @@ def main():
             save()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+        weight_cache_check(res, save, {"w_gate_up [E, D, 2F]": w1, "w_down [E, F, D]": w2})
         adamw_check(res, save)
     save()
     bad = [k for k, v in checks.items() if "error" in v or not v["finite"] or max(v["vs_emulation"]) > 2e-2]

@@ -152,11 +152,17 @@ def forward_operand(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w_q, s_E1N.squeeze(-2)
 
 
-def quantize_expert_weight(w_EKN: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The e4m3 operands of one stacked expert weight: (forward operand [E, K, N] column-major, its scales
-    [E, N]: scaled along K) and (dgrad operand [E, N, K] column-major, its scales [E, K]: scaled along N)."""
+def dgrad_operand(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad GEMM's e4m3 weight: w^T as [E, N, K] column-major (w's own row-major bytes), scaled along N
+    (scales [E, K])."""
     w_q, s_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
-    return (*forward_operand(w_EKN), w_q.transpose(-2, -1), s_EK1.squeeze(-1))
+    return w_q.transpose(-2, -1), s_EK1.squeeze(-1)
+
+
+def quantize_expert_weight(w_EKN: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The e4m3 operands of one stacked expert weight: (forward operand, its scales) and (dgrad operand, its
+    scales), as forward_operand and dgrad_operand make them."""
+    return (*forward_operand(w_EKN), *dgrad_operand(w_EKN))
 
 
 class _FP8GroupedMM(torch.autograd.Function):
@@ -181,8 +187,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dx_MK = g_MN @ w_EKN^T: w scaled along N; its transpose is column-major
             g_q, sg_M1 = quantize_rowwise(g_MN, -1)
             if wq_b is None:
-                w_q, sw_EK1 = quantize_rowwise(w_EKN.contiguous(), -1)
-                wq_b, s_b = w_q.transpose(-2, -1), sw_EK1.squeeze(-1)
+                wq_b, s_b = dgrad_operand(w_EKN)
             dx = scaled_grouped_mm(g_q, sg_M1.squeeze(-1), wq_b, s_b, offs_E, ctx.out_dtype).to(x_MK.dtype)
         if ctx.needs_input_grad[1]:
             dw = _grouped_wgrad(x_MK.to(g_MN.dtype), g_MN, offs_E, w_EKN.shape[0]).to(w_EKN.dtype)

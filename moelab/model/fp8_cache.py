@@ -19,17 +19,24 @@ import functools
 
 import torch
 
-from moelab.model.fp8 import quantize_expert_weight
+from moelab.model.fp8 import dgrad_operand, forward_operand, quantize_expert_weight
+from moelab.model.fp8_transpose import kernel_applies, quantize_colmajor_kernel
 
 
-def _refresh_into(w_EKN: torch.Tensor, dtype: torch.dtype, buffers: tuple[torch.Tensor, ...]) -> None:
-    for buf, new in zip(buffers, quantize_expert_weight(w_EKN.to(dtype))):
+def _refresh_into(w_EKN: torch.Tensor, dtype: torch.dtype, buffers: tuple[torch.Tensor, ...], forward: bool) -> None:
+    """Write the weight's operands into the cache's buffers; forward=False: the dgrad operand only (the forward
+    one is written by moelab.model.fp8_transpose's kernel)."""
+    w = w_EKN.to(dtype)
+    operands = (*forward_operand(w), *dgrad_operand(w)) if forward else dgrad_operand(w)
+    for buf, new in zip(buffers[-len(operands):], operands):
         buf.copy_(new)
 
 
 @functools.cache
 def _compiled_refresh():
-    # one fused pass per operand (amax, scale, cast, written into the cache) instead of eager's fp32 temporaries
+    # one fused pass per operand (amax, scale, cast, written into the cache) instead of eager's fp32 temporaries;
+    # inductor's pass for the transposed forward operand writes strided (37.6 ms per step at the Qwen3 proxy,
+    # call 5), so on CUDA that operand comes from moelab.model.fp8_transpose's tiled kernel
     return torch.compile(_refresh_into, dynamic=False)
 
 
@@ -68,7 +75,10 @@ class ExpertWeightCache:
             fn = _compiled_refresh() if weights[0].is_cuda else _refresh_into
             try:
                 for w, bufs in zip(weights, self.buffers):
-                    fn(w.detach(), dtype, bufs)
+                    tiled = kernel_applies(w)  # the transposed forward operand by the tiled kernel
+                    if tiled:
+                        quantize_colmajor_kernel(w.detach(), dtype, out=bufs[:2])
+                    fn(w.detach(), dtype, bufs, forward=not tiled)
             except Exception as e:  # noqa: BLE001 (the uncached path computes the same; say so once)
                 import warnings
 
