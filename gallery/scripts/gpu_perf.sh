@@ -15,6 +15,9 @@
 #     moelab-loss the LM-head losses side by side (LOSSES, default chunked,full,liger,cce: backend.loss; liger and
 #                 cce from the carried wheels) at micro batch 2 and 4 (LOSS_MBS) and global batch 2 and 16,
 #                 compiled, train.optimizer=auto, learned router, peak memory in each record
+#     blockwise   issue 31's blockwise FP8 trial at the experts' GEMMs (gpu_fp8_blockwise.py, about 60 s): bf16,
+#                 rowwise and 1x128/128x128 blockwise (torch's grouped op, cuBLAS dense, a Triton grouped kernel),
+#                 the quantisation passes and a per-layer projection; not run by default (PARTS=blockwise)
 #   Optional parts (measured in the first call, not run by default): fp8-check tt-fp8 tt-eager hf
 #   MOELAB_COMMIT=<sha>   the commit the results belong to (the device copy has no git)
 #   DRY_RUN=1             CPU only: the moelab parts on the tiny preset, peers skipped (checks the script)
@@ -80,6 +83,9 @@ part parity 95 bash -c "for m in ${PARITY_MODES//,/ }; do $PAR \$m > $L/parity-\
 part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} \
   ${FP8_PROFILE_GBS:+--profile --profile-gbs $FP8_PROFILE_GBS} $DRY
 part fp8-check 150 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
+# the dry run checks its Triton kernel under the interpreter
+part blockwise 90 env ${DRY_RUN:+TRITON_INTERPRET=1} python3 gallery/scripts/gpu_fp8_blockwise.py --out $R \
+  ${DRY_RUN:+--small}
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-fp8 130 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --fp8 rowwise \
     --global-batch 2,16 --json $R/torchtitan-compile-fp8-gbs{gbs}.json
