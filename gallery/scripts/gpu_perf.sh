@@ -80,7 +80,7 @@ PAR="timeout -k 5 85 python3 gallery/scripts/gpu_perf.py parity --out $R --steps
 part parity 95 bash -c "for m in ${PARITY_MODES//,/ }; do $PAR \$m > $L/parity-\$m.log 2>&1 & done; wait; \
   cat $L/parity-*.log"
 # FP8 at global batch 16 first (its record is written before 2 starts, so a timeout keeps it)
-part moelab-fp8 150 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} \
+part moelab-fp8 200 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 rowwise --gbs ${FP8_GBS:-16,2} \
   ${FP8_PROFILE_GBS:+--profile --profile-gbs $FP8_PROFILE_GBS} $DRY
 part fp8-check 150 python3 gallery/scripts/gpu_perf_fp8check.py --out $R ${DRY_RUN:+--small}
 # the dry run checks its Triton kernel under the interpreter

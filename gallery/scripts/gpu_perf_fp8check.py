@@ -125,7 +125,19 @@ def weight_cache_check(res: dict, save, weights: dict) -> None:
             ref = [t.clone() for t in bufs]
             inductor(w, w.dtype, ref, forward=True)
             got = quantize_colmajor_kernel(w, w.dtype)
-            out[name] = {"differing_bytes": int((got[0].view(torch.uint8) != ref[0].view(torch.uint8)).sum()),
+            eager = fp8.forward_operand(w)  # CUDA's eager cast (round to nearest even), no inductor
+            differ = got[0].view(torch.uint8) != ref[0].view(torch.uint8)
+            idx = differ.nonzero()[:8]
+            e, k, n = idx.unbind(-1) if len(idx) else (idx,) * 3
+            out[name] = {"differing_bytes": int(differ.sum()),
+                         "kernel vs eager differing bytes": int((got[0].view(torch.uint8)
+                                                                 != eager[0].view(torch.uint8)).sum()),
+                         "inductor vs eager differing bytes": int((ref[0].view(torch.uint8)
+                                                                   != eager[0].view(torch.uint8)).sum()),
+                         "examples (w * scale, kernel, inductor, eager)": [
+                             [float(a), float(b), float(c), float(d)] for a, b, c, d in zip(
+                                 (w[e, k, n].float() / got[1][e, n]).tolist(), got[0][e, k, n].float().tolist(),
+                                 ref[0][e, k, n].float().tolist(), eager[0][e, k, n].float().tolist())],
                          "differing_scales": int((got[1] != ref[1]).sum()), "elements": w.numel(),
                          "forward operand ms, inductor": cuda_ms(lambda: inductor(w, w.dtype, bufs, forward=True)),
                          "forward operand ms, tiled kernel": cuda_ms(lambda: quantize_colmajor_kernel(
