@@ -74,10 +74,13 @@ def _kernel():
             v = tl.clamp(x.to(tl.float32) * scale[None, :], -448.0, 448.0)
             # round to the e4m3 grid in fp32 (ties to even: fp32 addition's rounding), so the cast below is exact
             # (Triton's interpreter truncates, and drops the carry into the exponent, when the cast rounds)
-            v_exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            # (on |v|, the sign put back after: values that round to zero stay -0 where negative, as CUDA's cast)
+            a = tl.abs(v)
+            v_exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
             quantum_exp = tl.maximum(v_exp, -6) - 3  # e4m3: 3 mantissa bits, smallest normal 2^-6
             shift = ((quantum_exp + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^(quantum_exp + 23)
-            v = (v + shift) - shift
+            a = (a + shift) - shift
+            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -a, a)  # the sign bit: -0.0 too
             tl.store(q_base + n[None, :] * K + k[:, None], v.to(tl.float8e4nv), mask=ok)
 
     return colmajor_e4m3_kernel
