@@ -382,13 +382,55 @@ def checks() -> list[str]:
     return out
 
 
+def fp8_trials() -> list[str]:
+    """Issue 31's FP8 trials: the recipes at the experts' GEMMs (gpu_fp8_blockwise.py) and the expert weight
+    cache's tiled kernel (gpu_perf_fp8check.py)."""
+    t = _load("qwen3-moe-30b-a3b-proxy--moelab--fp8-blockwise-trial")
+    sh, g = t["shapes"], t["grouped"]["zipf"]
+    out = ["", f"### FP8 recipes at the experts' GEMMs, one MoE layer and micro batch (`{t['workload']}--moelab--"
+           f"fp8-blockwise-trial.json`, {t['device_call']}, {t['device']}, torch {t['torch_version']})", "",
+           f"{sh['routed_rows']} routed rows over {sh['experts']} experts (Zipf-like split: "
+           f"{g['counts']['min']} to {g['counts']['max']} rows), hidden {sh['hidden']}, expert FFN "
+           f"{sh['expert_ffn']}; ms per GEMM (median of {sh['reps']}); dense: the same GEMM on the concatenated rows "
+           "with one expert's weight (the rate a grouped kernel could reach at best).", "",
+           "| GEMM | bf16 grouped | rowwise grouped | blockwise grouped, torch | blockwise grouped, Triton | "
+           "dense bf16 | dense rowwise | dense blockwise (cuBLAS) |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    ms = lambda d, k: f"{d[k]['ms']:.3f}" if isinstance(d.get(k), dict) and "ms" in d[k] else "-"  # noqa: E731
+    for name in ("gate_up.fwd", "gate_up.dgrad", "gate_up.wgrad", "down.fwd", "down.dgrad", "down.wgrad"):
+        v, d = g.get(name, {}), t["dense"].get(name, {})
+        refusal = (v.get("F.scaled_grouped_mm blockwise") or {}).get("error", "ran")
+        out.append(f"| {name} | {ms(v, 'bf16')} | {ms(v, 'rowwise')} | {refusal if 'rowwise' in v else '-'} | "
+                   f"{ms(v, 'triton blockwise')} | {ms(d, 'bf16')} | {ms(d, 'rowwise')} | {ms(d, 'blockwise')} |")
+    pr = t["projection"]
+    out += ["", f"Projected per micro batch ({pr['layers']} layers; weights quantised once per step of "
+            f"{pr['micro_batches_per_step']} micro batches), Zipf-like split:", "",
+            "| recipe | expert GEMMs ms | activation quantisation ms | weight quantisation ms | total ms | "
+            "saving vs bf16 ms |", "|---|---:|---:|---:|---:|---:|"]
+    L = pr["layers"]
+    for name, v in pr["zipf"].items():
+        out.append(f"| {name} | {L * v['gemm_ms']:.1f} | {L * v['quant_activation_ms']:.1f} | "
+                   f"{L * v['quant_weight_ms_amortised']:.1f} | {v['per_micro_batch_ms']:.1f} | "
+                   f"{v['saving_vs_bf16_per_micro_batch_ms']:.1f} |")
+    c = _load("qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check")
+    out += ["", f"### The FP8 expert weight cache's forward operand: tiled kernel against inductor's pass "
+            f"(`{c['workload']}--moelab--fp8-kernel-check.json`, {c['device_call']}, commit {c['commit'][:7]})", "",
+            "| weight | inductor ms | tiled kernel ms | dgrad operand (inductor) ms | bytes differing from "
+            "inductor's | of which the kernel's against CUDA's eager cast |", "|---|---:|---:|---:|---:|---:|"]
+    for name, v in c["weight_cache"].items():
+        if isinstance(v, dict):
+            out.append(f"| {name} | {v['forward operand ms, inductor']:.2f} | {v['forward operand ms, tiled kernel']:.2f}"
+                       f" | {v['dgrad operand ms, inductor']:.2f} | {v['differing_bytes']} of {v['elements']} | "
+                       f"{v.get('kernel vs eager differing bytes', '-')} |")
+    return out
+
+
 # ---------------------------------------------------------------------- the two documents
 def tables(results: list | None = None) -> str:
     """perf-notes.md's text between the markers."""
     results, entries, cur = _ctx(results)
     out = current_table(cur) + ["", "### Issue 31's targets, from the records above", ""] + targets(results, cur)
     out += profiles(results) + micro_batch_breakdown(results) + gallery_entries(results)
-    out += history_table(results, entries, cur) + earlier_issues() + checks()
+    out += history_table(results, entries, cur) + earlier_issues() + checks() + fp8_trials()
     return "\n".join(out)
 
 

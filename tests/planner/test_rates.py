@@ -87,8 +87,8 @@ def test_the_chunked_loss_and_the_triton_adamw_are_the_second_profile(proxy):
 
 def test_fp8_rates_are_the_fp8_profile_and_kernel_check(proxy):
     mdl, fl = proxy
-    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2.json")
-    check = record("qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check.json")
+    prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2-5fe5a16.json")
+    check = record("qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check-5fe5a16.json")
     assert prof["fp8"] == "rowwise" and check["shapes"]["tokens"] == T
     grouped_ms = kernels_ms(prof, lambda n, c: c == "matmul" and "GroupProblemShape" in n)
     assert rate(T * 8 * fl["moe_experts"], grouped_ms) == pytest.approx(H200_MEASURED["grouped_fp8_tflops"][0],
