@@ -7,6 +7,7 @@
 #   FP8_PROFILE_GBS=16 (profile the FP8 step too)  TRITON_GBS=2 (also time the other AdamW kernel at these batches)
 #   PARTS="tt-compile tt-blocks moelab moelab-loss parity moelab-fp8"   (default: all, in this order)
 #     check       the router's bf16 logits and the chunked loss against their references, timed (gpu_check_router_loss.py)
+#     rows        the combine's and dispatch's sums over K, before / now, compiled, checked and timed (gpu_check_rows.py)
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS
@@ -59,7 +60,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|^weight cache\|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -69,6 +70,7 @@ if [ -z "${DRY_RUN:-}" ]; then
     --global-batch 2,16 --json $R/torchtitan-compile-blocks-gbs{gbs}.json
 fi
 part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
+part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
 part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} $TRITON $DRY

@@ -2,8 +2,8 @@
 gallery/scripts/gpu_perf.sh): moelab.model.fp8's dense and grouped FP8 GEMMs (forward and both gradients) on
 torch._scaled_mm / torch._scaled_grouped_mm, against the same quantised operands dequantised and multiplied in
 fp32 (moelab.model.fp8.EMULATE), and against the bf16 GEMM; the same compiled; then forward+backward times of
-FP8 and bf16 (CUDA events, median of 10 after warm-up); the expert weight cache's tiled transpose kernel against
-inductor's pass (bytes and ms); the Triton AdamW against torch's.
+FP8 and bf16 (CUDA events, median of 10 after warm-up); the expert weight cache's tiled kernel (both operands) against
+inductor's passes (bytes and ms); the Triton AdamW against torch's.
 
     python gallery/scripts/gpu_perf_fp8check.py --out DIR [--small]   # --small: CPU-sized shapes (dry run)
 """
@@ -110,39 +110,41 @@ def cuda_ms(fn, reps: int = 10) -> float:
     return ev[0].elapsed_time(ev[1]) / reps
 
 
+def _copy_operands(w, buffers):  # the weight cache's refresh before moelab.model.fp8_kernel (compiled below)
+    for buf, t in zip(buffers, fp8.quantize_expert_weight(w)):
+        buf.copy_(t)
+
+
 def weight_cache_check(res: dict, save, weights: dict) -> None:
-    """The expert weight cache's forward operand (e4m3, column-major, scaled along K) by moelab.model.fp8_transpose's
-    tiled kernel against inductor's fused pass (the cache's refresh before it): differing bytes and scales, ms
-    each; and one ExpertWeightCache refresh of a layer's two weights (both operands), as the trainer runs it."""
-    from moelab.model.fp8_cache import ExpertWeightCache, _refresh_into
-    from moelab.model.fp8_transpose import quantize_colmajor_kernel
+    """The expert weight cache's two operands by moelab.model.fp8_kernel's tiled kernel against inductor's
+    passes (the cache's refresh before it, compiled) and CUDA's eager cast: differing bytes (with examples), ms
+    each; and one ExpertWeightCache refresh of a layer's two weights, as the trainer runs it."""
+    from moelab.model.fp8_cache import ExpertWeightCache
+    from moelab.model.fp8_kernel import quantize_weight_kernel
 
     out = res["weight_cache"] = {}
     try:
-        inductor = torch.compile(_refresh_into, dynamic=False)
+        inductor = torch.compile(_copy_operands, dynamic=False)
         for name, w in weights.items():
             bufs = fp8.quantize_expert_weight(w)
             ref = [t.clone() for t in bufs]
-            inductor(w, w.dtype, ref, forward=True)
-            got = quantize_colmajor_kernel(w, w.dtype)
-            eager = fp8.forward_operand(w)  # CUDA's eager cast (round to nearest even), no inductor
-            differ = got[0].view(torch.uint8) != ref[0].view(torch.uint8)
-            idx = differ.nonzero()[:8]
-            e, k, n = idx.unbind(-1) if len(idx) else (idx,) * 3
-            out[name] = {"differing_bytes": int(differ.sum()),
-                         "kernel vs eager differing bytes": int((got[0].view(torch.uint8)
-                                                                 != eager[0].view(torch.uint8)).sum()),
-                         "inductor vs eager differing bytes": int((ref[0].view(torch.uint8)
-                                                                   != eager[0].view(torch.uint8)).sum()),
-                         "examples (w * scale, kernel, inductor, eager)": [
-                             [float(a), float(b), float(c), float(d)] for a, b, c, d in zip(
-                                 (w[e, k, n].float() / got[1][e, n]).tolist(), got[0][e, k, n].float().tolist(),
-                                 ref[0][e, k, n].float().tolist(), eager[0][e, k, n].float().tolist())],
-                         "differing_scales": int((got[1] != ref[1]).sum()), "elements": w.numel(),
-                         "forward operand ms, inductor": cuda_ms(lambda: inductor(w, w.dtype, bufs, forward=True)),
-                         "forward operand ms, tiled kernel": cuda_ms(lambda: quantize_colmajor_kernel(
-                             w, w.dtype, out=bufs[:2])),
-                         "dgrad operand ms, inductor": cuda_ms(lambda: inductor(w, w.dtype, bufs, forward=False))}
+            inductor(w, ref)
+            eager = fp8.quantize_expert_weight(w)  # CUDA's eager cast (round to nearest even), no inductor
+            got = (*quantize_weight_kernel(w, -2), *quantize_weight_kernel(w, -1))
+            row = out[name] = {"elements": w.numel()}
+            for i, operand in ((0, "forward"), (2, "dgrad")):
+                differ = got[i].view(torch.uint8) != ref[i].view(torch.uint8)
+                idx = differ.nonzero()[:4].unbind(-1)
+                row[f"{operand} differing bytes (kernel vs inductor, kernel vs eager, inductor vs eager)"] = [
+                    int(differ.sum()), int((got[i].view(torch.uint8) != eager[i].view(torch.uint8)).sum()),
+                    int((ref[i].view(torch.uint8) != eager[i].view(torch.uint8)).sum())]
+                row[f"{operand} differing scales"] = int((got[i + 1] != ref[i + 1]).sum())
+                row[f"{operand} examples (kernel, inductor)"] = [
+                    [float(a), float(b)] for a, b in zip(got[i][idx].float().tolist(), ref[i][idx].float().tolist())]
+            row["both operands ms, inductor"] = cuda_ms(lambda: inductor(w, bufs))
+            for dim, operand in ((-2, "forward"), (-1, "dgrad")):
+                o = bufs[:2] if dim == -2 else bufs[2:]
+                row[f"{operand} operand ms, tiled kernel"] = cuda_ms(lambda: quantize_weight_kernel(w, dim, out=o))
         holder = torch.nn.Module()
         holder.w_gate_up_EDF2, holder.w_down_EFD = (torch.nn.Parameter(w) for w in weights.values())
         cache = ExpertWeightCache(holder)

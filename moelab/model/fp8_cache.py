@@ -15,29 +15,26 @@ weights. Weights sharded by FSDP (DTensors) are not cached (their full tensor ex
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
-from moelab.model.fp8 import dgrad_operand, forward_operand, quantize_expert_weight
-from moelab.model.fp8_transpose import kernel_applies, quantize_colmajor_kernel
+from moelab.model.fp8 import quantize_expert_weight
+from moelab.model.fp8_kernel import kernel_applies, quantize_weight_kernel
 
 
-def _refresh_into(w_EKN: torch.Tensor, dtype: torch.dtype, buffers: tuple[torch.Tensor, ...], forward: bool) -> None:
-    """Write the weight's operands into the cache's buffers; forward=False: the dgrad operand only (the forward
-    one is written by moelab.model.fp8_transpose's kernel)."""
-    w = w_EKN.to(dtype)
-    operands = (*forward_operand(w), *dgrad_operand(w)) if forward else dgrad_operand(w)
-    for buf, new in zip(buffers[-len(operands):], operands):
-        buf.copy_(new)
-
-
-@functools.cache
-def _compiled_refresh():
-    # one fused pass per operand (amax, scale, cast, written into the cache) instead of eager's fp32 temporaries;
-    # inductor's pass for the transposed forward operand writes strided (37.6 ms per step at the Qwen3 proxy,
-    # call 5), so on CUDA that operand comes from moelab.model.fp8_transpose's tiled kernel
-    return torch.compile(_refresh_into, dynamic=False)
+def _quantize_into(w_EKN: torch.Tensor, dtype: torch.dtype, buffers: tuple | None) -> tuple[torch.Tensor, ...]:
+    """The weight's two operands (quantize_expert_weight's), written into `buffers` (None: new ones). On CUDA
+    moelab.model.fp8_kernel's tiled kernel writes them (inductor's pass wrote the transposed forward operand
+    strided: 37.6 ms per step at the Qwen3 proxy, call 5); else torch (CPU)."""
+    if kernel_applies(w_EKN):
+        return (*quantize_weight_kernel(w_EKN, -2, dtype, out=buffers and buffers[:2]),
+                *quantize_weight_kernel(w_EKN, -1, dtype, out=buffers and buffers[2:]))
+    new = quantize_expert_weight(w_EKN.to(dtype))
+    if buffers is None:
+        return new
+    for buf, t in zip(buffers, new):
+        buf.copy_(t)
+    return buffers
 
 
 class ExpertWeightCache:
@@ -45,8 +42,7 @@ class ExpertWeightCache:
 
         cache = ExpertWeightCache(experts); cache.refresh(torch.bfloat16); cache.valid  # -> True
 
-    If the compiled refresh fails (a compiler problem on some GPU), caching is switched off for the process with
-    a warning and the experts quantise per micro batch, as without the cache (`ExpertWeightCache.error`)."""
+    If the refresh fails (a Triton problem on some GPU), caching is switched off for the process with a warning and the experts quantise per micro batch, as without the cache (`ExpertWeightCache.error`)."""
 
     refreshes = 0  # over all caches of the process (benchmarks report it)
     error: str | None = None
@@ -69,22 +65,17 @@ class ExpertWeightCache:
             return
         weights = (self.experts.w_gate_up_EDF2, self.experts.w_down_EFD)
         dtype = dtype or weights[0].dtype
-        if self.buffers is None or self.dtype != dtype:
-            self.buffers = tuple(quantize_expert_weight(w.detach().to(dtype)) for w in weights)
-        else:  # in place: the same tensors every step (compiled graphs see the same inputs)
-            fn = _compiled_refresh() if weights[0].is_cuda else _refresh_into
-            try:
-                for w, bufs in zip(weights, self.buffers):
-                    tiled = kernel_applies(w)  # the transposed forward operand by the tiled kernel
-                    if tiled:
-                        quantize_colmajor_kernel(w.detach(), dtype, out=bufs[:2])
-                    fn(w.detach(), dtype, bufs, forward=not tiled)
-            except Exception as e:  # noqa: BLE001 (the uncached path computes the same; say so once)
-                import warnings
+        # in place after the first time: the same tensors every step (compiled graphs see the same inputs)
+        old = self.buffers if self.buffers is not None and self.dtype == dtype else (None, None)
+        try:
+            self.buffers = tuple(_quantize_into(w.detach(), dtype, bufs) for w, bufs in zip(weights, old))
+        except Exception as e:  # noqa: BLE001 (the uncached path computes the same; say so once)
+            import warnings
 
-                ExpertWeightCache.error = f"{type(e).__name__}: {str(e)[:300]}"
-                warnings.warn(f"FP8 expert weight cache switched off: {ExpertWeightCache.error}", stacklevel=2)
-                return
+            ExpertWeightCache.error = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"FP8 expert weight cache switched off: {ExpertWeightCache.error}", stacklevel=2)
+            self.buffers = None
+            return
         self.dtype, self.valid = dtype, True
         ExpertWeightCache.refreshes += 1
 

@@ -15,7 +15,7 @@ from moelab.config import BackendConfig, MoEConfig
 from moelab.model.batch_context import NO_CONTEXT, BatchContext
 from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
-from moelab.model.rows import dispatch_rows, inverse_permutation, unsort_rows
+from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
 from moelab.model.router import Router, count_ids
 
 
@@ -105,11 +105,10 @@ class LocalDispatcher(Dispatcher):
     def combine(self, y_ND, ctx, weights_TK, keep_TK, counts_E):
         """y_ND: the experts' rows, already weighted (row_weights); only weights_TK's shape and dtype are read:
         the sum over K is in the dtype a weighted combine returns (EP's: fp32 for fp32 weights)."""
-        T, K = weights_TK.shape
+        K = weights_TK.shape[1]
         if keep_TK is not None:  # rows past the kept ones were not computed by the grouped GEMM
             y_ND = torch.where(_computed_rows(y_ND, counts_E)[:, None], y_ND, 0.0)
-        y_unsorted_ND = unsort_rows(y_ND, *ctx)
-        return y_unsorted_ND.view(T, K, -1).sum(1, dtype=torch.promote_types(y_ND.dtype, weights_TK.dtype))
+        return combine_rows(y_ND, *ctx, K, torch.promote_types(y_ND.dtype, weights_TK.dtype))
 
 
 class MoE(nn.Module):

@@ -70,3 +70,16 @@ def test_readme_perf_highlights_are_the_rendering_of_the_result_files():
     readme = (default_root().parent / "README.md").read_text()
     inside = readme.split(pt.README_BEGIN, 1)[1].split(pt.README_END, 1)[0]
     assert inside.strip() == pt.readme_highlights().strip(), "run: python gallery/scripts/perf_tables.py --write"
+
+
+def test_rows_check_script_compares_both_forms_compiled(tmp_path, monkeypatch):
+    """gpu_check_rows.py --small on CPU: both forms compiled, the combine's gradient is the gather, and both agree
+    with the float64 reference to bf16 rounding."""
+    monkeypatch.setattr("sys.argv", ["gpu_check_rows.py", "--out", str(tmp_path), "--small"])
+    assert _module("gpu_check_rows").main() == 0
+    r = json.loads((tmp_path / "check-rows.json").read_text())
+    assert r["variant"] == "check-rows" and r["commit"] and "--small" in r["command"]
+    assert sorted(r["results"]) == ["before", "now"]
+    for v in r["results"].values():
+        assert v["combine_grad_equals_gather"] and v["combine_rel_vs_float64"] < 1e-6
+        assert v["dispatch_grad_rel_vs_float64"] < 4e-3  # the bf16 gradient's rounding

@@ -1,5 +1,5 @@
-"""moelab.model.fp8_transpose's tiled kernel under Triton's CPU interpreter: the same e4m3 bytes and scales as
-moelab.model.fp8.quantize_colmajor, for bf16 weights, fp32 weights rounded to bf16 first, and fp32 weights as they
+"""moelab.model.fp8_kernel's tiled kernel under Triton's CPU interpreter: the same e4m3 bytes and scales as
+moelab.model.fp8's forward and dgrad operands, for bf16 weights, fp32 weights rounded to bf16 first, and fp32 weights as they
 are; shapes off the kernel's blocks; written into the FP8 expert weight cache's buffers by its refresh.
 
 The interpreter has to be on before triton is imported (triton.language's own jit helpers, e.g. tl.max's, are
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from moelab.model.fp8 import forward_operand, quantize_colmajor, quantize_expert_weight
+from moelab.model.fp8 import dgrad_operand, forward_operand, quantize_expert_weight
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(not INTERPRETED, reason="run by test_under_the_interpreter (TRITON_INTERPRET=1)")
@@ -25,12 +25,12 @@ def test_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                        capture_output=True, text=True, timeout=600)
-    n_run = 9 + 1 + 1 + 1  # the inner tests and test_kernel_does_not_apply_on_cpu_without_the_interpreter
+    n_run = 18 + 2 + 1 + 1  # the inner tests and test_kernel_does_not_apply_on_cpu_without_the_interpreter
     assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def test_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):
-    from moelab.model.fp8_transpose import kernel_applies
+    from moelab.model.fp8_kernel import kernel_applies
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not kernel_applies(torch.zeros(2, 4, 4))
@@ -52,39 +52,49 @@ def same_bytes(a, b) -> bool:
     return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+OPERAND = {-2: forward_operand, -1: dgrad_operand}
+
+
 @inner
+@pytest.mark.parametrize("dim", [-2, -1], ids=["forward", "dgrad"])
 @pytest.mark.parametrize("shape", [(3, 130, 70), (2, 64, 64), (1, 7, 129)])
 @pytest.mark.parametrize("dtype,compute", [(torch.bfloat16, None), (torch.float32, torch.bfloat16),
                                            (torch.float32, None)])
-def test_kernel_equals_quantize_colmajor(shape, dtype, compute):
-    from moelab.model.fp8_transpose import kernel_applies, quantize_colmajor_kernel
+def test_kernel_equals_the_operand(dim, shape, dtype, compute):
+    from moelab.model.fp8_kernel import kernel_applies, quantize_weight_kernel
 
     w = weights(shape, dtype)
+    if dim == -1:  # the dgrad operand reduces along N: make N carry the ties, the zeros and the decades
+        w = weights((shape[0], shape[2], shape[1]), dtype).transpose(-2, -1).contiguous()
     assert kernel_applies(w)
-    q, s = quantize_colmajor_kernel(w, compute)
-    ref_q, ref_s = quantize_colmajor(w.to(compute or dtype), -2)
+    q, s = quantize_weight_kernel(w, dim, compute)
+    ref_q, ref_s = OPERAND[dim](w.to(compute or dtype))
     assert same_bytes(q, ref_q)
-    assert torch.equal(s, ref_s.squeeze(-2))
+    assert torch.equal(s, ref_s)
 
 
 @inner
-def test_kernel_writes_into_the_forward_operands_buffers():
-    from moelab.model.fp8_transpose import quantize_colmajor_kernel
+@pytest.mark.parametrize("dim", [-2, -1], ids=["forward", "dgrad"])
+def test_kernel_writes_into_the_operands_buffers(dim):
+    from moelab.model.fp8_kernel import quantize_weight_kernel
 
     w = weights((2, 96, 80), torch.bfloat16, seed=1)
-    q0, s0 = forward_operand(torch.zeros_like(w))
-    q, s = quantize_colmajor_kernel(w, None, out=(q0, s0))
+    q0, s0 = OPERAND[dim](torch.zeros_like(w))
+    q, s = quantize_weight_kernel(w, dim, None, out=(q0, s0))
     assert q is q0 and s is s0
-    ref_q, ref_s = forward_operand(w)
+    ref_q, ref_s = OPERAND[dim](w)
     assert same_bytes(q0, ref_q) and torch.equal(s0, ref_s)
-    with pytest.raises(ValueError, match="column-major"):
-        quantize_colmajor_kernel(w, None, out=(q0.contiguous(), s0))
+    with pytest.raises(ValueError, match="not the e4m3 operand"):
+        quantize_weight_kernel(w, dim, None, out=(q0.contiguous().transpose(-2, -1).contiguous(), s0))
+    with pytest.raises(ValueError, match="dim=0"):
+        quantize_weight_kernel(w, 0)
 
 
 @inner
 def test_weight_cache_refresh_uses_the_kernel(monkeypatch):
-    """ExpertWeightCache's in-place refresh writes the forward operands by the kernel (as on CUDA): the buffers
-    equal quantize_expert_weight's operands of the new weights, for fp32 weights computed in bf16."""
+    """ExpertWeightCache's refresh writes both operands by the kernel (as on CUDA), the first time into new
+    buffers and then in place: the buffers equal quantize_expert_weight's operands of the new weights, for fp32
+    weights computed in bf16."""
     from torch import nn
 
     from moelab.model import fp8_cache
@@ -92,18 +102,21 @@ def test_weight_cache_refresh_uses_the_kernel(monkeypatch):
     from moelab.model.fp8_cache import ExpertWeightCache
 
     calls = []
-    real = fp8_cache.quantize_colmajor_kernel
-    monkeypatch.setattr(fp8_cache, "quantize_colmajor_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fp8_cache.quantize_weight_kernel
+    monkeypatch.setattr(fp8_cache, "quantize_weight_kernel", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     experts = GroupedExperts(4, 48, 40)
     nn.init.normal_(experts.w_gate_up_EDF2)
     nn.init.normal_(experts.w_down_EFD)
     cache = ExpertWeightCache(experts)
-    cache.refresh(torch.bfloat16)  # allocates (torch)
+    cache.refresh(torch.bfloat16)
+    first = [t for ops in cache.buffers for t in ops]
     with torch.no_grad():
         experts.w_gate_up_EDF2.mul_(-3.0)
         experts.w_down_EFD.add_(0.5)
-    cache.refresh(torch.bfloat16)  # in place: the kernel for both weights' forward operands
-    assert cache.valid and len(calls) == 2 and ExpertWeightCache.error is None
+    cache.refresh(torch.bfloat16)
+    assert cache.valid and calls == [-2, -1] * 4 and ExpertWeightCache.error is None
+    assert all(a is b for a, b in zip(first, [t for ops in cache.buffers for t in ops]))  # in place
     for w, bufs in zip((experts.w_gate_up_EDF2, experts.w_down_EFD), cache.buffers):
         ref = quantize_expert_weight(w.detach().to(torch.bfloat16))
-        assert same_bytes(bufs[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(bufs[1:], ref[1:]))
+        assert same_bytes(bufs[0], ref[0]) and same_bytes(bufs[2], ref[2])
+        assert torch.equal(bufs[1], ref[1]) and torch.equal(bufs[3], ref[3])
