@@ -98,6 +98,7 @@ def main() -> int:
     bytes_fwd = (T * K * D + T * D) * 2
     exact = y_ND.double()[inverse_N].view(T, K, D).sum(1)
     exact_dx = g_ND.double()[inverse_N].view(T, K, D).sum(1)
+    grads = {}
     for name, combine, dispatch in (("before", before_combine, _BeforeDispatch.apply),
                                     ("now", now_combine, dispatch_rows)):
         comb, disp = torch.compile(combine), torch.compile(dispatch)
@@ -106,15 +107,31 @@ def main() -> int:
         out = comb(y, order_N, inverse_N, K)
         (dy,) = torch.autograd.grad(out, (y,), g_TD)
         (dx,) = torch.autograd.grad(disp(x, order_N, inverse_N, K), (x,), g_ND)
+        want = g_TD.to(torch.bfloat16)[order_N // K]  # the combine's gradient: every row its token's, in bf16
+        dy_eager = torch.autograd.grad(combine(y, order_N, inverse_N, K), (y,), g_TD)[0]
+        differ = dy != want
+        where = differ.nonzero()[:4]
         r = {"combine_rel_vs_float64": rel(out, exact),
-             "combine_grad_equals_gather": bool(torch.equal(dy, g_TD.to(torch.bfloat16)[order_N // K])),
+             "combine_grad_equals_gather": bool(torch.equal(dy, want)),
+             "combine_grad": {"dtype": str(dy.dtype), "shape": list(dy.shape), "stride": list(dy.stride()),
+                              "differing": int(differ.sum()), "max_abs_diff": float((dy.float() - want.float()).abs()
+                                                                                    .max()),
+                              "rel_vs_gather": rel(dy, want), "eager_equals_gather": bool(torch.equal(dy_eager, want)),
+                              "examples (row, col, compiled, gather, g fp32)": [
+                                  [int(i), int(j), float(dy[i, j]), float(want[i, j]),
+                                   float(g_TD[order_N[i] // K, j])] for i, j in where.tolist()]},
              "dispatch_grad_rel_vs_float64": rel(dx, exact_dx),
              "combine_forward_ms": ms(lambda: comb(y_ND, order_N, inverse_N, K), reps),
              "combine_fwd_bwd_ms": ms(lambda: torch.autograd.grad(comb(y, order_N, inverse_N, K), (y,), g_TD), reps),
              "dispatch_fwd_bwd_ms": ms(lambda: torch.autograd.grad(disp(x, order_N, inverse_N, K), (x,), g_ND), reps)}
         r["combine_forward_gb_s"] = bytes_fwd / (r["combine_forward_ms"] * 1e-3) / 1e9
         rec["results"][name] = r
+        grads[name] = (dy, dx)
         print(f"rows {name}: {json.dumps(r)}", flush=True)
+    (dy_b, dx_b), (dy_n, dx_n) = grads["before"], grads["now"]
+    rec["now_vs_before"] = {"combine_grad_equal": bool(torch.equal(dy_n, dy_b)), "combine_grad_rel": rel(dy_n, dy_b),
+                            "dispatch_grad_rel": rel(dx_n, dx_b)}
+    print(f"rows now vs before: {json.dumps(rec['now_vs_before'])}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "check-rows.json").write_text(json.dumps(rec, indent=1) + "\n")
     return 0

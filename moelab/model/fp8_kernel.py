@@ -83,7 +83,9 @@ def _kernel():
             quantum_exp = tl.maximum(v_exp, -6) - 3  # e4m3: 3 mantissa bits, smallest normal 2^-6
             shift = ((quantum_exp + 150) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^(quantum_exp + 23)
             a = (a + shift) - shift
-            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -a, a)  # the sign bit: -0.0 too
+            # v's sign bit onto a by integer ops (-0.0 too; compiled, -a of 0.0 can come out +0: 0.0 - a)
+            v = (a.to(tl.int32, bitcast=True) | (v.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
+                                                                                               bitcast=True)
             tl.store(q_base + r[:, None] * q_r + j[None, :] * q_j, v.to(tl.float8e4nv), mask=ok)
 
     return rowwise_e4m3_kernel
