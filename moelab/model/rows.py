@@ -10,8 +10,8 @@ gathers in forward AND backward, since each is a permutation (or a permutation o
     x_ND = dispatch_rows(x_TD, order_N, inverse_N, K)      # x_TD[order_N // K]; grad: the K rows' sum, gathered
     y_TD = combine_rows(y_ND, order_N, inverse_N, K, dtype)  # each token's K rows summed; grad: gathered
 
-Both sums over a token's K rows (the combine's forward, the dispatch's backward) are sum_rows: compiled, K gathers
-added in one pointwise kernel whose loads run along D, with no [N, D] intermediate.
+The dispatch's backward sums each token's K rows with sum_rows: compiled, K gathers added in one pointwise kernel
+whose loads run along D, with no [N, D] intermediate.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def sum_rows(rows_ND: torch.Tensor, index_TK: torch.Tensor, dtype: torch.dtype |
 
     Compiled, it is K gathers added in order, which inductor fuses into one pointwise kernel over [T, D] whose loads
     run along D; written as the [T*K, D] gather viewed [T, K, D] and summed over K, inductor made a persistent
-    reduction over K whose loads ran across rows (issue 31: 0.33 ms per layer and micro batch at the Qwen3 proxy's
-    combine, about a quarter of HBM speed). Eager, that gather-and-sum is the fewer kernels."""
+    reduction over K whose loads ran across rows (issue 31: 0.33 ms per layer and micro batch at the Qwen3 proxy, a
+    quarter of HBM speed; the dispatch's backward 20.6 -> 10.3 ms per step in call 8's profile, fused with the
+    norm's backward). Eager, that gather-and-sum is the fewer kernels."""
     T, K = index_TK.shape
     dtype = dtype or rows_ND.dtype
     if torch.compiler.is_compiling():
@@ -56,17 +57,16 @@ class _DispatchRows(torch.autograd.Function):
         return sum_rows(g_ND, inverse_N.view(-1, ctx.K)), None, None, None
 
 
-class _CombineRows(torch.autograd.Function):
+class _UnsortRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_ND, order_N, inverse_N, K: int, dtype: torch.dtype):
+    def forward(ctx, y_ND, order_N, inverse_N):
         ctx.save_for_backward(order_N)
-        ctx.K, ctx.rows_dtype = K, y_ND.dtype
-        return sum_rows(y_ND, inverse_N.view(-1, K), dtype)
+        return y_ND[inverse_N]
 
     @staticmethod
-    def backward(ctx, g_TD):
+    def backward(ctx, g_ND):
         (order_N,) = ctx.saved_tensors
-        return g_TD.to(ctx.rows_dtype)[order_N // ctx.K], None, None, None, None
+        return g_ND[order_N], None, None
 
 
 def dispatch_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor, K: int) -> torch.Tensor:
@@ -78,5 +78,10 @@ def dispatch_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Te
 def combine_rows(y_ND: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor, K: int,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each token's K expert rows back from dispatch order and summed: y_ND[inverse_N].view(T, K, D).sum(1) in
-    dtype (default y's); its gradient is a gather by order_N // K (every row takes its token's gradient)."""
-    return _CombineRows.apply(y_ND, order_N, inverse_N, K, dtype or y_ND.dtype)
+    dtype (default y's); its gradient is a gather by order_N (every row takes its token's gradient).
+
+    Not sum_rows: with the sum inside one autograd.Function whose backward was g_TD.to(y's dtype)[order_N // K],
+    inductor's compiled backward returned zeros on an H200 (torch 2.11; correct on CPU and eager: issue 31 call 9,
+    `...check-rows.json`), so the combine keeps this form, whose compiled gradient that check verified."""
+    T = inverse_N.shape[0] // K
+    return _UnsortRows.apply(y_ND, order_N, inverse_N).view(T, K, -1).sum(1, dtype=dtype or y_ND.dtype)
