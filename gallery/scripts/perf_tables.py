@@ -412,15 +412,35 @@ def fp8_trials() -> list[str]:
                    f"{L * v['quant_weight_ms_amortised']:.1f} | {v['per_micro_batch_ms']:.1f} | "
                    f"{v['saving_vs_bf16_per_micro_batch_ms']:.1f} |")
     c = _load("qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check")
-    out += ["", f"### The FP8 expert weight cache's forward operand: tiled kernel against inductor's pass "
+    out += ["", f"### The FP8 expert weight cache's operands: tiled kernel against inductor's passes "
             f"(`{c['workload']}--moelab--fp8-kernel-check.json`, {c['device_call']}, commit {c['commit'][:7]})", "",
-            "| weight | inductor ms | tiled kernel ms | dgrad operand (inductor) ms | bytes differing from "
-            "inductor's | of which the kernel's against CUDA's eager cast |", "|---|---:|---:|---:|---:|---:|"]
+            "| weight | both operands, inductor ms | forward operand, kernel ms | dgrad operand, kernel ms | "
+            "differing bytes, kernel vs inductor / vs CUDA's eager cast (forward; dgrad) |", "|---|---:|---:|---:|---|"]
+    key = "differing bytes (kernel vs inductor, kernel vs eager, inductor vs eager)"
     for name, v in c["weight_cache"].items():
         if isinstance(v, dict):
-            out.append(f"| {name} | {v['forward operand ms, inductor']:.2f} | {v['forward operand ms, tiled kernel']:.2f}"
-                       f" | {v['dgrad operand ms, inductor']:.2f} | {v['differing_bytes']} of {v['elements']} | "
-                       f"{v.get('kernel vs eager differing bytes', '-')} |")
+            bytes_ = "; ".join(f"{v[f'{o} {key}'][0]} / {v[f'{o} {key}'][1]}" for o in ("forward", "dgrad"))
+            out.append(f"| {name} ({v['elements']:,} elements) | {v['both operands ms, inductor']:.2f} | "
+                       f"{v['forward operand ms, tiled kernel']:.2f} | {v['dgrad operand ms, tiled kernel']:.2f} | "
+                       f"{bytes_} |")
+    return out
+
+
+def rows_check() -> list[str]:
+    """gpu_check_rows.py's record: the sums over each token's K rows, the form before sum_rows and with it."""
+    c = _load("qwen3-moe-30b-a3b-proxy--moelab--check-rows")
+    sh = c["shapes"]
+    out = ["", f"### The MoE layer's sums over K, compiled (`{c['workload']}--moelab--check-rows.json`, "
+           f"{c['device_call']}, T {sh['tokens']}, K {sh['top_k']}, D {sh['hidden']}): 'now' is that commit's "
+           "rows.py, the combine inside one autograd.Function with sum_rows (its compiled gradient: zeros; the "
+           "combine went back to the 'before' form after this call, the dispatch kept sum_rows)", "",
+           "| form | combine forward ms (GB/s) | combine fwd+bwd ms | combine gradient = gather (differing elements) | "
+           "dispatch fwd+bwd ms | dispatch gradient rel. to float64 |", "|---|---:|---:|---|---:|---:|"]
+    for name, r in c["results"].items():
+        out.append(f"| {name} | {r['combine_forward_ms']:.3f} ({r['combine_forward_gb_s']:.0f}) | "
+                   f"{r['combine_fwd_bwd_ms']:.3f} | {r['combine_grad_equals_gather']} "
+                   f"({r['combine_grad']['differing']:,}) | {r['dispatch_fwd_bwd_ms']:.3f} | "
+                   f"{r['dispatch_grad_rel_vs_float64']:.2e} |")
     return out
 
 
@@ -430,7 +450,7 @@ def tables(results: list | None = None) -> str:
     results, entries, cur = _ctx(results)
     out = current_table(cur) + ["", "### Issue 31's targets, from the records above", ""] + targets(results, cur)
     out += profiles(results) + micro_batch_breakdown(results) + gallery_entries(results)
-    out += history_table(results, entries, cur) + earlier_issues() + checks() + fp8_trials()
+    out += history_table(results, entries, cur) + earlier_issues() + checks() + fp8_trials() + rows_check()
     return "\n".join(out)
 
 
