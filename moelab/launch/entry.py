@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from moelab.config import load_config
 from moelab.contract.folder import RunFolder, lock_folder, write_json
@@ -57,16 +58,14 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
     return record
 
 
-def main(argv: list[str]) -> int:
-    """Run this rank; returns its exit code (a failure's traceback goes to stderr, as an uncaught one would)."""
-    quiet_idle_threads()  # before torch is imported
+def exit_code(body: Callable[[], object]) -> int:
+    """Run a rank's body; its exit code: 0 when it returns, SystemExit's code, 1 for any other failure (whose
+    traceback goes to stderr, as an uncaught one would). With end_process: how every rank process ends.
+
+        end_process(exit_code(lambda: train_rank(run_dir)))
+    """
     try:
-        if "--bench" in argv:
-            i = argv.index("--bench")
-            steps, warmup, command = argv[i + 1: i + 4]
-            bench_rank(argv[0], int(steps), int(warmup), command)
-        else:
-            train_rank(argv[0], progress="--progress" in argv)
+        body()
         return 0
     except SystemExit as e:
         if not isinstance(e.code, (int, type(None))):
@@ -77,12 +76,34 @@ def main(argv: list[str]) -> int:
         return 1
 
 
+def main(argv: list[str]) -> int:
+    """Run this rank; returns its exit code (moelab.launch.entry.exit_code)."""
+    quiet_idle_threads()  # before torch is imported
+
+    def body() -> None:
+        if "--bench" in argv:
+            i = argv.index("--bench")
+            steps, warmup, command = argv[i + 1: i + 4]
+            bench_rank(argv[0], int(steps), int(warmup), command)
+        else:
+            train_rank(argv[0], progress="--progress" in argv)
+
+    return exit_code(body)
+
+
 def end_process(code: int) -> None:
-    """End this rank's process without the interpreter's teardown. torch keeps process groups alive after
-    destroy_process_group (its mesh and FSDP registries hold them), so their gloo threads are still running when
-    the interpreter finalises, and a rank that had finished cleanly sometimes aborted there ("terminate called
-    without an active exception", SIGABRT: the run was COMPLETED but the launcher saw a failed rank). The exit
-    handlers run first, while the interpreter is whole, then the output is flushed."""
+    """End this rank's process without the interpreter's teardown: the exit handlers run first, while the
+    interpreter is whole, then the output is flushed and the process exits (os._exit).
+
+    Why (a core dump of the abort, torch 2.13, CPython 3.11): a gloo collective wakes its waiter before the gloo
+    worker thread drops the collective's tensors, and dropping a tensor whose Python object the caller released
+    takes the GIL (the tensor holds its Python object while C++ references remain). Once the interpreter finalises,
+    CPython ends any thread that takes the GIL with pthread_exit; its unwinding meets the noexcept destructor of
+    the gloo work and calls std::terminate: "terminate called without an active exception", SIGABRT, in a rank
+    whose run had completed. The worker is late only on a busy machine, and torch keeps the process groups (and
+    their workers) alive after destroy_process_group, so neither a barrier nor the groups' lifetime closes the
+    window: a rank must not finalise. This entry's ranks and the tests' rank entries end here (submitit's tasks,
+    moelab.launch.executors.TrainJob, still end through submitit's own interpreter teardown)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -72,13 +72,15 @@ def launch(argv: list[str], nproc: int, log_dir: "str | Path", env: dict | None 
             files += [out, err]
             procs.append(subprocess.Popen(argv, env=rank_env(r, nproc, port, env), stdout=out, stderr=err,
                                           preexec_fn=die_with_parent))
+        ended = _end_times(procs)
         failed, failed_at = None, None
         while True:
-            codes = [p.poll() for p in procs]
-            if failed is None:
-                failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-                failed_at = time.monotonic() if failed is not None else None
-            if all(c is not None for c in codes):
+            done = dict(ended)  # rank: when it ended
+            bad = {r: t for r, t in done.items() if procs[r].returncode != 0}
+            if bad:  # the rank that failed first (a dead rank's peers fail within milliseconds, on their own)
+                failed = min(bad, key=bad.get)
+                failed_at = time.monotonic() if failed_at is None else failed_at
+            if len(done) == nproc:
                 break
             if failed is not None and time.monotonic() - failed_at > grace_s:
                 break
@@ -90,6 +92,23 @@ def launch(argv: list[str], nproc: int, log_dir: "str | Path", env: dict | None 
             f.close()
     if failed is not None:
         raise RankFailed(_failure_message(failed, procs, log_dir, metrics_path), failed, procs[failed].returncode)
+
+
+def _end_times(procs: list[subprocess.Popen]) -> dict[int, float]:
+    """{rank: time.monotonic() when its process ended}, filled by one waiting thread per rank as they end: the
+    order in which ranks failed, which a poll every 50 ms cannot tell apart (a rank's peers notice its death and
+    exit within one poll)."""
+    import threading
+
+    ended: dict[int, float] = {}
+
+    def wait(r: int, p: subprocess.Popen) -> None:
+        p.wait()
+        ended[r] = time.monotonic()
+
+    for r, p in enumerate(procs):
+        threading.Thread(target=wait, args=(r, p), name=f"moelab-rank{r}-wait", daemon=True).start()
+    return ended
 
 
 class _forward_signals:

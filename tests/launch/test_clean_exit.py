@@ -49,3 +49,44 @@ def test_a_failing_rank_exits_1_with_its_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "Traceback" in r.stderr and "config.yaml" in r.stderr, r.stderr
+
+
+LATE_WORKER = """
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:
+    time.sleep(2.0)  # rank 1 is at its end long before this collective completes
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError:
+        pass  # rank 1 already gone
+else:
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    work.get_future().then(lambda fut: None)  # gloo's worker takes the GIL for this when the collective ends
+    if sys.argv[1] == "end_process":
+        from moelab.launch.entry import end_process
+        end_process(0)
+"""
+
+
+def test_a_rank_whose_gloo_worker_still_needs_the_gil_ends_by_end_process_and_aborts_in_teardown(tmp_path):
+    """The teardown abort that end_process avoids, made certain: rank 1 reaches its end while gloo's worker has
+    Python to run once its collective completes (in real ranks: freeing the collective's tensors, late on a busy
+    machine). Through the interpreter's teardown the worker is ended mid-unwind and the rank aborts ("terminate
+    called without an active exception"); ended by end_process, the rank exits with its own code."""
+    from moelab.launch.local import free_port, rank_env
+
+    script = tmp_path / "late_worker.py"
+    script.write_text(LATE_WORKER)
+    runs = {}
+    for mode in ("end_process", "teardown"):
+        port = free_port()
+        runs[mode] = [subprocess.Popen([sys.executable, str(script), mode], env=rank_env(r, 2, port),
+                                       stderr=subprocess.PIPE, text=True) for r in range(2)]
+    rank1 = {mode: (procs[1].wait(timeout=120), procs[1].stderr.read()) for mode, procs in runs.items()}
+    for procs in runs.values():
+        procs[0].communicate(timeout=120)
+    assert rank1["end_process"][0] == 0, rank1["end_process"][1]
+    # the control: if the interpreter's teardown no longer aborts here, torch or CPython changed (see end_process)
+    assert rank1["teardown"][0] != 0 and "terminate called without an active exception" in rank1["teardown"][1], \
+        rank1["teardown"]

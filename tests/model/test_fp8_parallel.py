@@ -72,4 +72,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(PARALLEL))
     import rank_entry
 
-    rank_entry.main(Path(sys.argv[1]))
+    rank_entry.run(sys.argv[1:])

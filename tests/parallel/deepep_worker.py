@@ -6,7 +6,6 @@ makes on the GPUs (the same random routing, top-2 and top-8 with dropped assignm
 """
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ packages._DETECTED["deep_ep"] = True  # this process only: the stand-in plays th
 
 import moelab.parallel.deepep as deepep_module  # noqa: E402
 from moelab.config import ConfigError  # noqa: E402
+from moelab.launch.entry import end_process  # noqa: E402
 from moelab.parallel.deepep import DeepEPDispatcher, close_dispatchers  # noqa: E402
 from moelab.parallel.expert_parallel import AllToAllDispatcher  # noqa: E402
 
@@ -51,7 +51,7 @@ def main(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)  # as dispatch_worker.py: skip interpreter teardown, where gloo's threads sometimes abort
+    end_process(0)  # as dispatch_worker.py: not through the interpreter's teardown, where gloo's workers abort it
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ runs the same cases through its two-chunk ``route`` (3 tokens: chunks of 1 and 2
 """
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from moelab.launch.entry import end_process
 from moelab.model.experts import GroupedExperts
 from moelab.parallel import expert_parallel
 from moelab.parallel.expert_parallel import AllToAllDispatcher, OverlappedAllToAllDispatcher, shard_experts
@@ -108,9 +108,9 @@ def main(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears down its connections while a peer's last transfer is in flight
     dist.destroy_process_group()
-    # Results are written: skip interpreter teardown, where gloo's threads sometimes abort the process
-    # ("terminate called without an active exception", seen once in ~10 CI runs).
-    os._exit(0)
+    # Results are written: end as a moelab rank ends, not through the interpreter's teardown, where a gloo worker
+    # still freeing a collective's tensors aborts the process ("terminate called without an active exception")
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
     python -m rank_entry RUN_DIR      (with tests/parallel on PYTHONPATH; launched by run_local_processes)
 
+It ends as a moelab rank ends (moelab.launch.entry.end_process), never through the interpreter's teardown: there a
+gloo worker that frees a finished collective's tensors late (a busy machine) aborted the rank after a complete run.
+
 After training, every parameter is gathered to a full tensor (all shards, all experts) and rank 0 saves them to
 RUN_DIR/params.pt, so a test can compare them with a single-process run; every rank writes
 RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, the FSDP2 units with their
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import load_config
+from moelab.launch.entry import end_process, exit_code
 from moelab.parallel.distributed import full_state_dict
 from moelab.train.trainer import Trainer
 
@@ -147,5 +151,10 @@ def main(run_dir: Path) -> None:
     shutdown()
 
 
+def run(argv: list[str]) -> None:
+    """main(RUN_DIR), then end the process with its exit code as moelab.launch.entry ends a rank."""
+    end_process(exit_code(lambda: main(Path(argv[0]))))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run(sys.argv[1:])
