@@ -26,7 +26,7 @@ def _quantize_into(w_EKN: torch.Tensor, dtype: torch.dtype, buffers: tuple | Non
     """The weight's two operands (quantize_expert_weight's), written into `buffers` (None: new ones). On CUDA
     moelab.model.fp8_kernel's tiled kernel writes them (inductor's pass wrote the transposed forward operand
     strided: 37.6 ms per step at the Qwen3 proxy, call 5); else torch (CPU)."""
-    if kernel_applies(w_EKN):
+    if kernel_applies(w_EKN, dtype):
         return (*quantize_weight_kernel(w_EKN, -2, dtype, out=buffers and buffers[:2]),
                 *quantize_weight_kernel(w_EKN, -1, dtype, out=buffers and buffers[2:]))
     new = quantize_expert_weight(w_EKN.to(dtype))
@@ -42,7 +42,8 @@ class ExpertWeightCache:
 
         cache = ExpertWeightCache(experts); cache.refresh(torch.bfloat16); cache.valid  # -> True
 
-    If the refresh fails (a Triton problem on some GPU), caching is switched off for the process with a warning and the experts quantise per micro batch, as without the cache (`ExpertWeightCache.error`)."""
+    If the refresh fails (a Triton problem on some GPU), caching is switched off for the process with a warning
+    and the experts quantise per micro batch, as without the cache (`ExpertWeightCache.error`)."""
 
     refreshes = 0  # over all caches of the process (benchmarks report it)
     error: str | None = None

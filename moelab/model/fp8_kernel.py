@@ -32,11 +32,13 @@ BLOCK_R = 64  # along the reduced axis
 BLOCK_J = 64  # along the kept axis
 
 
-def kernel_applies(w_EKN: torch.Tensor) -> bool:
-    """Whether quantize_weight_kernel runs for w: a 3-d CUDA tensor (or any tensor under Triton's interpreter,
-    TRITON_INTERPRET=1: the tests) with triton installed."""
+def kernel_applies(w_EKN: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether quantize_weight_kernel runs for w computed in `dtype`: a 3-d CUDA tensor (or any tensor under
+    Triton's interpreter, TRITON_INTERPRET=1: the tests) with triton installed, and a dtype the kernel can take
+    (w's own, fp32 of any w: exact, or bf16 of fp32 weights: rounded in the kernel)."""
     on_device = w_EKN.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and w_EKN.dim() == 3 and importlib.util.find_spec("triton") is not None
+    takes = dtype in (None, w_EKN.dtype, torch.float32) or (dtype == torch.bfloat16 and w_EKN.dtype == torch.float32)
+    return on_device and takes and w_EKN.dim() == 3 and importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -111,6 +113,9 @@ def quantize_weight_kernel(w_EKN: torch.Tensor, dim: int, dtype: torch.dtype | N
     takes them as they are; `out`: buffers of those shapes and layouts to write into (the weight cache's)."""
     import triton
 
+    if not kernel_applies(w_EKN, dtype):
+        raise ValueError(f"quantize_weight_kernel: not for {w_EKN.dtype} {tuple(w_EKN.shape)} weights on "
+                         f"{w_EKN.device} computed in {dtype} (kernel_applies); moelab.model.fp8's quantisation is")
     if dim not in (-2, -1):
         raise ValueError(f"quantize_weight_kernel: dim={dim}; -2 (the forward operand) or -1 (the dgrad operand)")
     w = w_EKN.contiguous()

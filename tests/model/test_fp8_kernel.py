@@ -34,6 +34,11 @@ def test_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not kernel_applies(torch.zeros(2, 4, 4))
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel_applies(torch.zeros(2, 4, 4), torch.bfloat16)  # fp32 weights, bf16 compute: rounded in the kernel
+    assert not kernel_applies(torch.zeros(2, 4, 4, dtype=torch.float16), torch.bfloat16)  # fp16 -> bf16: torch's
+    assert not kernel_applies(torch.zeros(4, 4))
 
 
 def weights(shape, dtype, seed=0):
