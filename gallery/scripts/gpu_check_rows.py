@@ -4,9 +4,10 @@ the dispatch's backward) against the form they replaced, compiled, at the Qwen3 
     python gallery/scripts/gpu_check_rows.py --out DIR            # writes DIR/check-rows.json
     python gallery/scripts/gpu_check_rows.py --out DIR --small    # CPU: small shapes, checks the script
 
-T 8192 tokens, K 8, D 2048, bf16 rows routed over 128 experts. "before": the [T*K, D] gather viewed [T, K, D] and
-summed over K (commit 9e0dd92's rows.py: inductor's persistent reduction over K, 0.33 ms per layer and micro batch
-in call 5's profile); "now": moelab.model.rows.combine_rows / dispatch_rows. Each compiled; forward, and forward +
+T 8192 tokens, K 8, D 2048, bf16 rows routed over 128 experts. "before": the dispatch's backward as the [T*K, D]
+gather viewed [T, K, D] and summed over K (commit 9e0dd92's rows.py: inductor's persistent reduction over K, 0.33 ms
+per layer and micro batch in call 5's profile); "now": moelab.model.rows.dispatch_rows. The combine is
+moelab.model.rows.combine_rows in both (see `combine`). Each compiled; forward, and forward +
 backward of the combine (fp32 out, as under autocast) and of the dispatch (bf16); GB/s of the forward's bytes
 (T*K*D rows read, T*D written); largest relative difference against a float64 reference.
 """
@@ -21,19 +22,7 @@ from pathlib import Path
 import torch
 
 from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
-from moelab.train.bench import commit_id
-
-
-class _BeforeCombine(torch.autograd.Function):  # 9e0dd92: unsort_rows, then .view(T, K, D).sum(1)
-    @staticmethod
-    def forward(ctx, y_ND, order_N, inverse_N):
-        ctx.save_for_backward(order_N)
-        return y_ND[inverse_N]
-
-    @staticmethod
-    def backward(ctx, g_ND):
-        (order_N,) = ctx.saved_tensors
-        return g_ND[order_N], None, None
+from moelab.train.bench import StepTimer, commit_id
 
 
 class _BeforeDispatch(torch.autograd.Function):  # 9e0dd92's dispatch_rows
@@ -49,27 +38,17 @@ class _BeforeDispatch(torch.autograd.Function):  # 9e0dd92's dispatch_rows
         return g_ND[inverse_N].view(inverse_N.shape[0] // ctx.K, ctx.K, -1).sum(1), None, None, None
 
 
-def before_combine(y_ND, order_N, inverse_N, K):
-    return _BeforeCombine.apply(y_ND, order_N, inverse_N).view(-1, K, y_ND.shape[1]).sum(1, dtype=torch.float32)
-
-
-def now_combine(y_ND, order_N, inverse_N, K):
+def combine(y_ND, order_N, inverse_N, K):
+    """The combine of both forms: 9e0dd92's (unsort, then the sum over K) is today's again (after call 9, where
+    'now' had the sum inside one autograd.Function and its compiled gradient came out zeros on the GPU)."""
     return combine_rows(y_ND, order_N, inverse_N, K, torch.float32)
 
 
 def ms(fn, reps: int) -> float:
+    """Median ms per call after 3 warm-up calls (moelab.train.bench.StepTimer: CUDA events, the host clock on CPU)."""
     for _ in range(3):
         fn()
-    if not torch.cuda.is_available():
-        return float("nan")
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    torch.cuda.synchronize()
-    ev[0].record()
-    for i in range(reps):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))
+    return statistics.median(StepTimer("cuda" if torch.cuda.is_available() else "cpu").time(lambda i: fn(), reps))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,8 +78,7 @@ def main() -> int:
     exact = y_ND.double()[inverse_N].view(T, K, D).sum(1)
     exact_dx = g_ND.double()[inverse_N].view(T, K, D).sum(1)
     grads = {}
-    for name, combine, dispatch in (("before", before_combine, _BeforeDispatch.apply),
-                                    ("now", now_combine, dispatch_rows)):
+    for name, dispatch in (("before", _BeforeDispatch.apply), ("now", dispatch_rows)):
         comb, disp = torch.compile(combine), torch.compile(dispatch)
         y = y_ND.detach().requires_grad_()
         x = x_TD.detach().requires_grad_()

@@ -46,7 +46,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -56,7 +55,7 @@ import triton
 import triton.language as tl
 
 from moelab.model import fp8
-from moelab.train.bench import commit_id
+from moelab.train.bench import StepTimer, commit_id
 
 BLOCK, BF16, LAYERS, MICRO_BATCHES = 128, torch.bfloat16, 8, 8
 GEMMS = ("gate_up.fwd", "gate_up.dgrad", "gate_up.wgrad", "down.fwd", "down.dgrad", "down.wgrad")
@@ -177,23 +176,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def time_ms(fn, reps: int) -> float:
-    """Median ms per call (CUDA events; the wall clock on CPU), after warm-up calls."""
+    """Median ms per call (moelab.train.bench.StepTimer: CUDA events; the wall clock on CPU), after warm-up calls."""
     for _ in range(3 if reps >= 5 else 1):
         fn()
-    if not torch.cuda.is_available():
-        t = [time.perf_counter()]
-        for _ in range(reps):
-            fn()
-            t.append(time.perf_counter())
-        return statistics.median(1e3 * (b - a) for a, b in zip(t, t[1:]))
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    torch.cuda.synchronize()
-    ev[0].record()
-    for i in range(reps):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))
+    return statistics.median(StepTimer("cuda" if torch.cuda.is_available() else "cpu").time(lambda i: fn(), reps))
 
 
 def measure(res: dict, key: str, fn, reps: int, check=lambda out: {}) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.train.bench import commit_id
+from moelab.train.bench import StepTimer, commit_id
 from moelab.model import fp8
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu, swiglu
 
@@ -98,16 +98,10 @@ def adamw_check(res: dict, save) -> None:
 
 
 def cuda_ms(fn, reps: int = 10) -> float:
-    """Mean ms of fn() over reps calls (CUDA events), after 3 warm-up calls."""
+    """Mean ms of fn() over reps calls (moelab.train.bench.StepTimer's CUDA events), after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(reps):
-        fn()
-    ev[1].record()
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) / reps
+    return statistics.fmean(StepTimer("cuda").time(lambda i: fn(), reps))
 
 
 def _copy_operands(w, buffers):  # the weight cache's refresh before moelab.model.fp8_kernel (compiled below)

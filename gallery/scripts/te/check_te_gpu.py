@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.train.bench import bench, commit_id
+from moelab.train.bench import StepTimer, bench, commit_id
 from moelab.config import load_config
 from moelab.model.attention import causal_attention
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu
@@ -37,13 +37,7 @@ def rel(a, b) -> float:
 def median_ms(fn, reps=20, warmup=3) -> float:
     for _ in range(warmup):
         fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    ev[0].record()
-    for i in range(reps):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))
+    return statistics.median(StepTimer("cuda").time(lambda i: fn(), reps))
 
 
 def check_attention() -> list[dict]:
