@@ -15,7 +15,7 @@ config.json fields and tensor names both ways: `config_from_hf` / `config_to_hf`
 - block-FP8 checkpoints (the published DeepSeek-V3 and Kimi-K2 weights: `weight_scale_inv` per 128x128 block) are
   dequantized to fp32 as they are read; save_hf writes unquantized weights.
 - MXFP4 experts (the published GPT-OSS weights: `*_blocks` + `*_scales`) are dequantized likewise.
-Every config field that changes the math is mapped or refused with a ConfigError (README lists the refusals).
+Every config field that changes the math is mapped or refused with a ConfigError (docs/architectures-and-hf.md lists the refusals).
 """
 from __future__ import annotations
 

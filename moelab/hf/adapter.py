@@ -115,7 +115,7 @@ class FamilyAdapter:
     @staticmethod
     def aux_coeff_from_hf(hf: dict, top_k: int) -> float:
         """transformers' aux loss is K times moelab's for one MoE layer (it divides expert counts by T, moelab
-        by T*K as Megatron does): moelab's coefficient is K * router_aux_loss_coef (README: the conventions)."""
+        by T*K as Megatron does): moelab's coefficient is K * router_aux_loss_coef (docs/architectures-and-hf.md: the conventions)."""
         return top_k * float(hf.get("router_aux_loss_coef") or 0.0)
 
     def config_to_hf(self, m, base: dict | None = None) -> dict:

@@ -18,7 +18,7 @@ class Qwen3MoeAdapter(FamilyAdapter):
                       "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts",
                       "num_local_experts", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits"})
     # output_router_logits: transformers adds the aux loss only when it is true (a config field or a call
-    # argument); moelab trains with it whenever router_aux_loss_coef > 0 (README: the aux-loss conventions).
+    # argument); moelab trains with it whenever router_aux_loss_coef > 0 (docs/architectures-and-hf.md: the aux-loss conventions).
     INERT = frozenset({"max_window_layers"})  # Qwen3-MoE's modeling code never reads it
 
     def family_from_hf(self, hf, model, moe, backend):

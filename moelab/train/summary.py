@@ -37,7 +37,7 @@ def balance(counts: list[float]) -> dict:
         {"max_over_mean": 0.0, "cv": 0.0, "entropy": 0.0, "dead": 0}
 
 
-# moelab's ONE definition of a run's balance (dashboard, summary, compare, README): per step and MoE layer on
+# moelab's ONE definition of a run's balance (dashboard, summary, compare, docs/routing-lab.md): per step and MoE layer on
 # the router's demand (routed_per_expert: before capacity drops), max/mean and cv as balance_M computes them,
 # averaged over the layers of the step (step_balance), then over steps (mean_balance: the whole run, or the
 # last N steps where a view says "last N steps").

@@ -2,7 +2,7 @@
 --set overrides. Every input either builds a valid Config or is rejected with a ConfigError; never another
 exception, never executed code. Where one field is wrong, the message names that field.
 
-Each test prints how many inputs it tried (`pytest -s`); the README's reliability figures come from there.
+Each test prints how many inputs it tried (`pytest -s`); docs/reliability.md's figures come from there.
 """
 from __future__ import annotations
 

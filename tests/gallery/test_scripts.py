@@ -53,12 +53,12 @@ def test_two_gpu_check_script_compares_layouts_with_one_process(tmp_path):
 
 
 def test_readme_te_tables_are_the_rendering_of_the_te_result_files():
-    """README's Transformer Engine tables are gallery/scripts/te/te_tables.py's rendering of the TE call's result
+    """docs/benchmarks.md Transformer Engine tables are gallery/scripts/te/te_tables.py's rendering of the TE call's result
     files: a figure typed by hand, or a result file changed without re-rendering, fails here."""
     spec = importlib.util.spec_from_file_location("te_tables", SCRIPTS / "te" / "te_tables.py")
     te_tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(te_tables)
-    readme = (te_tables.ROOT / "README.md").read_text()
+    readme = (te_tables.ROOT / "docs" / "benchmarks.md").read_text()
     inside = readme.split(te_tables.BEGIN, 1)[1].split(te_tables.END, 1)[0]
     assert inside.strip() == te_tables.render().strip()
 

@@ -1,9 +1,9 @@
-"""The Transformer Engine tables of README.md, rendered from the result files of the TE device call
+"""The Transformer Engine tables of docs/benchmarks.md, rendered from the result files of the TE device call
 (gallery/results/te-checks.json and qwen3-moe-30b-a3b-proxy-2layers--moelab--te-call-*.json; written by
-gallery/scripts/te/check_te_gpu.py). A test holds README's tables equal to this rendering.
+gallery/scripts/te/check_te_gpu.py). A test holds docs/benchmarks.md tables equal to this rendering.
 
     python gallery/scripts/te/te_tables.py            # print the tables
-    python gallery/scripts/te/te_tables.py --write    # rewrite them in README.md between the te-tables markers
+    python gallery/scripts/te/te_tables.py --write    # rewrite them in docs/benchmarks.md between the te-tables markers
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def write(readme: Path = ROOT / "README.md") -> None:
+def write(readme: Path = ROOT / "docs" / "benchmarks.md") -> None:
     text = readme.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
