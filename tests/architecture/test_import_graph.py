@@ -4,10 +4,10 @@ ones inside functions included) form no cycle, and none points up the layers
     contract -> config (+ presets) -> layout -> planner -> data, loggers -> model, backends -> parallel -> hf
     -> train -> export -> launch -> run -> views (live, cli, gallery, the package's face)
 
-A layer is a folder (a few top-level files belong to the views: the package's face, `python -m moelab`, the
-gallery and the old compare entry). A module may import its own layer and any layer below it. A package face (an
-__init__.py that lower layers pass through when they import one of its modules) imports nothing at module level
-from a layer above its lowest member, and no package face takes part in an import cycle.
+A layer is a folder (two top-level files belong to the views: the package's face and `python -m moelab`). A module
+may import its own layer and any layer below it. A package face (an __init__.py that lower layers pass through when
+they import one of its modules) imports nothing at module level from a layer above its lowest member, and no package
+face takes part in an import cycle.
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ LAYERS = [
     ("export", ["export/"]),
     ("launch", ["launch/"]),
     ("run", ["run/"]),
-    ("views", ["live/", "cli/", "gallery.py", "gallery_current.py", "gallery_records.py", "gallery_speed.py",
-               "gallery_memory.py",               "compare.py", "__init__.py", "__main__.py"]),
+    ("views", ["live/", "cli/", "gallery/", "__init__.py", "__main__.py"]),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),
