@@ -1,7 +1,7 @@
 """The package's folders are its layers, and imports point one way: every module's imports (read with ast, the
 ones inside functions included) form no cycle, and none points up the layers
 
-    contract -> config (+ presets) -> layout -> planner -> data, loggers -> model, backends -> parallel -> hf
+    contract -> config (+ presets) -> layout -> planner -> data, loggers -> backends -> model -> parallel -> hf
     -> train -> export -> launch -> run -> views (live, cli, gallery, the package's face)
 
 A layer is a folder (two top-level files belong to the views: the package's face and `python -m moelab`). A module
@@ -23,7 +23,8 @@ LAYERS = [
     ("layout", ["layout/"]),
     ("planner", ["planner/"]),
     ("data", ["data/", "loggers/"]),
-    ("model", ["model/", "backends/"]),
+    ("backends", ["backends/"]),
+    ("model", ["model/"]),
     ("parallel", ["parallel/"]),
     ("hf", ["hf/"]),
     ("train", ["train/"]),
