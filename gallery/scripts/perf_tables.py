@@ -3,7 +3,7 @@ figure typed by hand).
 
     python gallery/scripts/perf_tables.py --write     # replaces the text between the markers in both files
 
-Current tables first: each system's current row on the Qwen3 proxy (moelab.gallery_current's rule: the newest
+Current tables first: each system's current row on the Qwen3 proxy (moelab.gallery.current's rule: the newest
 record of the fastest current configuration per system, workload, GPU, batch, micro batch and FP8 on or off;
 moelab's only where it ran today's defaults), issue 31's targets computed from those records, the newest
 profiles, and each gallery entry's newest record. Then the history: every record of the Qwen3 proxy on one GPU
@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 
 from moelab.gallery import entry_result, load_entries, load_results
-from moelab.gallery_current import call_of, commit_of, configuration_of, current_records, fp8_of, stem
-from moelab.gallery_records import by_router, fmt, record_settings, router_of
+from moelab.gallery.current import call_of, commit_of, configuration_of, current_records, fp8_of, stem
+from moelab.gallery.records import by_router, fmt, record_settings, router_of
 
 GALLERY = Path(__file__).resolve().parents[1]
 R = GALLERY / "results"
@@ -33,7 +33,7 @@ LOSS_PARITY = 0.01  # FP8's final loss within 1% of bf16's
 PEAK_GIB = 52.0  # peak memory at global batch 16, micro batch 2, backend.loss=chunked
 ROUTER_NOTE = ("Router: the record's `router` field; \"(inferred)\" for a record older than the field, its kind then "
                "read from its fake_balanced_gate / fake_gate_noise fields, its `--set` overrides, its gallery entry "
-               "or its preset's default (moelab.gallery_records.router_of; the history table says which).")
+               "or its preset's default (moelab.gallery.records.router_of; the history table says which).")
 
 
 def _ctx(results: list | None = None):
@@ -95,7 +95,7 @@ def current_table(cur) -> list[str]:
                   key=lambda r: (r["global_batch_size"], r["micro_batch_size"], fp8_of(r) != "off",
                                  r["tokens_per_s_per_gpu"]))
     out = ["### Current rows: each system at its best, Qwen3-30B-A3B layer proxy, one H200, seq 4096", "",
-           "Rule (moelab.gallery_current): per system, global batch, micro batch and FP8 on or off, the newest "
+           "Rule (moelab.gallery.current): per system, global batch, micro batch and FP8 on or off, the newest "
            "record of each configuration counts and the fastest configuration is the row; failed runs, runs before "
            "a fix, superseded records and fake routers are left out, and moelab's records count only where they "
            "ran today's defaults (`train.compile`, bf16 parameters, the loss and optimizer that `backend.loss=auto` "
@@ -271,7 +271,7 @@ def history_table(results: list, entries: dict, cur) -> list[str]:
     out = ["", "## History (every record, current or not)", "",
            "### History: every throughput record of the Qwen3-30B-A3B layer proxy on one GPU", "",
            "All records, oldest first; the last column says whether the record is a current row above and, if "
-           "not, why (moelab.gallery_current). Compare variants within one call: calls 1-2 ran before the fixes "
+           "not, why (moelab.gallery.current). Compare variants within one call: calls 1-2 ran before the fixes "
            "of \"Changes\" items 3-4.", "",
            "| date | call | commit | system | variant | global batch | micro batch | configuration | router | "
            "tokens/s/GPU | TFLOPs/GPU | step ms | peak GiB | current? | result file |",

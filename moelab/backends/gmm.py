@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moelab.model.layers import scale_rows
+from moelab.backends.ops import scale_rows
 
 
 def gmm_swiglu(x_ND: torch.Tensor, w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor,
                counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
-    """`scale_N`: each row's routing weight, applied before the down projection (moelab.model.layers.scale_rows)."""
+    """`scale_N`: each row's routing weight, applied before the down projection (moelab.backends.ops.scale_rows)."""
     from grouped_gemm.ops import gmm
 
     counts_cpu = counts_E.to("cpu", torch.int64)  # the one host synchronisation gmm needs

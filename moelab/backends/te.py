@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.backends.packages import BackendUnavailable, import_package
-from moelab.model.layers import scale_rows
+from moelab.backends.ops import scale_rows
 
 
 def _eager(module: nn.Module) -> nn.Module:

@@ -21,6 +21,7 @@ from pathlib import Path
 from moelab.cli.tools import config_args, load_args
 from moelab.config import parse_override
 from moelab.contract.folder import RunFolder
+from moelab.launch.executors import EXECUTORS
 from moelab.run.run import TERMINAL, Run
 from moelab.run.sweep import Sweep, runs
 
@@ -53,7 +54,7 @@ def cmd_resume(args) -> int:
 def finish(run: Run, failed_code: int = 1) -> int:
     """Follow a submitted run until it ends (Ctrl-C cancels the job), then report it; an inline run has
     finished already. Exit code 0 only if it COMPLETED."""
-    if run.executor != "inline":
+    if run.in_background:
         print(f"submitted {run.name}: executor {run.executor}, job {run.job_id or '-'}, folder {run.folder}")
         previous = signal.signal(signal.SIGTERM, _terminated)
         try:
@@ -121,7 +122,7 @@ def progress_line(run: Run) -> str:
 
 def _report(run: Run, failed_code: int = 1) -> int:
     status = run.status
-    if status == "CANCELLED" and run.executor == "inline":  # only Ctrl-C in this process cancels an inline run
+    if status == "CANCELLED" and not run.in_background:  # only Ctrl-C in this process cancels a foreground run
         print(f"moelab: interrupted at step {run.progress()['step']}: run CANCELLED at the step boundary (with a "
               f"checkpoint unless train.save_checkpoints=false); continue with `moelab resume {run.folder}`",
               file=sys.stderr)
@@ -226,7 +227,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--steps", type=int, help="shorthand for --set train.steps=N")
     p.add_argument("--out", help="run folder (default runs/<config name>-<time>); must not hold a run yet")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (default 1)")
-    p.add_argument("--executor", choices=["inline", "local", "slurm", "auto"],
+    p.add_argument("--executor", choices=[*EXECUTORS, "auto"],
                    help="inline (this process), local (background processes), slurm (sbatch), auto (slurm where "
                         "sbatch exists); default: inline for one rank, local for --nproc N")
     _cluster_argument(p)
@@ -263,7 +264,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     p.add_argument("--name", help="the fork's name (its folder: PARENT-fork<step>-<name> beside the parent)")
     p.add_argument("--out", help="the fork's folder")
-    p.add_argument("--executor", choices=["inline", "local", "slurm"], help="default: the parent's")
+    p.add_argument("--executor", choices=list(EXECUTORS), help="default: the parent's")
     p.add_argument("--nproc", type=int, help="ranks (default: as many as the parent had)")
     _cluster_argument(p)
     p.set_defaults(func=cmd_fork)

@@ -7,9 +7,12 @@ and the fix. Layout rules that need the world size are moelab.layout.dims (Paral
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from dataclasses import fields
 from typing import Any
+
+from moelab.config.score_functions import SCORE_FUNCTIONS
 
 
 class ConfigError(ValueError):
@@ -142,9 +145,7 @@ def _check_moe(moe: "MoEConfig", p: "ParallelConfig", b: "BackendConfig") -> Non
     if moe.num_groups > 1 and moe.top_k > moe.topk_groups * (moe.num_experts // moe.num_groups):
         _fail("model.moe.top_k", moe.top_k,
               "exceeds the experts in the topk_groups selected groups; raise model.moe.topk_groups")
-    if moe.score_func == "softmax_topk" and moe.num_groups > 1:
-        _fail("model.moe.num_groups", moe.num_groups,
-              "group-limited routing needs model.moe.score_func 'softmax' or 'sigmoid'; set num_groups=1")
+    check_score_func(moe)
     _check_node_limited(moe, p, b)
     if moe.capacity_factor < 0:
         _fail("model.moe.capacity_factor", moe.capacity_factor, "must be >= 0 (0 = no token dropping)")
@@ -328,6 +329,21 @@ def _validate_sft(cfg: "Config") -> None:
     if d.sft_packing and cfg.backend.attention == "te":
         _fail("data.sft_packing", d.sft_packing, "packed examples need a document mask, which "
               "backend.attention='te' does not take here; set data.sft_packing=false or another backend")
+
+
+def check_score_func(moe: "MoEConfig") -> None:
+    """model.moe.score_func names a registered score function, which routes group-limited if num_groups > 1
+    (the config's rule, and the router's check of a MoEConfig built without a Config)."""
+    if moe.score_func not in SCORE_FUNCTIONS:
+        close = difflib.get_close_matches(str(moe.score_func), sorted(SCORE_FUNCTIONS), n=1)
+        _fail("model.moe.score_func", moe.score_func,
+              f"choose one of {sorted(SCORE_FUNCTIONS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
+              + "; a new one is registered with moelab.config.score_functions.register_score_function")
+    if moe.num_groups > 1 and not SCORE_FUNCTIONS[moe.score_func].group_limited:
+        able = sorted(name for name, fn in SCORE_FUNCTIONS.items() if fn.group_limited)
+        _fail("model.moe.num_groups", moe.num_groups,
+              f"model.moe.score_func={moe.score_func!r} cannot route group-limited; set num_groups=1 or use one "
+              f"of {able}")
 
 
 def _check_node_limited(moe: MoEConfig, p: ParallelConfig, b: BackendConfig) -> None:

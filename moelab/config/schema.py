@@ -36,9 +36,9 @@ class MoEConfig:
     top_k: int = 2
     expert_ffn_size: int = 128
     num_shared_experts: int = 0
-    # softmax/sigmoid: score all experts, pick the top-k; softmax_topk (GPT-OSS): pick the top-k logits, then
-    # softmax over those k only.
-    score_func: Literal["softmax", "sigmoid", "softmax_topk"] = "softmax"
+    # A registered score function (moelab.config.score_functions): softmax/sigmoid score all experts and pick the
+    # top-k; softmax_topk (GPT-OSS) picks the top-k logits, then takes a softmax over those k only.
+    score_func: str = "softmax"
     norm_topk_prob: bool = True
     route_scale: float = 1.0
     # Group-limited (two-level) routing: experts split into num_groups groups, tokens pick topk_groups first.

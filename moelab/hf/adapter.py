@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from moelab.config import ConfigError
+from moelab.config.score_functions import SCORE_FUNCTIONS
 from moelab.config.bounds import safe_name
 from moelab.hf.safetensors_folder import Rows
 from moelab.model.layers import HIDDEN_ACTS
@@ -77,6 +78,7 @@ class FamilyAdapter:
     READ: frozenset = frozenset()   # family fields beyond COMMON_READ
     INERT: frozenset = frozenset()  # family fields beyond BASE_INERT that change nothing moelab computes
     router_name = "gate"            # HF's name of the router module under mlp.
+    score_func = "softmax"          # the registered score function (moelab.config.score_functions) HF computes
 
     # ------------------------------------------------------------------ configs
     def config_from_hf(self, hf: dict) -> dict:
@@ -93,7 +95,7 @@ class FamilyAdapter:
             "attention_bias": bool(hf.get("attention_bias", False)), "rope_scaling": rope_scaling_from_hf(hf),
             "pad_token_id": -1 if hf.get("pad_token_id") is None else int(hf["pad_token_id"])}
         backend: dict[str, Any] = {}
-        moe = {"top_k": hf["num_experts_per_tok"]}
+        moe = {"top_k": hf["num_experts_per_tok"], "score_func": SCORE_FUNCTIONS[self.score_func].name}
         self.family_from_hf(hf, model, moe, backend)
         model["moe"] = moe
         name = hf.get("_name_or_path") or hf.get("model_type")
@@ -131,6 +133,9 @@ class FamilyAdapter:
         if m.rope_scaling.kind == "yarn":
             hf.setdefault("max_position_embeddings", int(m.rope_scaling.original_max_len * m.rope_scaling.factor))
         error = self.family_to_hf(m, hf)
+        if m.moe.score_func != self.score_func:
+            error = (f"its format routes with score_func={self.score_func!r} (transformers computes no other); this "
+                     f"model has model.moe.score_func={m.moe.score_func!r}") + (f"; and {error}" if error else "")
         if error:
             raise ConfigError(f"save_hf as {self.model_type}: {error}")
         return hf

@@ -22,6 +22,7 @@ class DeepseekV3Adapter(FamilyAdapter):
         DeepseekV3Adapter().config_from_hf(hf)["model"]["attention"]   # "mla"
     """
     model_type, architecture = "deepseek_v3", "DeepseekV3ForCausalLM"
+    score_func = "sigmoid"
     READ = frozenset({"intermediate_size", "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
                       "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
                       "qk_nope_head_dim", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
@@ -38,8 +39,9 @@ class DeepseekV3Adapter(FamilyAdapter):
     def family_from_hf(self, hf, model, moe, backend):
         if hf.get("moe_layer_freq", 1) != 1:
             raise ConfigError(f"config.json moe_layer_freq={hf['moe_layer_freq']}: only 1 is supported")
-        if hf.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ConfigError(f"config.json scoring_func={hf['scoring_func']!r}: DeepSeek-V3 routing is sigmoid")
+        if hf.get("scoring_func", self.score_func) != self.score_func:
+            raise ConfigError(f"config.json scoring_func={hf['scoring_func']!r}: DeepSeek-V3 routing is "
+                              f"{self.score_func}")
         if hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ConfigError(f"config.json topk_method={hf['topk_method']!r}: moelab routes as DeepSeek-V3's "
                               f"'noaux_tc' (group-limited, with the score-correction bias)")
@@ -49,16 +51,16 @@ class DeepseekV3Adapter(FamilyAdapter):
                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                      v_head_dim=hf["v_head_dim"], num_dense_layers=hf.get("first_k_dense_replace", 0),
                      dense_ffn_size=hf["intermediate_size"], hidden_act=self.hidden_act_from_hf(hf))
-        moe.update(num_experts=hf["n_routed_experts"], score_func="sigmoid",
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)), expert_ffn_size=hf["moe_intermediate_size"],
+        moe.update(num_experts=hf["n_routed_experts"], norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   expert_ffn_size=hf["moe_intermediate_size"],
                    num_shared_experts=hf.get("n_shared_experts") or 0,
                    route_scale=hf.get("routed_scaling_factor", 1.0), num_groups=hf.get("n_group") or 1,
                    topk_groups=hf.get("topk_group") or 1)
 
     def family_to_hf(self, m, hf):
         moe = m.moe
-        if moe.score_func != "sigmoid" or m.attention != "mla":
-            return "DeepSeek-V3 needs MLA attention and sigmoid routing"
+        if m.attention != "mla":
+            return "DeepSeek-V3 needs MLA attention"
         hf.update(num_key_value_heads=m.num_heads, q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                   first_k_dense_replace=m.num_dense_layers, intermediate_size=m.dense_ffn_size,

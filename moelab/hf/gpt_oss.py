@@ -19,6 +19,7 @@ class GptOssAdapter(FamilyAdapter):
     """
     model_type, architecture = "gpt_oss", "GptOssForCausalLM"
     router_name = "router"
+    score_func = "softmax_topk"
     READ = frozenset({"num_local_experts", "intermediate_size", "head_dim", "sliding_window", "layer_types",
                       "swiglu_alpha", "swiglu_limit", "router_aux_loss_coef", "output_router_logits"})
     INERT = frozenset({"hidden_act",  # transformers' GPT-OSS experts use their clamped SwiGLU, whatever it says
@@ -45,17 +46,16 @@ class GptOssAdapter(FamilyAdapter):
                               f"alternating starting with a sliding layer")
         model.update(head_dim=hf.get("head_dim") or hf["hidden_size"] // H, num_dense_layers=0,
                      sliding_window=window, sliding_pattern=pattern, attention_sinks=True)
-        moe.update(num_experts=hf["num_local_experts"], score_func="softmax_topk", norm_topk_prob=False,
+        moe.update(num_experts=hf["num_local_experts"], norm_topk_prob=False,
                    expert_ffn_size=hf["intermediate_size"], router_bias=True, expert_proj_bias=True,
                    activation="gpt_oss", aux_loss_coeff=self.aux_coeff_from_hf(hf, hf["num_experts_per_tok"]))
         backend["attention"] = "eager"  # sinks need eager or flex; flex has no CPU backward
 
     def family_to_hf(self, m, hf):
         moe = m.moe
-        if not (m.attention_sinks and moe.router_bias and moe.expert_proj_bias and moe.score_func == "softmax_topk"
-                and moe.activation == "gpt_oss") or m.num_dense_layers or m.attention == "mla":
-            return ("GPT-OSS needs GQA with sinks, router and expert biases, softmax_topk routing, the gpt_oss "
-                    "activation and no dense layers")
+        if not (m.attention_sinks and moe.router_bias and moe.expert_proj_bias and moe.activation == "gpt_oss"
+                ) or m.num_dense_layers or m.attention == "mla":
+            return "GPT-OSS needs GQA with sinks, router and expert biases, the gpt_oss activation and no dense layers"
         from moelab.layout.shapes import layer_windows
 
         hf.update(num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, num_local_experts=moe.num_experts,

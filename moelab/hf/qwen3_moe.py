@@ -31,7 +31,7 @@ class Qwen3MoeAdapter(FamilyAdapter):
                      num_dense_layers=self.dense_prefix(dense, "mlp_only_layers/decoder_sparse_step"),
                      dense_ffn_size=hf.get("intermediate_size", 1), hidden_act=self.hidden_act_from_hf(hf),
                      sliding_window=window or 0, sliding_pattern="all")
-        moe.update(num_experts=E, score_func="softmax", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe.update(num_experts=E, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                    expert_ffn_size=hf["moe_intermediate_size"],
                    aux_loss_coeff=self.aux_coeff_from_hf(hf, hf["num_experts_per_tok"]))
 
@@ -39,8 +39,8 @@ class Qwen3MoeAdapter(FamilyAdapter):
         moe = m.moe
         if m.sliding_window and m.sliding_pattern != "all":
             return "Qwen3-MoE's sliding window applies to every layer (model.sliding_pattern='all')"
-        if not m.qk_norm or moe.num_shared_experts or moe.score_func != "softmax" or m.attention_sinks:
-            return "Qwen3-MoE needs qk_norm, softmax routing, no shared experts and no attention sinks"
+        if not m.qk_norm or moe.num_shared_experts or m.attention_sinks:
+            return "Qwen3-MoE needs qk_norm, no shared experts and no attention sinks"
         hf.update(num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, num_experts=moe.num_experts,
                   moe_intermediate_size=moe.expert_ffn_size, norm_topk_prob=moe.norm_topk_prob,
                   intermediate_size=m.dense_ffn_size, mlp_only_layers=list(range(m.num_dense_layers)),

@@ -22,7 +22,8 @@ from moelab.contract.folder import FolderLocked, RunFolder, lock_folder
 
 def live_owner(folder: RunFolder) -> tuple[dict, str] | None:
     """(owner, why) when the job run.json names is still pending or running, else None."""
-    from moelab.launch.jobs import TERMINAL, job_for
+    from moelab.launch.executors import job_for
+    from moelab.launch.jobs import TERMINAL
 
     if not folder.info_path.exists():
         return None
@@ -31,11 +32,11 @@ def live_owner(folder: RunFolder) -> tuple[dict, str] | None:
     if state in TERMINAL:
         return None
     info = job.info
-    owner = {"pid": info.get("pid") or (info.get("job_id") if job.executor == "local" else None),
+    owner = {"pid": job.owner_pid,
              "host": info.get("host", socket.gethostname()), "job_id": info.get("job_id"),
              "since": info.get("created", 0),
              "role": f"{job.executor} job, {state}"}
-    cancel = f"`moelab cancel {folder.path}`" if job.executor != "inline" else "Ctrl-C in the process that runs it"
+    cancel = f"`moelab cancel {folder.path}`" if job.cancellable else "Ctrl-C in the process that runs it"
     return owner, f"its job is {state}: wait for it to end (`moelab status {folder.path}`) or cancel it ({cancel})"
 
 

@@ -1,8 +1,10 @@
-"""Where a run executes: inline (this process), local (submitit's LocalExecutor) or slurm (submitit's
-SlurmExecutor), and the job every task runs.
+"""The executors' registry and the built-in ones: inline (this process: moelab.launch.inline), local (submitit's
+LocalExecutor) and slurm (submitit's SlurmExecutor); and the job every task of the last two runs.
 
-    ex = make_executor("slurm", folder, nproc=1, options={"gpus_per_node": 8, "nodes": 2, "time": 60})
-    job = ex.submit(TrainJob(run_dir))        # every task: torch.distributed from SLURM -> train_rank(run_dir)
+    ex = get_executor("slurm")                # an Executor (moelab.launch.executor); "auto": slurm where sbatch is
+    ex.check_options({"gpus_per_node": 8, "nodes": 2, "time": 60}); ex.world_size(1, {"gpus_per_node": 8})  # 8
+    job_for(RunFolder("runs/tiny"))           # the Job of a run, from the executor its run.json names
+    register_executor(MyExecutor())           # a new executor: its own file and this one call
 
 Cluster options (``Session.submit(..., **options)``), checked before anything is submitted:
 
@@ -27,16 +29,19 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import subprocess
+import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 from moelab.config import ConfigError
+from moelab.contract.folder import RunFolder
+from moelab.launch.executor import SLURM_DEFAULT_TIME_MIN, Executor, parse_time_s  # noqa: F401 (read from here)
+from moelab.launch.inline import InlineExecutor
+from moelab.launch.jobs import ExternalJob, Job, LocalJob, SlurmJob
 
-EXECUTORS = ("inline", "local", "slurm", "auto")
 MOELAB_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "mem", "time", "partition",
                   "account", "qos", "constraint", "setup", "job_name", "signal_delay_s", "max_num_timeout",
                   "array_parallelism", "sbatch")
@@ -46,16 +51,6 @@ LOCAL_OPTIONS = ("nodes", "gpus_per_node", "tasks_per_node", "time", "setup", "s
 _SUBMITIT_INTERNAL = {"ntasks_per_node", "array_parallelism", "additional_parameters", "use_srun",
                       "stderr_to_stdout", "map_count", "num_gpus", "wckey"}
 LOCAL_DEFAULT_TIME_MIN = 7 * 24 * 60  # submitit's LocalExecutor would otherwise kill a job after 2 minutes
-SLURM_DEFAULT_TIME_MIN = 60           # submitit's default is 5 minutes
-
-
-def resolve_executor(name: str) -> str:
-    """'auto' -> 'slurm' where sbatch is on PATH, else 'local'; other names are checked and returned."""
-    if name not in EXECUTORS:
-        raise ConfigError(f"executor={name!r}: choose one of {list(EXECUTORS)}")
-    if name == "auto":
-        return "slurm" if shutil.which("sbatch") else "local"
-    return name
 
 
 def slurm_parameter_names() -> list[str]:
@@ -63,30 +58,6 @@ def slurm_parameter_names() -> list[str]:
     from submitit.slurm.slurm import _get_default_parameters
 
     return sorted(set(MOELAB_OPTIONS) | (set(_get_default_parameters()) - _SUBMITIT_INTERNAL))
-
-
-def check_options(executor: str, options: dict) -> None:
-    """Raise ConfigError naming every unknown option and listing the valid ones."""
-    if executor == "inline":
-        valid: list[str] = []
-    elif executor == "local":
-        valid = list(LOCAL_OPTIONS)
-    else:
-        valid = slurm_parameter_names()
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        where = ("the inline executor takes no cluster options (it runs in this process)" if executor == "inline"
-                 else f"valid {executor} options: {', '.join(valid)}")
-        hint = "; extra sbatch flags go in sbatch={...}" if executor == "slurm" else ""
-        raise ConfigError(f"cluster option(s) {unknown} are unknown for executor={executor!r}; {where}{hint}")
-    for name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "max_num_timeout"):
-        v = options.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in (
-                "max_num_timeout", "gpus_per_node") else 1)):
-            raise ConfigError(f"{name}={v!r}: expected a whole number >= {0 if name == 'max_num_timeout' else 1}")
-    if executor == "local" and options.get("nodes", 1) != 1:
-        raise ConfigError(f"nodes={options['nodes']!r}: the local executor runs on this machine only; "
-                          f"use nodes=1 or executor='slurm'")
 
 
 def tasks_per_node(nproc: int, options: dict) -> int:
@@ -102,60 +73,90 @@ def tasks_per_node(nproc: int, options: dict) -> int:
     return gpus or int(tpn or nproc)
 
 
-def world_size(executor: str, nproc: int, options: dict) -> int:
-    if nproc < 1:
-        raise ConfigError(f"nproc={nproc}: must be >= 1")
-    if executor == "inline":
-        if nproc != 1:
-            raise ConfigError(f"nproc={nproc}: the inline executor runs one rank in this process; "
-                              f"use executor='local' for several processes")
-        return 1
-    return int(options.get("nodes", 1)) * tasks_per_node(nproc, options)
+class SubmititExecutor(Executor):
+    """What the local and slurm executors share: submitit runs TrainJob on every task, several folders go out in
+    one batch (one job array on SLURM), run.json records the job and logs/ links to submitit's files.
+
+        LocalExecutor().submit([folder], 2, {}, folder.submitit, world=2)   # [LocalJob]
+    """
+
+    def check_options(self, options: dict) -> None:
+        super().check_options(options)
+        for name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "max_num_timeout"):
+            v = options.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in (
+                    "max_num_timeout", "gpus_per_node") else 1)):
+                raise ConfigError(f"{name}={v!r}: expected a whole number >= {0 if name == 'max_num_timeout' else 1}")
+
+    def world_size(self, nproc: int, options: dict) -> int:
+        super().world_size(nproc, options)
+        return int(options.get("nodes", 1)) * tasks_per_node(nproc, options)
+
+    def resume_nproc(self, info: dict, options: dict) -> int:
+        return 1 if options.get("gpus_per_node") else int(info.get("ntasks", 1)) // int(options.get("nodes", 1))
+
+    def make(self, folder: Path, nproc: int, options: dict):
+        """A configured submitit executor writing into `folder` (options already checked)."""
+        raise NotImplementedError
+
+    def submit(self, folders: list, nproc: int, options: dict, submitit_folder, world: int) -> list[Job]:
+        folders = [f if isinstance(f, RunFolder) else RunFolder(f) for f in folders]
+        ex = self.make(Path(submitit_folder), nproc, options)
+        handles = []
+        if len(folders) == 1:
+            handles.append(ex.submit(TrainJob(folders[0].path)))
+        else:
+            with ex.batch():
+                for f in folders:
+                    handles.append(ex.submit(TrainJob(f.path)))
+        time_s = parse_time_s(options["time"]) if "time" in options else None
+        jobs = []
+        for folder, handle in zip(folders, handles):
+            array_id = str(handle.job_id).split("_")[0] if "_" in str(handle.job_id) else None
+            info = {"name": folder.name, "executor": self.name, "created": time.time(), "job_id": str(handle.job_id),
+                    "array_job_id": array_id, "submitit_folder": str(Path(submitit_folder).resolve()),
+                    "ntasks": world, "time_limit_s": time_s, "options": _jsonable(options)}
+            folder.write_info(info)
+            job = self.job(folder, info, handle)
+            _link_logs(job, world)
+            jobs.append(job)
+        return jobs
 
 
-def parse_time_s(value: Any) -> int:
-    """A time limit in seconds from minutes (a number) or SLURM's "M:SS", "H:MM:SS", "D-H:MM:SS"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"time={value!r}: give minutes (a number) or 'H:MM:SS'")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ConfigError(f"time={value!r}: must be > 0 minutes")
-        return int(round(value * 60))
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
-    if not m:
-        raise ConfigError(f"time={value!r}: give minutes (a number) or SLURM's 'M:SS', 'H:MM:SS', 'D-H:MM:SS'")
-    days, a, b, c = (int(x) if x else None for x in m.groups())
-    if c is not None:                     # H:MM:SS
-        secs = a * 3600 + b * 60 + c
-    elif b is not None:                   # M:SS, or D-H:MM
-        secs = a * 3600 + b * 60 if days is not None else a * 60 + b
-    else:                                 # minutes, or D-H
-        secs = a * 3600 if days is not None else a * 60
-    secs += (days or 0) * 86400
-    if secs <= 0:
-        raise ConfigError(f"time={value!r}: must be > 0")
-    return secs
-
-
-def make_executor(executor: str, folder: Path, nproc: int, options: dict):
-    """A configured submitit executor for 'local' or 'slurm' (options already checked)."""
-    import submitit
-
+def _common(nproc: int, options: dict) -> tuple[dict, int, int | None, list | None, int, int]:
+    """What both submitit executors read first: (the rest of the options, tasks per node, the time limit in
+    seconds or None, the setup lines, nodes, requeues)."""
     options = dict(options)
     tpn = tasks_per_node(nproc, options)
     time_s = parse_time_s(options.pop("time")) if "time" in options else None
-    if executor == "slurm" and time_s is None:
-        time_s = SLURM_DEFAULT_TIME_MIN * 60
     setup = options.pop("setup", None)
     if isinstance(setup, str):
         setup = [setup]
     nodes = int(options.pop("nodes", 1))
     options.pop("tasks_per_node", None)
     requeues = int(options.pop("max_num_timeout", 3))
-    if executor == "local":
+    return options, tpn, time_s, setup, nodes, requeues
+
+
+class LocalExecutor(SubmititExecutor):
+    """Background processes on this machine under one controller (submitit's LocalExecutor, in its own session:
+    a kernel's interrupt, restart or shutdown leaves the run training).
+
+        LocalExecutor().check_options({"nodes": 2})   # ConfigError: the local executor runs on this machine only
+    """
+
+    name, job_class, options = "local", LocalJob, LOCAL_OPTIONS
+
+    def check_options(self, options: dict) -> None:
+        super().check_options(options)
+        if options.get("nodes", 1) != 1:
+            raise ConfigError(f"nodes={options['nodes']!r}: the local executor runs on this machine only; "
+                              f"use nodes=1 or executor='slurm'")
+
+    def make(self, folder: Path, nproc: int, options: dict):
         from moelab.launch.detached import DetachedLocalExecutor
 
-        # its own session: a kernel's interrupt, restart or shutdown leaves the run training
+        options, tpn, time_s, setup, _, requeues = _common(nproc, options)
         ex = DetachedLocalExecutor(folder=folder, max_num_timeout=requeues)
         params: dict[str, Any] = {"tasks_per_node": tpn, "timeout_min": (time_s or LOCAL_DEFAULT_TIME_MIN * 60) / 60}
         if options.get("gpus_per_node"):
@@ -168,25 +169,115 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
             params["signal_delay_s"] = _signal_delay(time_s)
         ex.update_parameters(**params)
         return ex
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
-    extra = dict(options.pop("sbatch", None) or {})
-    if "job_name" not in options:
-        options["job_name"] = "moelab"
-    mem = options.pop("mem", None)
-    if mem is not None:
-        options["mem"] = f"{mem:g}G" if isinstance(mem, (int, float)) else str(mem)
-    if time_s is not None:
+
+
+class SlurmExecutor(SubmititExecutor):
+    """sbatch through submitit's SlurmExecutor: every option submitit knows, moelab's names, sbatch={...} flags.
+
+        SlurmExecutor().world_size(1, {"nodes": 2, "gpus_per_node": 8})   # 16
+    """
+
+    name, job_class = "slurm", SlurmJob
+
+    def option_names(self) -> list[str]:
+        return slurm_parameter_names()
+
+    def options_hint(self, valid: list[str]) -> str:
+        return f"{super().options_hint(valid)}; extra sbatch flags go in sbatch={{...}}"
+
+    def check_request(self, nproc: int, options: dict) -> None:
+        """Issue 21: a request the partition can never meet is refused here, not left pending."""
+        from moelab.launch.slurm_checks import check_request
+
+        check_request({**options, "tasks_per_node": tasks_per_node(nproc, options)}, options.get("partition"))
+
+    def make(self, folder: Path, nproc: int, options: dict):
+        import submitit
+
+        options, tpn, time_s, setup, nodes, requeues = _common(nproc, options)
+        time_s = SLURM_DEFAULT_TIME_MIN * 60 if time_s is None else time_s
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
+        extra = dict(options.pop("sbatch", None) or {})
+        if "job_name" not in options:
+            options["job_name"] = "moelab"
+        mem = options.pop("mem", None)
+        if mem is not None:
+            options["mem"] = f"{mem:g}G" if isinstance(mem, (int, float)) else str(mem)
         # SLURM keeps time limits in whole minutes (a "0:40" limit is stored as 1 minute)
         options["time"] = max(1, math.ceil(time_s / 60))
         options.setdefault("signal_delay_s", _signal_delay(options["time"] * 60))
-    if setup:
-        options["setup"] = list(setup)
-    # a rank that dies ends the job at once, instead of its peers waiting in a collective until the timeout
-    options.setdefault("srun_args", ["--kill-on-bad-exit=1"])
-    ex.update_parameters(ntasks_per_node=tpn, nodes=nodes, **options)
-    if extra:
-        ex.update_parameters(additional_parameters=extra)
-    return ex
+        if setup:
+            options["setup"] = list(setup)
+        # a rank that dies ends the job at once, instead of its peers waiting in a collective until the timeout
+        options.setdefault("srun_args", ["--kill-on-bad-exit=1"])
+        ex.update_parameters(ntasks_per_node=tpn, nodes=nodes, **options)
+        if extra:
+            ex.update_parameters(additional_parameters=extra)
+        return ex
+
+
+# ---------------------------------------------------------------------- the registry
+EXECUTORS: dict[str, Executor] = {ex.name: ex for ex in (InlineExecutor(), LocalExecutor(), SlurmExecutor())}
+BUILT_IN = frozenset(EXECUTORS)
+
+
+def register_executor(executor: Executor) -> Executor:
+    """Make `executor` available by its name (Session.submit(name), `moelab run --executor name`, run.json);
+    registering a name again replaces it (a notebook cell may run twice); the built-in ones stay. Returns it."""
+    if not isinstance(executor, Executor) or not isinstance(executor.name, str) or not executor.name:
+        raise TypeError(f"register_executor({executor!r}): give an Executor instance with a non-empty name")
+    if executor.name in BUILT_IN | {"auto", "external"} and EXECUTORS.get(executor.name) is not executor:
+        raise ValueError(f"executor {executor.name!r} is built in; register yours under another name")
+    EXECUTORS[executor.name] = executor
+    return executor
+
+
+def unregister_executor(name: str) -> None:
+    """Forget a registered executor (not a built-in one); an unknown name is ignored."""
+    if name in BUILT_IN:
+        raise ValueError(f"executor {name!r} is built in and stays registered")
+    EXECUTORS.pop(name, None)
+
+
+def get_executor(name: str) -> Executor:
+    """The executor `name` names; 'auto' is slurm where sbatch is on PATH, else local."""
+    if name == "auto":
+        name = "slurm" if shutil.which("sbatch") else "local"
+    if name not in EXECUTORS:
+        raise ConfigError(f"executor={name!r}: choose one of {[*EXECUTORS, 'auto']}")
+    return EXECUTORS[name]
+
+
+def resolve_executor(name: str) -> str:
+    """'auto' -> 'slurm' where sbatch is on PATH, else 'local'; other names are checked and returned."""
+    return get_executor(name).name
+
+
+def job_for(folder: "RunFolder | str | Path", info: dict | None = None, handle=None) -> Job:
+    """The Job of a run folder, from the executor its run.json names; a folder without one (torchrun, a script,
+    slurm/moelab.sbatch), or naming an executor this process has not registered, gets an ExternalJob, which
+    reads the run's stream (and SLURM, where the stream names a job)."""
+    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    info = info if info is not None else folder.read_info()
+    executor = EXECUTORS.get(info.get("executor", "external"))
+    return executor.job(folder, info, handle) if executor is not None else ExternalJob(folder, info, handle)
+
+
+def _link_logs(job: Job, world: int) -> None:
+    """logs/rank<k>.out and .err -> submitit's files, so a user finds them from the run folder."""
+    folder = job.folder
+    folder.logs.mkdir(exist_ok=True)
+    for rank in range(world):
+        paths = job.paths(rank)
+        for suffix, target in (("out", paths.stdout), ("err", paths.stderr)):
+            link = folder.rank_log(rank, suffix)
+            if not link.is_symlink() and not link.exists():
+                link.symlink_to(os.path.relpath(target, folder.logs))
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
+            for k, v in options.items()}
 
 
 def _signal_delay(time_s: int) -> int:
@@ -200,7 +291,7 @@ class TrainJob:
     (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), then the one entry point. Lives in the installed
     package so that jobs unpickle anywhere; a callable class so that checkpoint() can be added for requeue.
 
-        job = make_executor("local", folder, 1, {}).submit(TrainJob("runs/tiny"))
+        job = LocalExecutor().make(folder, 1, {}).submit(TrainJob("runs/tiny"))
     """
 
     def __init__(self, run_dir: "str | Path"):

@@ -1,6 +1,6 @@
 """Job objects: one run's job as its executor sees it, with the same five verbs for every executor.
 
-    job = job_for(RunFolder("runs/tiny-..."))   # from run.json: InlineJob, LocalJob, SlurmJob or ExternalJob
+    job = job_for(RunFolder("runs/tiny-..."))   # moelab.launch.executors: its executor's InlineJob, LocalJob, ...
     job.state()          # PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT or PREEMPTED
     job.cancel()         # scancel / SIGTERM to the local controller; refused for a foreground run
     job.outcome()        # ('success', None), ('error', traceback) or (None, None): submitit's result files
@@ -28,7 +28,7 @@ from moelab.contract.folder import RunFolder, owner_gone
 from moelab.contract.status import STATES, TERMINAL, RunStatus, reconcile, slurm_job_state, stream_end_status
 from moelab.contract.stream import read_events, tail_events
 
-__all__ = ["Job", "InlineJob", "ExternalJob", "LocalJob", "SlurmJob", "job_for", "STATES", "TERMINAL"]
+__all__ = ["Job", "InlineJob", "ExternalJob", "LocalJob", "SlurmJob", "STATES", "TERMINAL"]
 
 
 class NotCancellable(RuntimeError):
@@ -58,6 +58,11 @@ class Job:
     @property
     def job_id(self) -> str | None:
         return self.info.get("job_id")
+
+    @property
+    def owner_pid(self):
+        """The process that owns the run while it trains (None where no process here does)."""
+        return self.info.get("pid")
 
     def events(self) -> list[Event]:
         """Every event of the stream, typed (moelab.contract.events)."""
@@ -147,7 +152,7 @@ class InlineJob(Job):
     executor = "inline"
 
     def log(self, rank: int, stream: str) -> str:
-        """What the run's process printed while it trained (logs/rank0.out / .err, moelab.launch.submit.tee_output)."""
+        """What the run's process printed while it trained (logs/rank0.out / .err, moelab.launch.inline.tee_output)."""
         try:
             return self.folder.rank_log(rank, "out" if stream == "stdout" else "err").read_text(errors="replace")
         except OSError:
@@ -265,6 +270,11 @@ class LocalJob(SubmititJob):
 
     executor = "local"
 
+    @property
+    def owner_pid(self):
+        """The controller (pid = job id)."""
+        return self.info.get("pid") or self.job_id
+
     def alive(self) -> bool:
         proc = getattr(self.handle, "_process", None)
         return proc.poll() is None if proc is not None else controller_alive(self.job_id)
@@ -326,16 +336,6 @@ class SlurmJob(SubmititJob):
         from moelab.launch.slurm_checks import pending_reason
 
         return pending_reason(self.job_id)
-
-
-JOBS = {"inline": InlineJob, "local": LocalJob, "slurm": SlurmJob, "external": ExternalJob}
-
-
-def job_for(folder: "RunFolder | str | Path", info: dict | None = None, handle=None) -> Job:
-    """The Job of a run folder, by the executor its run.json names (none: external)."""
-    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-    info = info if info is not None else folder.read_info()
-    return JOBS[info.get("executor", "external")](folder, info, handle)
 
 
 def controller_alive(job_id) -> bool:

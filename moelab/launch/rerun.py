@@ -51,7 +51,8 @@ def config_diff(old, new) -> dict:
 
 def rerun_refusal(folder: RunFolder, cfg) -> str:
     """Why `cfg` cannot start afresh in `folder`, which holds a run, and what to do instead."""
-    from moelab.launch.jobs import TERMINAL, job_for
+    from moelab.launch.executors import job_for
+    from moelab.launch.jobs import TERMINAL
 
     where = str(folder.path)
     try:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
-from moelab.launch.jobs import Job, job_for
+from moelab.launch.executors import EXECUTORS, job_for
+from moelab.launch.jobs import Job
 from moelab.contract.folder import RunFolder
 from moelab.contract.stream import MetricsError, tail_events
 from moelab.launch.claim import claim_folder
@@ -39,12 +40,14 @@ def previous_world_size(run_dir: "str | Path") -> int:
 
 def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = None, **cluster_options) -> Job:
     """Continue the run in `run_dir` from its newest intact checkpoint (from step 0 if it has none) until
-    train.steps. A local or SLURM run goes back to its executor with its options (`cluster_options` replace
-    them); a run trained in the foreground (inline, or started without a Session) continues in this process,
-    or on `nproc` local processes (default: as many as it had) through the local executor. A folder that
-    cannot be continued in this process raises (ConfigError, CheckpointError, MetricsError)."""
+    train.steps. A run whose executor trains in the background (local, SLURM) goes back to it with its options
+    (`cluster_options` replace them); a run trained in the foreground (inline, or started without a Session)
+    continues in this process, or on `nproc` local processes (default: as many as it had) through the local
+    executor. A folder that cannot be continued in this process raises (ConfigError, CheckpointError,
+    MetricsError)."""
     from moelab.train.checkpoint import CheckpointError
-    from moelab.launch.submit import run_inline, submit_folders, unlink_logs, validate
+    from moelab.launch.inline import run_inline
+    from moelab.launch.submit import submit_folders, unlink_logs, validate
 
     from moelab.launch.rerun import extension_note, reached_step, resume_point
 
@@ -61,15 +64,17 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
                               f"nothing to resume (give --steps M / resume(steps=M) to train further)")
         check_resumable(folder)
         info = folder.read_info()
-        kind = info.get("executor")
-        if kind in ("local", "slurm"):
+        executor = EXECUTORS.get(info.get("executor"))
+        here = False
+        if executor is not None and executor.in_background:  # back to its executor, with its options
             options = {**info.get("options", {}), **cluster_options}
-            nproc = nproc or (1 if options.get("gpus_per_node") else
-                              int(info.get("ntasks", 1)) // int(options.get("nodes", 1)))
-        else:
+            nproc = nproc or executor.resume_nproc(info, options)
+            kind = executor.name
+        else:  # it trained in the foreground: here for one rank, else on local processes
             options = dict(cluster_options)
             nproc = nproc or previous_world_size(folder.path)
-            kind = "inline" if nproc == 1 and not options else "local"
+            here = nproc == 1 and not options
+            kind = "inline" if here else "local"
         kind, world = validate(kind, nproc, options, [cfg])
         for line in (behind, note):
             if line:
@@ -77,7 +82,7 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
         if steps is not None:
             save_config(cfg, folder.config)  # what the ranks read
         unlink_logs(folder)  # they point at the previous job's files
-        if kind == "inline":
+        if here:
             return run_inline(folder, reraise=(ConfigError, CheckpointError, MetricsError))
         root = Path(info.get("submitit_folder") or folder.submitit)
         return submit_folders(kind, [folder], nproc, options, root, world)[0]

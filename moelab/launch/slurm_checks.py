@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass
 
 from moelab.config import ConfigError
-from moelab.launch.executors import SLURM_DEFAULT_TIME_MIN, parse_time_s
+from moelab.launch.executor import SLURM_DEFAULT_TIME_MIN, parse_time_s
 
 _TIMEOUT_S = 20
 # squeue's %r for a pending job, and what it means to a user (the most common ones; others pass unchanged)

@@ -79,7 +79,7 @@ class ControlsBar:
                   f"requested {self.field.value}={changes[self.field.value]!r}: applied at the next step boundary")
 
     def _on_fork(self, _button) -> None:
-        executor = None if self.run.executor in ("local", "slurm") else "local"  # a fork never blocks the kernel
+        executor = None if self.run.in_background else "local"  # a fork never blocks the kernel
         made = []
         self._act(lambda: made.append(self.run.fork(name=self.fork_name.value.strip() or None, executor=executor,
                                                     **self.changes())), "fork started")

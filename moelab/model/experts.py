@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.model.layers import gated, scale_rows
+from moelab.backends.ops import scale_rows
+from moelab.model.layers import gated
 
 
 def grouped_mm_supported(x: torch.Tensor, *dims: int) -> bool:

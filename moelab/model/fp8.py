@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moelab.config import ConfigError
-from moelab.model.layers import scale_rows
+from moelab.backends.ops import scale_rows
 
 # True = run the emulation (dequantise, fp32 matmul) on CUDA too: the GPU check compares the kernels with it.
 EMULATE = False
@@ -202,7 +202,7 @@ def fp8_grouped_mm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor
 def fp8_grouped_swiglu(x_ND, w_gate_up_EDF2, w_down_EFD, counts_E, act, cached=None, scale_N=None) -> torch.Tensor:
     """moelab.model.experts.grouped_mm_swiglu (no biases) with FP8 grouped GEMMs; `cached`: the two weights'
     quantised operands (ExpertWeightCache.operands) or None; `scale_N`: each row's routing weight, applied to
-    the activation before it is quantised for the down projection (moelab.model.layers.scale_rows)."""
+    the activation before it is quantised for the down projection (moelab.backends.ops.scale_rows)."""
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     c1, c2 = cached if cached is not None else (None, None)
     h_NF2 = fp8_grouped_mm(x_ND, w_gate_up_EDF2, offs_E, c1)

@@ -1,5 +1,5 @@
-"""Small building blocks: RMSNorm, rotary embeddings, the gated dense feed-forward and its activations, the routed
-rows' weighting.
+"""Small building blocks: RMSNorm, rotary embeddings, the gated dense feed-forward and its activations (the routed
+rows' weighting, which the experts kernels share, is moelab.backends.ops.scale_rows).
 
 Shapes: B batch, L sequence, D hidden, H heads, Dh head dim, F feed-forward width, N routed rows, I their width.
 """
@@ -70,13 +70,6 @@ def apply_rope(x_BHLD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor)
     x1, x2 = x_BHLD.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x_BHLD * cos_LD + rotated * sin_LD
-
-
-def scale_rows(x_NI: torch.Tensor, scale_N: torch.Tensor | None) -> torch.Tensor:
-    """Each row of x_NI times its routing weight (the experts' activation before their down projection, on every
-    experts path: moelab.model.experts); the product in the promoted dtype (fp32 for autocast's fp32 weights),
-    rounded once to x_NI's dtype. `scale_N` None: x_NI unchanged."""
-    return x_NI if scale_N is None else (x_NI * scale_N[:, None]).to(x_NI.dtype)
 
 
 def _tanh_gelu(x):

@@ -121,7 +121,7 @@ class MoE(nn.Module):
     def __init__(self, dim: int, cfg: MoEConfig, backend: BackendConfig, act: str = "silu"):
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.router = Router(dim, cfg, backend.fake_balanced_gate, backend.fake_gate_noise)
+        self.router = Router.from_config(dim, cfg, backend)
         # act (ModelConfig.hidden_act) is the gate's activation; "swiglu" experts with another one take its name
         activation = cfg.activation if cfg.activation == "gpt_oss" or act in ("silu", "swish") else act
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_size,

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelab.config import MoEConfig
+from moelab.config import BackendConfig, MoEConfig
+from moelab.config.rules import check_score_func
+from moelab.config.score_functions import SCORE_FUNCTIONS
 
 
 def count_ids(idx_N: torch.Tensor, n: int, weights_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,16 +94,25 @@ def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, b_E: torch.Tensor | No
 
 
 class Router(nn.Module):
-    """Scores experts, picks each token's top-k (optionally group-limited and biased), weighs them, and keeps
-    the step's routing statistics; in training its loss (aux + z) carries gradient.
+    """Scores experts with the score function model.moe.score_func names (moelab.config.score_functions), picks
+    each token's top-k (optionally group-limited and biased), weighs them, and keeps the step's routing
+    statistics; in training its loss (aux + z) carries gradient.
 
         router = Router(64, MoEConfig(num_experts=8, top_k=2)); router.reset_buffers()
         weights_TK, experts_TK, keep_TK, loss = router(x_BLD)
     """
 
+    @classmethod
+    def from_config(cls, dim: int, cfg: MoEConfig, backend: BackendConfig) -> "Router":
+        """The router a MoE layer of `cfg` holds: its score function from the registry, and the benchmark's fake
+        balanced gate when backend.fake_balanced_gate asks for it (backend.fake_gate_noise)."""
+        return cls(dim, cfg, backend.fake_balanced_gate, backend.fake_gate_noise)
+
     def __init__(self, dim: int, cfg: MoEConfig, fake_balanced_gate: bool = False, fake_gate_noise: float = 0.0):
         super().__init__()
         self.cfg = cfg
+        check_score_func(cfg)  # a MoEConfig built without a Config: the config's own message
+        self.score = SCORE_FUNCTIONS[cfg.score_func]
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.fake_balanced_gate, self.fake_gate_noise = fake_balanced_gate, fake_gate_noise
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
@@ -150,19 +161,10 @@ class Router(nn.Module):
             experts_TK = self._balanced_assignment(x_TD)
             weights_TK = torch.full(experts_TK.shape, 1.0 / self.top_k, device=x_TD.device)
             scores_TE = torch.softmax(logits_TE, -1)
-        elif self.cfg.score_func == "softmax_topk":
-            # GPT-OSS: choose by logit, weigh by a softmax over the chosen k; statistics and the aux loss see the
-            # softmax over all experts.
-            scores_TE = torch.softmax(logits_TE, -1)
-            experts_TK = self._select(logits_TE.detach() + self.expert_bias)
-            weights_TK = torch.softmax(logits_TE.gather(1, experts_TK), -1) * self.cfg.route_scale
         else:
-            scores_TE = torch.sigmoid(logits_TE) if self.cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
-            experts_TK = self._select(scores_TE.detach() + self.expert_bias)
-            weights_TK = scores_TE.gather(1, experts_TK)
-            if self.cfg.norm_topk_prob:  # top_k = 1 too: the weight becomes 1 (times route_scale), as in HF
-                weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-            weights_TK = weights_TK * self.cfg.route_scale
+            scores_TE = self.score.scores(logits_TE)
+            experts_TK = self._select(self.score.selection(logits_TE, scores_TE).detach() + self.expert_bias)
+            weights_TK = self.score.weights(logits_TE, scores_TE, experts_TK, self.cfg)
         keep_TK = self._capacity_mask(experts_TK, weights_TK) if self.cfg.capacity_factor > 0 else None
 
         mask_T = token_mask_BL.reshape(-1) if token_mask_BL is not None else None
@@ -226,7 +228,7 @@ class Router(nn.Module):
         "sequence" (DeepSeek-V3) computes it per sequence and averages over sequences.
         `mask_T`: the tokens that count (the others are left out of f and P)."""
         E, K = self.num_experts, self.top_k
-        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if self.cfg.score_func == "sigmoid" else scores_TE
+        probs_TE = self.score.aux_probs(scores_TE)
         onehot_TE = torch.zeros_like(probs_TE).scatter_(1, experts_TK, 1.0)
         mean = self.token_mean or (lambda x: x)
         if mask_T is not None:

@@ -59,7 +59,7 @@ def dispatch_ranks_per_token(moe, ep: int) -> float:
 # sent every unit through fully_shard whatever its mesh (data_parallel=fsdp: each block, the root and under EP
 # each block's experts; DDP runs: the experts), so a one-rank unit still had its gathered copy and its unsharded
 # gradient. Only the gallery's memory table asks for "wrapped", to plan records measured with that code
-# (moelab.gallery_records.CODE_BEFORE).
+# (moelab.gallery.records.CODE_BEFORE).
 FSDP_ONE_RANK = ("plain", "wrapped")
 
 

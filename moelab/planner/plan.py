@@ -289,7 +289,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
     kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
-    records measured with old code (moelab.gallery_records.planner_options); `local_weighting` likewise: "experts"
+    records measured with old code (moelab.gallery.records.planner_options); `local_weighting` likewise: "experts"
     (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits

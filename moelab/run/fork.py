@@ -122,6 +122,7 @@ def fork(parent, step: int | None = None, name: str | None = None, folder: "str 
     """Start a fork of `parent` (a Run) from its checkpoint at `step` (default: the newest) and return its Job
     (Run.fork wraps it in a Run). executor (default the parent's), nproc and cluster_options as for a resume
     (moelab.launch.resume)."""
+    from moelab.launch.executors import EXECUTORS
     from moelab.launch.resume import previous_world_size, resume
 
     changes = dict(changes or {})
@@ -131,7 +132,7 @@ def fork(parent, step: int | None = None, name: str | None = None, folder: "str 
     dest_path = Path(folder) if folder else parent.folder.parent / f"{parent.folder.name}-fork{step}-{label}"
     dest, _, _ = prepare_fork(parent, step, dest_path, changes)
     kind = executor or parent.executor
-    if kind in ("local", "slurm"):
+    if kind in EXECUTORS and EXECUTORS[kind].in_background:  # to that executor (a foreground one: as a resume)
         info = parent.run_folder.read_info()
         options = {**(info.get("options", {}) if kind == parent.executor else {}), **cluster_options}
         world = nproc or previous_world_size(parent.folder)

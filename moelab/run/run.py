@@ -24,7 +24,8 @@ from moelab.contract.events import Memory, StepEvent
 from moelab.contract.folder import RunFolder
 from moelab.contract.status import STATES, TERMINAL, RunStatus
 from moelab.contract.stream import scan_events, tail_events
-from moelab.launch.jobs import Job, job_for
+from moelab.launch.executors import EXECUTORS, job_for
+from moelab.launch.jobs import Job
 
 __all__ = ["Run", "STATES", "TERMINAL"]
 _POLL_S = 1.0  # a scheduler is asked at most this often per Run
@@ -63,8 +64,16 @@ class Run:
 
     @property
     def executor(self) -> str:
-        """'inline', 'local' or 'slurm' ('external' for a folder written without a Session, e.g. torchrun)."""
+        """The registered executor that trains it ('inline', 'local', 'slurm', ...: moelab.launch.executors);
+        'external' for a folder written without a Session, e.g. torchrun."""
         return self._info.get("executor", "external")
+
+    @property
+    def in_background(self) -> bool:
+        """Whether its executor trains it apart from the process that submitted it (local, slurm), rather than in
+        that process' foreground (inline, or a run started without a Session)."""
+        executor = EXECUTORS.get(self.executor)
+        return executor is not None and executor.in_background
 
     @property
     def job_id(self) -> str | None:
@@ -94,7 +103,7 @@ class Run:
         status = job.state()
         self._info = job.info  # what the job recorded (e.g. an owner gone)
         self._checked = (time.monotonic(), status)
-        if status in TERMINAL and job.records_status and self.executor != "external":
+        if status in TERMINAL and job.records_status:
             self._info = self.run_folder.note_info(status=str(status))  # not where the folder is read-only
         return status
 
@@ -367,5 +376,5 @@ class Run:
         """What this Run learnt (a final status, a cancel request) goes to run.json; a folder written without
         a Session has none, and gets none."""
         self._info.update(fields)
-        if self.executor != "external":
+        if "executor" in self._info:
             self.run_folder.write_info(self._info)

@@ -1,4 +1,4 @@
-"""Which records are current (moelab.gallery_current): per slot the newest record of each configuration, the
+"""Which records are current (moelab.gallery.current): per slot the newest record of each configuration, the
 fastest configuration as the row; moelab's only where it ran today's defaults; failed, before-fix, superseded,
 fake-router and sweep records are history. The peers tables and issue 31's target rows are computed from them
 (gallery/scripts/perf_tables.py)."""
@@ -7,7 +7,7 @@ import json
 
 from moelab.config import load_config
 from moelab.gallery import default_root, load_entries, render_report
-from moelab.gallery_current import AUTO_OPTIMIZER, before_fix, current_records, default_deviations
+from moelab.gallery.current import AUTO_OPTIMIZER, before_fix, current_records, default_deviations
 from moelab.planner.plan import resolve_loss
 
 W = "qwen3-moe-30b-a3b-proxy"

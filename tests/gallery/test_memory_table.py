@@ -1,12 +1,12 @@
 """gallery/README.md's planned-vs-measured memory table is what `moelab gallery report` renders from
 gallery/results/*.json with this checkout's planner (regenerated, never typed), every row says its error against
-the 7% target, and each row plans the config its record ran (moelab.gallery_records.rebuild_config): the record's
+the 7% target, and each row plans the config its record ran (moelab.gallery.records.rebuild_config): the record's
 loss, FP8 recipe, compile flag, router and overrides, not its entry's settings of today."""
 import json
 import shutil
 
 from moelab.gallery import MEMORY_TARGET, default_root, load_entries, load_results, render_report
-from moelab.gallery_records import planner_options, rebuild_config
+from moelab.gallery.records import planner_options, rebuild_config
 
 
 def _memory(text: str) -> str:

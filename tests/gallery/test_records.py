@@ -4,7 +4,7 @@ records. Which records are current: tests/gallery/test_current.py."""
 import json
 
 from moelab.gallery import get_entry, load_entries, render_report
-from moelab.gallery_records import RouterOf, router_of
+from moelab.gallery.records import RouterOf, router_of
 
 
 def _rec(system="moelab", workload="qwen3-moe-30b-a3b-proxy", **kw):

@@ -5,7 +5,7 @@ import json
 import shutil
 
 from moelab.gallery import default_root, render_report
-from moelab.gallery_records import router_of
+from moelab.gallery.records import router_of
 
 
 def _script():

@@ -1,12 +1,12 @@
-"""The gallery's speed tables (moelab.gallery_speed): what a record ran is read from its fields and its date, a
+"""The gallery's speed tables (moelab.gallery.speed): what a record ran is read from its fields and its date, a
 prediction is compared only with a config that runs the same, a miss names a term, every published row is
 either within its target or says which terms of moelab's step it likely does not pay."""
 import pytest
 
 from moelab.config import load_config
 from moelab.gallery import load_entries
-from moelab.gallery_records import record_settings
-from moelab.gallery_speed import published_note, speed_section
+from moelab.gallery.records import record_settings
+from moelab.gallery.speed import published_note, speed_section
 from moelab.planner.plan import plan
 
 PROXY = "qwen3-moe-30b-a3b-proxy"

@@ -13,7 +13,7 @@ import pytest
 
 from moelab import Run
 from moelab.contract.folder import RunFolder
-from moelab.launch.submit import tee_output
+from moelab.launch.inline import tee_output
 
 from support import SMALL_CLI
 from support import moelab_cli as moelab

@@ -6,7 +6,7 @@ import pytest
 
 import moelab
 from moelab import ConfigError, Run, Session
-from moelab.launch.executors import check_options, make_executor, parse_time_s, resolve_executor, world_size
+from moelab.launch.executors import get_executor, parse_time_s, resolve_executor
 
 
 def test_session_sections_set_and_immutability():
@@ -41,21 +41,22 @@ def test_layout_is_checked_against_the_world_before_submitting(tmp_path):
 
 def test_cluster_options_are_checked_and_listed():
     with pytest.raises(ConfigError, match="partitoin.*valid slurm options: .*partition"):
-        check_options("slurm", {"partitoin": "gpu"})
+        get_executor("slurm").check_options({"partitoin": "gpu"})
     with pytest.raises(ConfigError, match="valid local options"):
-        check_options("local", {"partition": "gpu"})
+        get_executor("local").check_options({"partition": "gpu"})
     with pytest.raises(ConfigError, match="nodes=2"):
-        check_options("local", {"nodes": 2})
+        get_executor("local").check_options({"nodes": 2})
     with pytest.raises(ConfigError, match="no cluster options"):
-        check_options("inline", {"time": 5})
-    check_options("slurm", {"partition": "gpu", "gres": "gpu:8", "exclude": "n1", "sbatch": {"reservation": "r"}})
+        get_executor("inline").check_options({"time": 5})
+    get_executor("slurm").check_options({"partition": "gpu", "gres": "gpu:8", "exclude": "n1",
+                                         "sbatch": {"reservation": "r"}})
     with pytest.raises(ConfigError, match="executor='slurmm'"):
         resolve_executor("slurmm")
     assert resolve_executor("auto") in ("local", "slurm")
-    assert world_size("slurm", 1, {"nodes": 2, "gpus_per_node": 8}) == 16
-    assert world_size("local", 4, {}) == 4
+    assert get_executor("slurm").world_size(1, {"nodes": 2, "gpus_per_node": 8}) == 16
+    assert get_executor("local").world_size(4, {}) == 4
     with pytest.raises(ConfigError, match="one task per GPU"):
-        world_size("slurm", 4, {"gpus_per_node": 8})
+        get_executor("slurm").world_size(4, {"gpus_per_node": 8})
 
 
 def test_time_limits():
@@ -73,9 +74,9 @@ def test_slurm_executor_header(tmp_path):
 
     if not shutil.which("srun"):
         pytest.skip("submitit's SlurmExecutor needs srun on PATH")
-    ex = make_executor("slurm", tmp_path, 1, {"nodes": 2, "gpus_per_node": 4, "time": "0:40", "mem": 64,
-                                              "partition": "gpu", "setup": "module load cuda",
-                                              "sbatch": {"reservation": "r1"}})
+    ex = get_executor("slurm").make(tmp_path, 1, {"nodes": 2, "gpus_per_node": 4, "time": "0:40", "mem": 64,
+                                                  "partition": "gpu", "setup": "module load cuda",
+                                                  "sbatch": {"reservation": "r1"}})
     text = ex._make_submission_file_text("CMD", "uid")
     for line in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--time=1", "--mem=64G",
                  "--partition=gpu", "--reservation=r1", "module load cuda", "--kill-on-bad-exit=1"):

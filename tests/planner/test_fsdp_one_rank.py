@@ -1,6 +1,6 @@
 """The planner option fsdp_one_rank (moelab.planner.comm.FSDP_ONE_RANK): "plain", moelab's code, is what every plan
 counts unless asked; "wrapped" plans the code from before 6131a2c, which sent every FSDP2 unit through fully_shard
-whatever its mesh, for records measured with it (moelab.gallery_records.planner_options). Today's rule on the real
+whatever its mesh, for records measured with it (moelab.gallery.records.planner_options). Today's rule on the real
 layouts: tests/parallel/test_lean_fsdp.py."""
 from types import SimpleNamespace
 

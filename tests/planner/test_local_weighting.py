@@ -1,9 +1,9 @@
 """The planner's local_weighting option: the code before a3f8c38 weighted the expert outputs at combine and kept
-them for the weights' gradient; records measured with it are planned that way (moelab.gallery_records)."""
+them for the weights' gradient; records measured with it are planned that way (moelab.gallery.records)."""
 import pytest
 
 from moelab.config import ConfigError, load_config
-from moelab.gallery_records import planner_options
+from moelab.gallery.records import planner_options
 from moelab.planner.plan import plan
 from moelab.planner.saved import saved_per_token
 

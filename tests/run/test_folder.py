@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from moelab import Run
-from moelab.launch.jobs import ExternalJob, InlineJob, LocalJob, SlurmJob, job_for
+from moelab.launch.executors import job_for
+from moelab.launch.jobs import ExternalJob, InlineJob, LocalJob, SlurmJob
 from moelab.contract.folder import RunFolder, read_json, write_json
 
 

@@ -4,7 +4,7 @@ Every record states its router kind (``router``: "learned", "fake_balanced" or "
 ``BackendConfig.router_kind`` of the config that ran); a record written before that field existed gets it inferred
 from what it recorded (its fake_balanced_gate / fake_gate_noise fields, its ``--set`` overrides, its gallery entry,
 its preset's default), and the row says "(inferred)" (``RouterOf.source`` says from what). Which records the
-tables show as current is moelab.gallery_current's rule. A fake_gate_noise sweep (gallery/scripts/router_sweep.py)
+tables show as current is moelab.gallery.current's rule. A fake_gate_noise sweep (gallery/scripts/router_sweep.py)
 renders as "what imbalance costs".
 ``rebuild_config`` gives the config a record ran (the planned-vs-measured tables plan it), ``planner_options`` the
 planner options that plan it as the code of its day ran (CODE_BEFORE: what changed in the code, not in a config).

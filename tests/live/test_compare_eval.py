@@ -1,7 +1,7 @@
 """compare() shows the held-out loss: an eval_loss column (the last eval event) and dashed eval curves."""
 import pytest
 
-from moelab.compare import compare
+from moelab.live.compare import compare
 from moelab.config import load_config
 from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer

@@ -1,11 +1,11 @@
 """gallery/README.md's planned-vs-measured memory table: every moelab record with an allocator peak, planned as
-the config it ran (moelab.gallery_records.rebuild_config), each miss with the cause its record shows.
+the config it ran (moelab.gallery.records.rebuild_config), each miss with the cause its record shows.
 
     lines, rows = memory_section(load_results(), {e.name: e for e in load_entries()})
 
 What a row plans: the rebuilt config on the record's GPUs, as the code of the record's day ran it: a record older
 than a code change the planner can plan the old way gets the planner option of its day
-(moelab.gallery_records.planner_options, by the record's date against the change's commit; today: before 6131a2c
+(moelab.gallery.records.planner_options, by the record's date against the change's commit; today: before 6131a2c
 FSDP2 wrapped one-rank meshes too, plan(fsdp_one_rank="wrapped")), and its note says so where the option bears
 on its layout (`day_notes`: DAY_NOTES). A record that timed the learned router beside a fake-gate headline
 (`real_router`; `fake_router` is the fake gate beside a learned headline) ran both in one process, so its peak is
@@ -19,7 +19,7 @@ Records with a peak that cannot be rebuilt are listed with the reason.
 """
 from __future__ import annotations
 
-from moelab.gallery_records import CODE_BEFORE, gpu_memory_of, planner_options, rebuild_config, router_of
+from moelab.gallery.records import CODE_BEFORE, gpu_memory_of, planner_options, rebuild_config, router_of
 
 MEMORY_TARGET = 0.07  # issue 32: the plan's peak within 7% of the measured peak
 
@@ -35,7 +35,7 @@ def _one_rank_units(p) -> str:
                                                  ("the experts on the expert-FSDP mesh", experts)) if alone)
 
 
-# per planner option of a record's day (moelab.gallery_records.CODE_BEFORE): what that code did and how the plan
+# per planner option of a record's day (moelab.gallery.records.CODE_BEFORE): what that code did and how the plan
 # counts it (the paragraph under the table), what the option plans and what the code then did (the note's words),
 # and which units of a plan it bears on ("" where none)
 DAY_NOTES = {
@@ -98,11 +98,11 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
              "gallery entry or preset with every setting the record states (batch, sequence, dtypes, "
              "checkpointing, compile, router, FP8, loss, backends, optimizer, layout, its `--set` overrides; "
              "records from before backend.loss ran the full loss), rebuilt by "
-             "`moelab.gallery_records.rebuild_config`, as the code of its day ran it (a record older than a code "
-             "change gets the planner option of its day: `moelab.gallery_records.planner_options`; its note says "
+             "`moelab.gallery.records.rebuild_config`, as the code of its day ran it (a record older than a code "
+             "change gets the planner option of its day: `moelab.gallery.records.planner_options`; its note says "
              "so). A record that timed the learned router beside a fake-gate "
              "headline is planned with the learned router, whose run its peak covers (router column: \"+ learned "
-             "beside\"). A note names what the record shows about a miss (`moelab.gallery_memory.miss_causes`).",
+             "beside\"). A note names what the record shows about a miss (`moelab.gallery.memory.miss_causes`).",
              "", "| workload (result file) | GPUs | router | planned GiB | measured peak GiB | measured / planned | "
              f"error | within {MEMORY_TARGET:.0%} | planner's biggest term | note |",
              "|---|---|---|---:|---:|---:|---:|---|---|---|"]

@@ -11,8 +11,8 @@ today's does not (``record_history``), the communication it hides or leaves expo
 from __future__ import annotations
 
 # a code change that alters what a record ran against what the model describes (today's code), by its commit and
-# date: records older than it ran the old behaviour (moelab.gallery_records: LEAN_FSDP, DEFAULTS_BEFORE)
-from moelab.gallery_records import LEAN_FSDP
+# date: records older than it ran the old behaviour (moelab.gallery.records: LEAN_FSDP, DEFAULTS_BEFORE)
+from moelab.gallery.records import LEAN_FSDP
 
 MEASURED_TARGET = 0.10  # predicted within 10% of a 1- or 2-GPU record
 PUBLISHED_TARGET = 0.20  # within 20% of a published row
@@ -103,7 +103,7 @@ def _comm(s) -> str:
 def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
     from moelab.config import ConfigError
     from moelab.presets import preset_names
-    from moelab.gallery_records import record_settings, router_of
+    from moelab.gallery.records import record_settings, router_of
     from moelab.planner.gpus import gpu_kind
     from moelab.planner.rates import CALIBRATION_RECORDS
 
@@ -141,7 +141,7 @@ def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -
             rows.append(head + f"{measured:,.0f} | {s.tokens_per_s_per_gpu:,.0f} | - | {_largest(s)} | {_comm(s)} | "
                         "not compared: the rebuilt config runs " + ", ".join(
                             f"{k}={mine} where the record ran {k}={theirs}" for k, (mine, theirs) in wrong.items())
-                        + " (moelab.gallery._config_for_result) |")
+                        + " (moelab.gallery.entries._config_for_result) |")
             continue
         calibration = r["_file"] in CALIBRATION_RECORDS
         ok = abs(ratio - 1) <= MEASURED_TARGET
@@ -220,7 +220,7 @@ def _published_rows(entries: list) -> list[str]:
 
 def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) -> list[str]:
     """Markdown: predicted against measured (1- and 2-GPU records) and against published (the reference rows).
-    `planned(record, entries_by_name, gpu=)`: the plan of the config a record ran, or None (moelab.gallery's
+    `planned(record, entries_by_name, gpu=)`: the plan of the config a record ran, or None (moelab.gallery.entries's
     _planned_for_result); `rebuild_keys`: the record fields that rebuilding a preset's config needs."""
     return [
         "## Predicted vs measured throughput", "",

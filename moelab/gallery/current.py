@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from moelab.gallery_records import (SWEEP, commit_of, fmt, gpu_memory_of, rebuild_config, record_settings,
+from moelab.gallery.records import (SWEEP, commit_of, fmt, gpu_memory_of, rebuild_config, record_settings,
                                    recorded_overrides, router_of)
 
 # What train.optimizer=auto runs on a CUDA GPU with torch's CUDA wheels, which ship Triton
@@ -198,7 +198,7 @@ def peers_section(results: list, entries: "dict | None" = None) -> list[str]:
     workloads = sorted({s[0] for s in peer_slots}, key=str)
     lines = ["## Peers on the same workload and GPU", "",
              "Each system's current row per workload, GPU, batch, micro batch, sequence and FP8 on or off "
-             "(moelab.gallery_current): failed runs, runs before a fix, superseded ones, router sweeps and fake "
+             "(moelab.gallery.current): failed runs, runs before a fix, superseded ones, router sweeps and fake "
              "routers are left out; moelab's records count only where they ran today's defaults (`train.compile`, "
              "bf16 parameters, the loss and optimizer `auto` resolves to); of each configuration the newest "
              "record counts, and the row is the fastest configuration. gallery/perf-notes.md keeps every record, "

@@ -22,9 +22,9 @@ from pathlib import Path
 import yaml
 
 from moelab.config import Config, ConfigError, load_config
-from moelab.gallery_memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
-from moelab.gallery_current import peers_section
-from moelab.gallery_records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, rebuild_config,
+from moelab.gallery.memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
+from moelab.gallery.current import peers_section
+from moelab.gallery.records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, rebuild_config,
                                    router_of, router_sweep_section, stale_note)
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vp", "fsdp")
@@ -41,7 +41,7 @@ class GalleryError(RuntimeError):
 
 def default_root() -> Path:
     """gallery/ of the moelab checkout (this package's parent folder), or $MOELAB_GALLERY."""
-    return Path(os.environ.get("MOELAB_GALLERY") or Path(__file__).resolve().parents[1] / "gallery")
+    return Path(os.environ.get("MOELAB_GALLERY") or Path(__file__).resolve().parents[2] / "gallery")
 
 
 @dataclass
@@ -247,7 +247,7 @@ def _planned(entry: Entry, gpu_memory_gb: float | None = None):
 
 
 def _config_for_result(r: dict, entries: dict) -> Config | None:
-    """The config a result ran (moelab.gallery_records.rebuild_config), or None where it cannot be rebuilt."""
+    """The config a result ran (moelab.gallery.records.rebuild_config), or None where it cannot be rebuilt."""
     return rebuild_config(r, entries)[0]
 
 
@@ -292,7 +292,7 @@ def render_report(root: "str | Path | None" = None, plots: bool = True) -> str:
     root = Path(root) if root else default_root()
     entries, results = load_entries(root), load_results(root)
     by_name = {e.name: e for e in entries}
-    from moelab.gallery_speed import speed_section
+    from moelab.gallery.speed import speed_section
 
     lines = _published_section(entries, results, by_name) + peers_section(results, by_name)
     memory_lines, mem_rows = memory_section(results, by_name)
