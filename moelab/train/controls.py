@@ -59,6 +59,7 @@ class Controls:
         self.in_force: list[dict] = []    # [{"id", "step", "changes"}] applied in this timeline (checkpointed)
         self.done: set[str] = set()       # request ids applied or rejected in this timeline
         self.replay: dict[str, int] = {}  # request id -> the step an earlier attempt applied it at
+        self.start = 0                    # the step this attempt started from
         self.file = ControlsFile(trainer.run_dir)  # rank 0: controls.jsonl, read as it grows
         self.seen = 0                     # rank 0: the file's requests taken into `pending`
         self.pending: list[dict] = []     # rank 0: requests not yet decided, in file order
@@ -80,6 +81,7 @@ class Controls:
             self.in_force.append(rec)
             self.done.add(rec["id"])
         self.done.update(rank_state.get("control_ids", ()))
+        self.start = start_step
         if not self.rank0:
             return
         self._read()
@@ -129,8 +131,8 @@ class Controls:
             if fields:
                 self.in_force.append({"id": item["id"], "step": step, "changes": fields})
             self.done.add(item["id"])
-            if self.rank0:
-                self._record(step, item, old)
+            if self.rank0 and not (self.replay.get(item["id"]) == step == self.start):
+                self._record(step, item, old)  # (a replay at the start step: its events are kept by the rewind)
         return checkpoint
 
     def _checked(self, step: int) -> list[dict]:
