@@ -43,6 +43,7 @@ from moelab.contract.writes import FolderWriteError, writing
 
 CONTROLS = "controls.jsonl"
 CHECKPOINT_NOW = "checkpoint"  # the one action a request may carry besides fields
+AGAIN = "write the line again (a request: `moelab set` / run.set once more)"  # after a failed append
 
 
 class ControlsWarning(UserWarning):
@@ -125,7 +126,7 @@ class Held:
                     self.path.unlink()  # ours (under the lock): leave no empty controls.jsonl behind
             except OSError:
                 pass
-            with writing(self.path, len(data), left="the file was left as it was"):
+            with writing(self.path, len(data), left="the file was left as it was", then=AGAIN):
                 raise e
 
 
@@ -136,7 +137,7 @@ def holding(folder: "str | Path"):
     folder cannot be written."""
     path = controls_path(folder)
     while True:
-        with writing(path, None, left="nothing was written"):
+        with writing(path, None, left="nothing was written", then=AGAIN):
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

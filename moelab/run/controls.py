@@ -31,13 +31,12 @@ def resolve(changes: dict, cfg) -> dict:
     """Short names to dotted fields: `aux_loss_coeff` -> `model.moe.aux_loss_coeff` (a changeable field first,
     then any config field that ends so, so a refusal names the real field); dotted names pass through."""
     out = {}
-    every = list(flatten(cfg.to_dict()))
     for key, value in changes.items():
         if "." in key or key == CHECKPOINT_NOW:
             out[key] = value
             continue
-        for pool in (list(LIVE_FIELDS), every):
-            hits = [f for f in pool if f.rsplit(".", 1)[-1] == key]
+        for pool in (lambda: LIVE_FIELDS, lambda: flatten(cfg.to_dict())):  # every field only when needed
+            hits = [f for f in pool() if f.rsplit(".", 1)[-1] == key]
             if len(hits) == 1:
                 out[hits[0]] = value
                 break
@@ -62,12 +61,31 @@ def _config(folder: "str | Path"):
     return known[1]
 
 
+_LIVE: dict[Path, tuple[tuple, object]] = {}  # folder -> ((its config, the applied values), the live config)
+
+
+def _live(folder: "str | Path"):
+    """The run's live config as it is now, shared: built again only when config.yaml or an applied value
+    changed (never modify it; live_config gives a copy)."""
+    base, latest = _config(folder), reader(folder).latest  # each field's newest applied value
+    key = (id(base), tuple(latest.items()))
+    known = _LIVE.get(Path(folder).absolute())
+    if known is None or known[0] != key:
+        cfg = copy.deepcopy(base)
+        for field, new in latest.items():
+            set_dotted(cfg, field, new)
+        known = _LIVE[Path(folder).absolute()] = (key, cfg)
+    return known[1]
+
+
 def live_config(folder: "str | Path", up_to: int | None = None, cfg=None):
     """The run's config as it trains: `cfg` (default its config.yaml; copied, never changed) with the changes
     applied so far, in the order applied (only those applied up to step `up_to` where given)."""
+    if cfg is None and up_to is None:
+        return copy.deepcopy(_live(folder))
     cfg = copy.deepcopy(_config(folder) if cfg is None else cfg)
     if up_to is None:
-        latest = reader(folder).latest  # each field's newest applied value, kept as the file is read
+        latest = reader(folder).latest
     else:
         latest = {}
         for o in read_controls(folder)[1].values():  # file order: the newest line per field wins
@@ -89,7 +107,7 @@ def finished(run, step, how: str) -> ConfigError:
 def request(run, changes: dict, origin: str = "notebook", at: int | None = None) -> str:
     """Check `changes` and append them as one request; returns its id. ConfigError, with nothing written, for
     a field that cannot change, a bad value, or a run that has COMPLETED."""
-    cfg = live_config(run.folder)
+    cfg = _live(run.folder)  # not modified: check_changes builds a new config
     _, checked = check_changes(cfg, resolve(changes, cfg))
     if run.status == "COMPLETED":
         raise finished(run, None, "COMPLETED")
