@@ -48,7 +48,10 @@ AGAIN = "write the line again (a request: `moelab set` / run.set once more)"  # 
 
 class ControlsWarning(UserWarning):
     """A line of controls.jsonl that is no control line (a write cut by a crash): skipped; the message names the
-    file and the line, e.g. ``runs/a/controls.jsonl:7: not a control line (...): skipped``."""
+    file and the line.
+
+        runs/a/controls.jsonl:7: not a control line (Unterminated string ...): skipped (a write cut by a crash)
+    """
 
 
 class ControlsClosed(RuntimeError):
@@ -84,7 +87,11 @@ def encode(record: dict) -> bytes:
 
 class Held:
     """controls.jsonl open for appending under its lock (see `holding`): `closed()` says whether the run closed
-    it, `append(records)` writes lines as one write."""
+    it, `append(records)` writes lines as one write.
+
+        with holding("runs/a") as held:
+            if not held.closed(): held.append([{"kind": "request", ...}])
+    """
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd = path, fd
