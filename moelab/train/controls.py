@@ -38,6 +38,8 @@ A resume of the run opens the file again.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from moelab.config import ConfigError
 from moelab.config.live import check_changes, get_dotted, set_dotted
 from moelab.contract.controls import CHECKPOINT_NOW, ControlsFile, append_line, holding
@@ -225,6 +227,18 @@ class Controls:
             from moelab.train.expert_tokens import ExpertTokenRecorder
 
             tr.expert_tokens = ExpertTokenRecorder(tr)
+
+
+def decided_in(checkpoint: "str | Path") -> set[str]:
+    """The ids of the requests decided inside a checkpoint (rank 0's rank_state: the changes in force and
+    control_ids); an empty set for a checkpoint saved before any."""
+    import torch
+
+    path = Path(checkpoint) / "rank_state" / "rank_00000.pt"
+    if not path.is_file():
+        return set()
+    state = torch.load(path, map_location="cpu")
+    return {r["id"] for r in state.get("controls", [])} | set(state.get("control_ids", ()))
 
 
 def drop_frozen_grads(moe_layers, cfg) -> None:

@@ -181,6 +181,13 @@ def test_a_change_applied_where_the_resume_started_survives_the_next_resume(ever
     assert run_one_thread(load_config(run / "config.yaml"), run).start_step == 3
     assert _losses(run) == _losses(every3 / "z")  # exactly: Z replayed at 3, not taken as inside checkpoint 3
     assert [(e["step"], e["field"], e["new"]) for e in _controls(run)] == [(3, "model.moe.z_loss_coeff", 0.01)]
+    # a fork of it at 3 without changes repeats its steps after 3: Z (outside checkpoint 3) comes with it
+    from moelab.run.fork import prepare_fork
+    from moelab.run.run import Run
+
+    fork, _, _ = prepare_fork(Run.load(run), 3, tmp_path / "fork", {})
+    run_one_thread(load_config(fork.config), fork.path)
+    assert _losses(fork.path) == _losses(every3 / "z")
 
 
 def test_a_fork_with_a_change_killed_before_its_first_checkpoint_stays_a_fork(every3, tmp_path):
