@@ -77,7 +77,9 @@ class Controls:
 
     def restore(self, rank_state: dict, start_step: int) -> None:
         """Set the changes a checkpoint holds (no events: they were recorded when applied) and, on rank 0,
-        schedule the replay of those applied that are not inside it, and open a closed controls file."""
+        schedule the replay of those applied that are not inside it, and open a closed controls file. Every
+        rank takes rank 0's (a resume on more ranks: the new ranks' checkpoint holds no state of theirs)."""
+        rank_state = self._broadcast({k: rank_state[k] for k in ("controls", "control_ids") if k in rank_state})
         for rec in rank_state.get("controls", []):
             self._set(rec["changes"], restoring=True)
             self.in_force.append(rec)
