@@ -50,15 +50,15 @@ def resolve(changes: dict, cfg) -> dict:
 _CONFIGS: dict[Path, tuple[tuple, object]] = {}  # config.yaml -> ((inode, size, mtime), its Config)
 
 
-def _config(folder: "str | Path"):
-    """The folder's config.yaml as a Config, parsed again only when the file changed."""
+def _config(folder: "str | Path") -> tuple[tuple, object]:
+    """(what identifies the folder's config.yaml now, it as a Config), parsed again only when the file changed."""
     path = Path(folder).absolute() / "config.yaml"
     st = path.stat()
     key = (st.st_ino, st.st_size, st.st_mtime_ns)
     known = _CONFIGS.get(path)
     if known is None or known[0] != key:
         known = _CONFIGS[path] = (key, load_config(path))
-    return known[1]
+    return known
 
 
 _LIVE: dict[Path, tuple[tuple, object]] = {}  # folder -> ((its config, the applied values), the live config)
@@ -67,8 +67,8 @@ _LIVE: dict[Path, tuple[tuple, object]] = {}  # folder -> ((its config, the appl
 def _live(folder: "str | Path"):
     """The run's live config as it is now, shared: built again only when config.yaml or an applied value
     changed (never modify it; live_config gives a copy)."""
-    base, latest = _config(folder), reader(folder).latest  # each field's newest applied value
-    key = (id(base), tuple(latest.items()))
+    (version, base), latest = _config(folder), reader(folder).latest  # each field's newest applied value
+    key = (version, tuple(latest.items()))
     known = _LIVE.get(Path(folder).absolute())
     if known is None or known[0] != key:
         cfg = copy.deepcopy(base)
@@ -83,7 +83,7 @@ def live_config(folder: "str | Path", up_to: int | None = None, cfg=None):
     applied so far, in the order applied (only those applied up to step `up_to` where given)."""
     if cfg is None and up_to is None:
         return copy.deepcopy(_live(folder))
-    cfg = copy.deepcopy(_config(folder) if cfg is None else cfg)
+    cfg = copy.deepcopy(_config(folder)[1] if cfg is None else cfg)
     if up_to is None:
         latest = reader(folder).latest
     else:

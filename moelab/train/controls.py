@@ -2,8 +2,8 @@
 step boundary, recorded, checkpointed and replayed on resume.
 
 The request path (moelab.contract.controls names the file): rank 0 looks at controls.jsonl once per step (one
-stat; only what was appended since is read, when it grew) and adds one flag, "something is due", to the step's one all-reduce
-(moelab.train.stats.StatsPack), so a step without a change costs no extra collective. When the flag is set,
+stat; when it grew, only what was appended is read) and adds one flag, "something is due", to the step's one
+all-reduce (moelab.train.stats.StatsPack), so a step without a change costs no extra collective. When the flag is set,
 after the step (and its evaluation), rank 0 checks the due changes against the live config
 (moelab.config.live.check_changes: the same errors as a config), broadcasts them (broadcast_object_list on the
 world group) and every rank applies the same changes before the next step. Rank 0 records each field as a
