@@ -254,14 +254,6 @@ class ControlsFile:
                                               f"(a write cut by a crash)"), stacklevel=3)
 
 
-def parse(data: bytes) -> tuple[list[dict], dict[str, dict]]:
-    """(requests in file order, {request id: its last applied/rejected line}) of a controls file's bytes; a
-    half-written last line is left out, a damaged line skipped with a ControlsWarning."""
-    f = ControlsFile(".")
-    f.feed(data[:data.rfind(b"\n") + 1])
-    return f.requests, f.outcomes
-
-
 _READERS: dict[Path, ControlsFile] = {}
 
 
