@@ -191,7 +191,7 @@ class ControlsFile:
     read (the file read again from the top when it was replaced or shrank). `requests` in file order,
     `outcomes` {request id: its last applied/rejected line}, `closed` (the ``closed`` line while the run is
     closed, else None), `latest` {field: its newest applied value}. A half-written last line waits for its
-    newline; a damaged complete line is skipped with a ControlsWarning.
+    newline; a damaged complete line is skipped with a ControlsWarning (its message kept in `damaged`).
 
         f = ControlsFile("runs/tiny"); f.read().outcomes.get(rid)
     """
@@ -207,6 +207,7 @@ class ControlsFile:
         self.outcomes: dict[str, dict] = {}
         self.closed: "dict | None" = None
         self.latest: dict = {}
+        self.damaged: list[str] = []
 
     def read(self) -> "ControlsFile":
         with self.lock:
@@ -250,8 +251,9 @@ class ControlsFile:
                 self.closed = rec if kind == "closed" else None
             else:
                 why = rec if isinstance(rec, ValueError) else "not a request, an outcome or a marker"
-                warnings.warn(ControlsWarning(f"{self.path}:{self.lineno}: not a control line ({why}): skipped "
-                                              f"(a write cut by a crash)"), stacklevel=3)
+                self.damaged.append(f"{self.path}:{self.lineno}: not a control line ({why}): skipped (a write "
+                                    f"cut by a crash)")
+                warnings.warn(ControlsWarning(self.damaged[-1]), stacklevel=3)
 
 
 _READERS: dict[Path, ControlsFile] = {}

@@ -64,6 +64,7 @@ class Controls:
         self.start = 0                    # the step this attempt started from
         self.file = ControlsFile(trainer.run_dir)  # rank 0: controls.jsonl, read as it grows
         self.seen = 0                     # rank 0: the file's requests taken into `pending`
+        self.damaged = 0                  # rank 0: the file's damaged lines reported
         self.pending: list[dict] = []     # rank 0: requests not yet decided, in file order
         self.due: list[dict] = []         # rank 0: the requests due at the coming boundary
 
@@ -107,6 +108,11 @@ class Controls:
             self.seen, self.pending = 0, []
         self.pending += [r for r in requests[self.seen:] if r["id"] not in self.done]
         self.seen = len(requests)
+        writer = self.tr.writer  # None while the trainer restores: reported at the first poll after
+        if writer:  # a line cut by a crash mid-append: in the stream too
+            for message in self.file.damaged[self.damaged:]:
+                writer.write("warning", step=self.tr.step, kind="damaged_controls_line", message=message)
+            self.damaged = len(self.file.damaged)
 
     def poll(self, step: int) -> float:
         """Rank 0: 1.0 when a request is due at the boundary after `step` (new, scheduled with `at` <= step,

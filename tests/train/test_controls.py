@@ -240,3 +240,19 @@ def test_a_request_while_the_run_completes_is_refused_and_never_applied_later(tm
     assert [(e["step"], e["new"]) for e in _controls(run_dir)] == [(4, 0.03)]
     kinds = [json.loads(line)["kind"] for line in (run_dir / "controls.jsonl").read_text().splitlines()]
     assert kinds == ["request", "rejected", "closed", "opened", "request", "applied", "closed"]
+
+
+def test_a_line_cut_by_a_crash_is_reported_and_the_next_request_applies(tmp_path):
+    # issue 42.2 on the ranks: a writer killed mid-append left a line without its newline
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / "controls.jsonl", "wb") as f:
+        f.write(b'{"time": 1.0, "kind": "request", "id": "cut", "changes": {"train.l')
+    append_request(run_dir, {"train.lr": 0.01}, who="test", at=1)
+    from moelab.contract.controls import ControlsWarning
+
+    with pytest.warns(ControlsWarning, match="controls.jsonl:1: not a control line"):
+        run_one_thread(_cfg(**{"train.steps": 2}), run_dir)
+    assert [(e["step"], e["field"], e["new"]) for e in _controls(run_dir)] == [(1, "train.lr", 0.01)]
+    damaged = [e for e in read_events(run_dir / "metrics.jsonl") if e.get("kind") == "damaged_controls_line"]
+    assert len(damaged) == 1 and "controls.jsonl:1: not a control line" in damaged[0]["message"]
