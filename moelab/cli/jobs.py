@@ -189,8 +189,11 @@ def cmd_set(args) -> int:
         return 0
     outcome = wait_outcome(run.folder, rid, timeout=args.wait, run=run)
     if outcome is None:
+        status = run.status
+        when = ("it applies at the run's next step boundary" if not run.done else
+                f"it applies when the run is resumed (`moelab resume {run.folder}`)")
         print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); not applied within {args.wait:g} s "
-              f"(the run is {run.status}); it applies at the run's next step boundary")
+              f"(the run is {status}); {when}")
         return 1
     if outcome["kind"] == "rejected":
         print(f"{run.name}: refused at step {outcome['step']}: {outcome['reason']}", file=sys.stderr)

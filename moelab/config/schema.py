@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from dataclasses import dataclass, field, fields
@@ -352,10 +353,16 @@ class Config:
 
 
 # ---------------------------------------------------------------------- building from dicts (YAML, CLI)
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    """A config class's field types (typing.get_type_hints evaluates the annotations' strings: once per class)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, d: Any, prefix: str):
     if not isinstance(d, dict):
         _fail(prefix.rstrip(".") or "config", d, f"expected a mapping of {cls.__name__} fields")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name for f in fields(cls)}
     kwargs = {}
     for key, value in d.items():

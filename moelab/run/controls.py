@@ -6,7 +6,11 @@ RUN/controls.jsonl as a request (moelab.contract.controls). Rank 0 picks it up a
 every rank applies it there (moelab.train.controls); a refused field or a bad value writes nothing.
 
 Fields are dotted (`model.moe.aux_loss_coeff`) or their last part (`aux_loss_coeff`) where that names one
-changeable field; `checkpoint=True` asks for a checkpoint at the next boundary.
+changeable field; `checkpoint=True` asks for a checkpoint at the next boundary. A run that has COMPLETED (or
+closed its controls file as it completes: moelab.contract.controls) is refused, with the fork that does it.
+
+A process reads controls.jsonl once and then what is appended (moelab.contract.controls.reader), and the
+folder's config.yaml again only when it changed, so a request costs the same however many came before.
 
     rid = request(Run.load("runs/tiny"), {"aux_loss_coeff": 0.01})
     wait_outcome("runs/tiny", rid, timeout=60)     # {"kind": "applied", "step": 12, "changes": {...}}
@@ -19,20 +23,20 @@ from pathlib import Path
 
 from moelab.config import ConfigError, flatten, load_config
 from moelab.config.live import LIVE_FIELDS, check_changes, set_dotted
-from moelab.contract.controls import CHECKPOINT_NOW, append_request, read_controls, who as who_is
+from moelab.contract.controls import (CHECKPOINT_NOW, ControlsClosed, append_request, read_controls, reader,
+                                      who as who_is)
 
 
 def resolve(changes: dict, cfg) -> dict:
     """Short names to dotted fields: `aux_loss_coeff` -> `model.moe.aux_loss_coeff` (a changeable field first,
     then any config field that ends so, so a refusal names the real field); dotted names pass through."""
     out = {}
-    every = list(flatten(cfg.to_dict()))
     for key, value in changes.items():
         if "." in key or key == CHECKPOINT_NOW:
             out[key] = value
             continue
-        for pool in (list(LIVE_FIELDS), every):
-            hits = [f for f in pool if f.rsplit(".", 1)[-1] == key]
+        for pool in (lambda: LIVE_FIELDS, lambda: flatten(cfg.to_dict())):  # every field only when needed
+            hits = [f for f in pool() if f.rsplit(".", 1)[-1] == key]
             if len(hits) == 1:
                 out[hits[0]] = value
                 break
@@ -43,29 +47,75 @@ def resolve(changes: dict, cfg) -> dict:
     return out
 
 
+_CONFIGS: dict[Path, tuple[tuple, object]] = {}  # config.yaml -> ((inode, size, mtime), its Config)
+
+
+def _config(folder: "str | Path") -> tuple[tuple, object]:
+    """(what identifies the folder's config.yaml now, it as a Config), parsed again only when the file changed."""
+    path = Path(folder).absolute() / "config.yaml"
+    st = path.stat()
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _CONFIGS.get(path)
+    if known is None or known[0] != key:
+        known = _CONFIGS[path] = (key, load_config(path))
+    return known
+
+
+_LIVE: dict[Path, tuple[tuple, object]] = {}  # folder -> ((its config, the applied values), the live config)
+
+
+def _live(folder: "str | Path"):
+    """The run's live config as it is now, shared: built again only when config.yaml or an applied value
+    changed (never modify it; live_config gives a copy)."""
+    (version, base), latest = _config(folder), reader(folder).latest  # each field's newest applied value
+    key = (version, tuple(latest.items()))
+    known = _LIVE.get(Path(folder).absolute())
+    if known is None or known[0] != key:
+        cfg = copy.deepcopy(base)
+        for field, new in latest.items():
+            set_dotted(cfg, field, new)
+        known = _LIVE[Path(folder).absolute()] = (key, cfg)
+    return known[1]
+
+
 def live_config(folder: "str | Path", up_to: int | None = None, cfg=None):
     """The run's config as it trains: `cfg` (default its config.yaml; copied, never changed) with the changes
     applied so far, in the order applied (only those applied up to step `up_to` where given)."""
-    cfg = load_config(Path(folder) / "config.yaml") if cfg is None else copy.deepcopy(cfg)
-    _, outcomes = read_controls(folder)
-    applied = sorted((o for o in outcomes.values() if o["kind"] == "applied"), key=lambda o: o.get("time", 0))
-    for o in applied:
-        if up_to is None or o.get("step", 0) <= up_to:
-            for key, (_, new) in o.get("changes", {}).items():
-                if key != CHECKPOINT_NOW:
-                    set_dotted(cfg, key, new)
+    if cfg is None and up_to is None:
+        return copy.deepcopy(_live(folder))
+    cfg = copy.deepcopy(_config(folder)[1] if cfg is None else cfg)
+    if up_to is None:
+        latest = reader(folder).latest
+    else:
+        latest = {}
+        for o in read_controls(folder)[1].values():  # file order: the newest line per field wins
+            if o["kind"] == "applied" and o.get("step", 0) <= up_to:
+                latest.update({k: new for k, (_, new) in o.get("changes", {}).items() if k != CHECKPOINT_NOW})
+    for key, new in latest.items():
+        set_dotted(cfg, key, new)
     return cfg
+
+
+def finished(run, step, how: str) -> ConfigError:
+    """The refusal of a change to a run that has no step left: fork it."""
+    at = f" --step {step}" if step is not None else ""
+    return ConfigError(f"run {run.name} is {how}: there is no step left to change; fork it with the change "
+                       f"instead: `moelab fork {run.folder}{at} --set FIELD=VALUE` (Python: "
+                       f"run.fork(step=..., **changes))")
 
 
 def request(run, changes: dict, origin: str = "notebook", at: int | None = None) -> str:
     """Check `changes` and append them as one request; returns its id. ConfigError, with nothing written, for
     a field that cannot change, a bad value, or a run that has COMPLETED."""
-    cfg = live_config(run.folder)
+    cfg = _live(run.folder)  # not modified: check_changes builds a new config
     _, checked = check_changes(cfg, resolve(changes, cfg))
     if run.status == "COMPLETED":
-        raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; fork it from a "
-                          f"checkpoint with the change instead (run.fork(step=..., **changes))")
-    return append_request(run.folder, checked, who=who_is(origin), at=at)
+        raise finished(run, None, "COMPLETED")
+    try:
+        return append_request(run.folder, checked, who=who_is(origin), at=at)
+    except ControlsClosed as e:  # it completed since: the file's lock orders this request after its close
+        raise finished(run, e.record.get("step"), f"{e.record.get('status', 'COMPLETED')} (after step "
+                                                  f"{e.record.get('step')})") from None
 
 
 def wait_outcome(folder: "str | Path", rid: str, timeout: float | None = None, run=None,
@@ -74,9 +124,8 @@ def wait_outcome(folder: "str | Path", rid: str, timeout: float | None = None, r
     seconds pass; None when it was not decided."""
     end = None if timeout is None else time.monotonic() + timeout
     while True:
-        outcome = read_controls(folder)[1].get(rid)
-        if outcome is not None:
+        over = (run is not None and run.done) or (end is not None and time.monotonic() >= end)
+        outcome = reader(folder).outcomes.get(rid)  # after `over`: a run decides its requests before it ends
+        if outcome is not None or over:
             return outcome
-        if (run is not None and run.done) or (end is not None and time.monotonic() >= end):
-            return None
         time.sleep(poll_s)

@@ -8,7 +8,9 @@ A fork is a run folder prepared from the parent's, then continued by the one res
                               the changes the parent had in force at k come with it
     FORK/metrics.jsonl        the parent's events up to step k, so the fork's curves are whole
     FORK/controls.jsonl       the fork's changes as one request due at step k (moelab.contract.controls):
-                              applied before step k+1, recorded as `control` events at step k
+                              applied before step k+1, recorded as `control` events at step k; with them
+                              the parent's changes applied at k after its checkpoint there was saved (at a
+                              resume's first boundary: not inside the checkpoint, in force after it)
     FORK/fork.json            {"parent": the parent's folder, "step": k, "changes": {...}}
 
 A fork without changes trains exactly the parent's steps k+1.. (the checkpoint holds everything a resume
@@ -27,7 +29,7 @@ from pathlib import Path
 from moelab.config import ConfigError, load_config, save_config
 from moelab.config.live import check_changes
 from moelab.config.paths import RUN_FOLDER_FIX, check_path
-from moelab.contract.controls import append_request, who as who_is
+from moelab.contract.controls import CHECKPOINT_NOW, append_request, read_controls, who as who_is
 from moelab.contract.folder import RunFolder, lock_folder, read_json, write_json
 from moelab.run.controls import live_config, resolve
 
@@ -71,6 +73,21 @@ def _events_up_to(metrics: Path, step: int) -> bytes:
     return b"".join(line + b"\n" for line in kept)
 
 
+def applied_after_save(parent, step: int) -> dict:
+    """The parent's changes applied at `step` that its checkpoint there does not hold (applied at the first
+    boundary of a resume from it): {field: value}, in the order applied. A fork carries them, as the parent's
+    steps after `step` had them."""
+    from moelab.train.checkpoint import step_dir_name
+    from moelab.train.controls import decided_in
+
+    inside = decided_in(parent.run_folder.checkpoints / step_dir_name(step))
+    out = {}
+    for o in read_controls(parent.folder)[1].values():
+        if o["kind"] == "applied" and o.get("step") == step and o["id"] not in inside:
+            out.update({k: new for k, (_, new) in o.get("changes", {}).items() if k != CHECKPOINT_NOW})
+    return out
+
+
 def check_fork(parent, step: int | None, changes: dict) -> tuple[int, object, dict, dict]:
     """(the step, the fork's config, its config changes, its live changes checked); ConfigError for a missing
     checkpoint, a field a fork cannot change or a bad value."""
@@ -110,8 +127,9 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
         shutil.copytree(parent.run_folder.checkpoints / step_dir_name(step), dest.checkpoints / step_dir_name(step),
                         copy_function=_link_or_copy)
         dest.metrics.write_bytes(_events_up_to(parent.run_folder.metrics, step))
-        if checked:
-            append_request(dest.path, checked, who=who_is("fork"), at=step)
+        request = {**applied_after_save(parent, step), **checked}
+        if request:
+            append_request(dest.path, request, who=who_is("fork"), at=step)
         write_json(dest.path / FORK, {"parent": str(parent.folder.resolve()), "step": step,
                                       "changes": {**config_changes, **checked}, "created": time.time()})
     return dest, config_changes, checked

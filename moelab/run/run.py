@@ -163,8 +163,10 @@ class Run:
             **fields: Any) -> "str | dict | None":
         """Change fields while the run trains (moelab.config.live.LIVE_FIELDS; short names such as
         `aux_loss_coeff` work): every rank applies them at the next step boundary, each recorded as a `control`
-        event. A field that cannot change or a bad value raises ConfigError and writes nothing. Returns the
-        request id, or with `wait` (seconds) how it ended: {"kind": "applied", "step": ...}, "rejected", or None.
+        event. A field that cannot change, a bad value or a run that has completed (fork it instead) raises
+        ConfigError and writes nothing; a request the run cannot reach any more as it completes is rejected
+        with the reason. Returns the request id, or with `wait` (seconds) how it ended: {"kind": "applied",
+        "step": ...}, "rejected", or None.
 
             run.set(aux_loss_coeff=1e-2)                    # "checkpoint=True" saves one at the boundary
             run.set({"model.moe.bias_update_rate": 1e-3}, wait=60)["step"]

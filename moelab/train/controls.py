@@ -2,8 +2,8 @@
 step boundary, recorded, checkpointed and replayed on resume.
 
 The request path (moelab.contract.controls names the file): rank 0 looks at controls.jsonl once per step (one
-stat; the file is read only when it grew) and adds one flag, "something is due", to the step's one all-reduce
-(moelab.train.stats.StatsPack), so a step without a change costs no extra collective. When the flag is set,
+stat; when it grew, only what was appended is read) and adds one flag, "something is due", to the step's one
+all-reduce (moelab.train.stats.StatsPack), so a step without a change costs no extra collective. When the flag is set,
 after the step (and its evaluation), rank 0 checks the due changes against the live config
 (moelab.config.live.check_changes: the same errors as a config), broadcasts them (broadcast_object_list on the
 world group) and every rank applies the same changes before the next step. Rank 0 records each field as a
@@ -21,19 +21,28 @@ once, generalising it, at its first change (checked on CPU: 11 values of a coeff
 turning a term on or off (0 <-> > 0) takes the other branch, compiled once.
 
 Exact resumes: the changes in force at a checkpoint are saved in it (every rank's rank_state, "controls") and
-set again before training continues; the changes applied after the checkpoint are replayed at the steps their
-``applied`` lines name. A fork (moelab.run.fork) starts from a copied checkpoint with its changes as requests
-due at its first boundary.
+set again before training continues, with the ids of every request decided inside it ("control_ids"); a request
+applied at or after the checkpoint's step that is not inside it (one applied at a resume's or a fork's first
+boundary, after the checkpoint it started from was saved) is replayed at the step its ``applied`` line names.
+A fork (moelab.run.fork) starts from a copied checkpoint with its changes as requests due at its first boundary.
+
+The end: as a run COMPLETES, after its last checkpoint and before its end event, rank 0 closes controls.jsonl
+(under the file's lock): every request not decided by then is rejected (the run has no step left; the reason
+says to fork), then a ``closed`` line; a request after it is refused (moelab.contract.controls.ControlsClosed).
+A resume of the run opens the file again.
 
     controls = Controls(trainer); controls.restore(restored.rank_state, restored.step)
     flag = controls.poll(step)             # rank 0: 1.0 when a change is due after this step
     checkpoint_now = controls.apply(step)  # every rank, when the summed flag says so
+    controls.close(step, "COMPLETED")      # rank 0, at the end
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from moelab.config import ConfigError
 from moelab.config.live import check_changes, get_dotted, set_dotted
-from moelab.contract.controls import CHECKPOINT_NOW, append_line, controls_path, parse
+from moelab.contract.controls import CHECKPOINT_NOW, ControlsFile, append_line, holding
 
 REBUILT = {"model.moe.expert_lr_power", "model.moe.expert_lr_max_scale", "train.eval_every",
            "train.expert_tokens_every"}
@@ -52,43 +61,58 @@ class Controls:
         self.in_force: list[dict] = []    # [{"id", "step", "changes"}] applied in this timeline (checkpointed)
         self.done: set[str] = set()       # request ids applied or rejected in this timeline
         self.replay: dict[str, int] = {}  # request id -> the step an earlier attempt applied it at
-        self.requests: list[dict] = []    # rank 0: the file's requests, in order
-        self.outcomes: dict[str, dict] = {}  # rank 0: request id -> its last applied/rejected line
-        self.size = -1                    # rank 0: the file's size when last read
+        self.start = 0                    # the step this attempt started from
+        self.file = ControlsFile(trainer.run_dir)  # rank 0: controls.jsonl, read as it grows
+        self.seen = 0                     # rank 0: the file's requests taken into `pending`
+        self.damaged = 0                  # rank 0: the file's damaged lines reported
+        self.pending: list[dict] = []     # rank 0: requests not yet decided, in file order
         self.due: list[dict] = []         # rank 0: the requests due at the coming boundary
 
     # ------------------------------------------------------------------ checkpoint state
     def rank_state(self) -> dict:
-        return {"controls": [dict(r) for r in self.in_force]} if self.in_force else {}
+        """What a checkpoint keeps: the changes in force and the ids of every request decided in this
+        timeline (applied, rejected, or a checkpoint asked for), exactly those inside the checkpoint."""
+        if not self.done:
+            return {}
+        return {"controls": [dict(r) for r in self.in_force], "control_ids": sorted(self.done)}
 
     def restore(self, rank_state: dict, start_step: int) -> None:
         """Set the changes a checkpoint holds (no events: they were recorded when applied) and, on rank 0,
-        schedule the replay of those an earlier attempt applied after it."""
+        schedule the replay of those applied that are not inside it, and open a closed controls file. Every
+        rank takes rank 0's (a resume on more ranks: the new ranks' checkpoint holds no state of theirs)."""
+        rank_state = self._broadcast({k: rank_state[k] for k in ("controls", "control_ids") if k in rank_state})
         for rec in rank_state.get("controls", []):
             self._set(rec["changes"], restoring=True)
             self.in_force.append(rec)
             self.done.add(rec["id"])
+        self.done.update(rank_state.get("control_ids", ()))
+        self.start = start_step
         if not self.rank0:
             return
         self._read()
-        for rid, out in self.outcomes.items():
+        for rid, out in self.file.outcomes.items():
             if rid in self.done:
                 continue
-            if out["kind"] == "applied" and out.get("step", 0) > start_step:
-                self.replay[rid] = out["step"]
-            elif out["kind"] == "rejected" or out.get("step", 0) <= start_step:
-                self.done.add(rid)  # rejected, or applied before a checkpoint that did not keep it
+            if out["kind"] == "applied" and out.get("step", 0) >= start_step:
+                self.replay[rid] = out["step"]  # applied after the checkpoint was saved, at its step or later
+            else:
+                self.done.add(rid)  # rejected, or (a checkpoint without control_ids) applied before it
+        if self.file.closed:
+            append_line(self.tr.run_dir, {"kind": "opened", "step": start_step})
 
     # ------------------------------------------------------------------ the request path
     def _read(self) -> None:
-        path = controls_path(self.tr.run_dir)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            size = 0
-        if size != self.size:
-            self.size = size
-            self.requests, self.outcomes = parse(path.read_bytes()) if size else ([], {})
+        """Rank 0: what was appended to controls.jsonl since the last read; new requests become pending."""
+        requests = self.file.read().requests
+        if len(requests) < self.seen:  # the file was replaced: every request again
+            self.seen, self.pending = 0, []
+        self.pending += [r for r in requests[self.seen:] if r["id"] not in self.done]
+        self.seen = len(requests)
+        writer = self.tr.writer  # None while the trainer restores: reported at the first poll after
+        if writer:  # a line cut by a crash mid-append: in the stream too
+            for message in self.file.damaged[self.damaged:]:
+                writer.write("warning", step=self.tr.step, kind="damaged_controls_line", message=message)
+            self.damaged = len(self.file.damaged)
 
     def poll(self, step: int) -> float:
         """Rank 0: 1.0 when a request is due at the boundary after `step` (new, scheduled with `at` <= step,
@@ -96,7 +120,8 @@ class Controls:
         if not self.rank0:
             return 0.0
         self._read()
-        self.due = [r for r in self.requests if r["id"] not in self.done and self._when(r) <= step]
+        self.pending = [r for r in self.pending if r["id"] not in self.done]
+        self.due = [r for r in self.pending if self._when(r) <= step]
         return 1.0 if self.due else 0.0
 
     def _when(self, request: dict) -> int:
@@ -116,8 +141,8 @@ class Controls:
             if fields:
                 self.in_force.append({"id": item["id"], "step": step, "changes": fields})
             self.done.add(item["id"])
-            if self.rank0:
-                self._record(step, item, old)
+            if self.rank0 and not (self.replay.get(item["id"]) == step == self.start):
+                self._record(step, item, old)  # (a replay at the start step: its events are kept by the rewind)
         return checkpoint
 
     def _checked(self, step: int) -> list[dict]:
@@ -135,6 +160,28 @@ class Controls:
             batch.append({"id": r["id"], "who": r.get("who", "?"), "changes": changes})
         self.due = []
         return batch
+
+    def close(self, step: int, status: str) -> None:
+        """Rank 0, as the run ends `status` (COMPLETED) after `step`, before its end event: reject every request
+        not decided yet and close controls.jsonl, in one hold of its lock (a later request is refused)."""
+        if not self.rank0:
+            return
+        tr = self.tr
+        fork = (f"`moelab fork {tr.run_dir} --step {step} --set FIELD=VALUE`"
+                if tr.cfg.train.save_checkpoints and tr.saved_step == step else "`moelab fork` from a checkpoint")
+        reason = (f"the run {status} after step {step} before this request's step boundary: no step is left to "
+                  f"change; fork it with the change instead ({fork})")
+        with holding(tr.run_dir) as held:
+            self._read()
+            left = [r for r in self.pending if r["id"] not in self.done]
+            held.append([{"kind": "rejected", "id": r["id"], "step": step, "reason": reason} for r in left]
+                        + [{"kind": "closed", "step": step, "status": status}])
+        self.done.update(r["id"] for r in left)
+        self.pending = []
+        if tr.writer:
+            for r in left:
+                tr.writer.write("warning", step=step, kind="control_rejected",
+                                message=f"request {r['id']} ({', '.join(r['changes'])}): {reason}")
 
     def _broadcast(self, batch):
         import torch.distributed as dist
@@ -188,6 +235,18 @@ class Controls:
             from moelab.train.expert_tokens import ExpertTokenRecorder
 
             tr.expert_tokens = ExpertTokenRecorder(tr)
+
+
+def decided_in(checkpoint: "str | Path") -> set[str]:
+    """The ids of the requests decided inside a checkpoint (rank 0's rank_state: the changes in force and
+    control_ids); an empty set for a checkpoint saved before any."""
+    import torch
+
+    path = Path(checkpoint) / "rank_state" / "rank_00000.pt"
+    if not path.is_file():
+        return set()
+    state = torch.load(path, map_location="cpu")
+    return {r["id"] for r in state.get("controls", [])} | set(state.get("control_ids", ()))
 
 
 def drop_frozen_grads(moe_layers, cfg) -> None:

@@ -357,6 +357,8 @@ class Trainer:
                 self.save_checkpoint(step)
         if self.saved_step != self.step:  # at the end, and on a stop signal
             self.save_checkpoint(self.step)
+        if status == "COMPLETED":  # rank 0: no request is left pending; a later one is refused
+            self.controls.close(self.step, status)
         if bar is not None:
             bar.close()
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)

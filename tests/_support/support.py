@@ -33,3 +33,20 @@ def moelab_cli(*args, timeout=300, **kw):
 
     return subprocess.run([sys.executable, "-m", "moelab", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, **kw)
+
+
+def fill_disk(folder) -> None:
+    """Fill the file system of `folder` up to the last byte (a file `filler` in it; remove it to free the space)."""
+    import os
+
+    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 16, 4096, 1):
+            while True:
+                try:
+                    if os.write(fd, b"x" * size) < size:
+                        break
+                except OSError:
+                    break
+    finally:
+        os.close(fd)

@@ -3,6 +3,8 @@ change is due, the broadcast hands it over, and both EP ranks apply it at the sa
 (1e-5 relative) and the parameters match one process steered the same way; the change did act (the steered run
 leaves the unsteered one). A rank that applied it a step late, or not at all, would leave the one-process
 losses (bias_update_rate moves the routing that both ranks must agree on)."""
+import shutil
+
 import pytest
 
 from moelab.contract.controls import append_request
@@ -33,3 +35,19 @@ def test_a_change_lands_at_the_same_step_on_every_ep_rank(helpers, reference, tm
     controls = [(e["step"], e["field"]) for e in read_events(tmp_path / "ep2" / "metrics.jsonl")
                 if e["event"] == "control"]
     assert controls == [(2, k) for k in CHANGES]
+
+
+def test_a_resume_on_more_ranks_keeps_the_changes_in_force_on_every_rank(helpers, tmp_path):
+    # the changes in force at the checkpoint travel in each rank's own state; a rank new to the run has none,
+    # so it takes rank 0's: the resumed EP run equals the one steered on EP ranks from the start
+    ep2 = ("train.steps=5", "parallel.ep=2")
+    full, _ = helpers.run_multi(helpers.small_config(*ep2), _steer(tmp_path / "ep2"), 2)
+    helpers.run_single(helpers.small_config("train.steps=5", "train.checkpoint_every=3"), _steer(tmp_path / "grow"))
+    # as a kill after step 5 leaves it: checkpoint 3 (the change in force since 2) is the newest
+    shutil.rmtree(tmp_path / "grow" / "checkpoints" / "step_000005")
+    (tmp_path / "grow" / "summary.json").unlink()
+    (tmp_path / "grow" / "controls.jsonl").write_text(
+        "".join(line for line in (tmp_path / "grow" / "controls.jsonl").read_text().splitlines(keepends=True)
+                if '"closed"' not in line))
+    losses, _ = helpers.run_multi(helpers.small_config(*ep2, "train.checkpoint_every=3"), tmp_path / "grow", 2)
+    assert losses[3:] == pytest.approx(full[3:], rel=1e-5)

@@ -5,6 +5,7 @@ parent's steps after k exactly, and a fork with a change starts it at k and know
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -139,3 +140,63 @@ def test_moelab_fork_from_the_shell(parent, tmp_path):
                      "model.hidden_size=64")
     assert cli.returncode == 2 and "model.hidden_size=64: cannot change" in cli.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------- issue 42: changes never lost
+def test_a_finished_run_refuses_a_change_and_names_the_fork(parent):
+    with pytest.raises(ConfigError, match=r"COMPLETED: there is no step left.*`moelab fork "):
+        Run.load(parent.folder).set(lr=0.001)
+    cli = moelab_cli("set", parent.folder, "train.lr=0.001", "--wait", "5")
+    assert cli.returncode == 2 and f"moelab fork {parent.folder}" in cli.stderr, cli.stderr
+    assert "next step boundary" not in cli.stdout + cli.stderr and len(cli.stderr.strip().splitlines()) == 1
+    lines = (parent.folder / "controls.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["kind"] == "closed"  # closed as it completed, nothing after it
+
+
+def _stopped(folder: Path, config: Path) -> Path:
+    """A PREEMPTED run's folder (a change asked of it applies when it is resumed): config, run.json, stream."""
+    from moelab.contract.events import EndEvent, StartEvent
+    from moelab.contract.folder import RunFolder
+    from moelab.contract.stream import MetricsWriter
+
+    run = RunFolder(folder)
+    folder.mkdir()
+    run.config.write_bytes(config.read_bytes())
+    run.write_info({"name": "x", "executor": "inline", "status": "PREEMPTED"})
+    w = MetricsWriter(run.metrics)
+    w.emit(StartEvent(config={"name": "x"}, total_steps=6))
+    w.emit(EndEvent(step=2, status="PREEMPTED"))
+    return folder
+
+
+def test_set_on_a_read_only_folder_or_a_full_disk_is_one_line_and_leaves_nothing(parent, tmpfs):
+    from support import fill_disk
+
+    disk = tmpfs(256 * 1024)
+    run = _stopped(disk / "run", parent.folder / "config.yaml")
+    before = _bytes(run)
+    fill_disk(disk)
+    for cause in ("disk full", "read-only file system"):
+        with pytest.raises(OSError, match=cause):
+            Run.load(run).set(lr=0.001)
+        cli = moelab_cli("set", run, "train.lr=0.001")
+        assert cli.returncode == 1 and cause in cli.stderr and str(run / "controls.jsonl") in cli.stderr
+        assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr  # one line, no traceback
+        assert _bytes(run) == before  # no empty controls.jsonl left behind
+        tmpfs.read_only(disk)
+
+
+def test_set_reads_only_what_is_new(parent, tmp_path, monkeypatch):
+    # issue 42.5: config.yaml parsed once, controls.jsonl read once and then only what was appended
+    import moelab.run.controls as run_controls
+
+    run = _stopped(tmp_path / "run", parent.folder / "config.yaml")
+    parsed = []
+    load = run_controls.load_config
+    monkeypatch.setattr(run_controls, "load_config", lambda *a: parsed.append(a) or load(*a))
+    folder = Run.load(run)
+    ids = [folder.set(aux_loss_coeff=0.001 * (i + 1)) for i in range(300)]
+    assert len(parsed) == 1
+    requests, _ = run_controls.read_controls(run)
+    assert [r["id"] for r in requests] == ids
+    assert [r["changes"]["model.moe.aux_loss_coeff"] for r in requests[-2:]] == [0.299, 0.3]

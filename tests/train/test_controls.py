@@ -137,3 +137,122 @@ def test_a_request_the_ranks_refuse_is_recorded_not_applied(tmp_path):
     warnings = [e for e in read_events(run_dir / "metrics.jsonl") if e.get("kind") == "control_rejected"]
     assert len(warnings) == 1 and "dynamic_capacity" in warnings[0]["message"]
     assert [o["kind"] for o in read_controls(run_dir)[1].values()] == ["rejected"]
+
+
+# ---------------------------------------------------------------------- issue 42: changes never lost
+Z = {"model.moe.z_loss_coeff": 0.01}
+
+
+def _kill(run_dir: Path, keep: int) -> None:
+    """The folder as a kill -9 after its last step would leave it, with its newest checkpoint at `keep`: the
+    later checkpoints, the summary and the close of controls.jsonl never written."""
+    for p in (run_dir / "checkpoints").iterdir():
+        if int(p.name.split("_")[1]) > keep:
+            shutil.rmtree(p)
+    (run_dir / "summary.json").unlink()
+    path = run_dir / "controls.jsonl"
+    if path.is_file():
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if json.loads(line)["kind"] != "closed"))
+
+
+@pytest.fixture(scope="module")
+def every3(tmp_path_factory):
+    """Two runs with checkpoints at 3 and 6: one without changes, one with Z applied after step 3."""
+    root = tmp_path_factory.mktemp("every3")
+    cfg = _cfg(**{"train.checkpoint_every": 3})
+    run_one_thread(cfg, root / "plain")
+    (root / "z").mkdir()
+    append_request(root / "z", Z, who="test", at=3)
+    run_one_thread(cfg, root / "z")
+    assert _losses(root / "plain")[6] != _losses(root / "z")[6]
+    return root
+
+
+def test_a_change_applied_where_the_resume_started_survives_the_next_resume(every3, tmp_path):
+    # issue 42.3: killed at 5 (checkpoint 3), Z asked while down, resumed (Z at 3), killed at 5 again, resumed
+    run = tmp_path / "run"
+    shutil.copytree(every3 / "plain", run)
+    _kill(run, 3)
+    rid = append_request(run, Z, who="test")
+    assert run_one_thread(load_config(run / "config.yaml"), run).start_step == 3
+    assert read_controls(run)[1][rid]["step"] == 3
+    _kill(run, 3)
+    assert run_one_thread(load_config(run / "config.yaml"), run).start_step == 3
+    assert _losses(run) == _losses(every3 / "z")  # exactly: Z replayed at 3, not taken as inside checkpoint 3
+    assert [(e["step"], e["field"], e["new"]) for e in _controls(run)] == [(3, "model.moe.z_loss_coeff", 0.01)]
+    # a fork of it at 3 without changes repeats its steps after 3: Z (outside checkpoint 3) comes with it
+    from moelab.run.fork import prepare_fork
+    from moelab.run.run import Run
+
+    fork, _, _ = prepare_fork(Run.load(run), 3, tmp_path / "fork", {})
+    run_one_thread(load_config(fork.config), fork.path)
+    assert _losses(fork.path) == _losses(every3 / "z")
+
+
+def test_a_fork_with_a_change_killed_before_its_first_checkpoint_stays_a_fork(every3, tmp_path):
+    from moelab.run.fork import prepare_fork
+    from moelab.run.run import Run
+
+    fork, _, _ = prepare_fork(Run.load(every3 / "plain"), 3, tmp_path / "fork", Z)
+    run_one_thread(load_config(fork.config), fork.path)
+    assert _losses(fork.path) == _losses(every3 / "z")  # the fork is the run with Z at 3
+    _kill(fork.path, 3)  # only the parent's checkpoint at 3 is left
+    run_one_thread(load_config(fork.config), fork.path)
+    assert _losses(fork.path) == _losses(every3 / "z")  # exactly, and not its parent's
+    assert [(e["step"], e["field"]) for e in _controls(fork.path)] == [(3, "model.moe.z_loss_coeff")]
+
+
+def test_a_request_while_the_run_completes_is_refused_and_never_applied_later(tmp_path, monkeypatch):
+    # issue 42.1: asked while the last checkpoint is written (after the last step's boundary)
+    from moelab.train.trainer import Trainer
+
+    run_dir, asked, save = tmp_path / "run", [], Trainer.save_checkpoint
+
+    def saving(self, step):
+        if step == 3 and not asked:
+            asked.append(append_request(self.run_dir, {"train.lr": 0.01}, who="test"))
+        save(self, step)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", saving)
+    run_one_thread(_cfg(**{"train.steps": 3, "train.checkpoint_every": 0}), run_dir)
+    outcome = read_controls(run_dir)[1][asked[0]]
+    assert outcome["kind"] == "rejected" and outcome["step"] == 3
+    assert "COMPLETED after step 3" in outcome["reason"] and f"moelab fork {run_dir} --step 3" in outcome["reason"]
+    warned = [e for e in read_events(run_dir / "metrics.jsonl") if e.get("kind") == "control_rejected"]
+    assert len(warned) == 1 and asked[0] in warned[0]["message"]
+    from moelab.contract.controls import ControlsClosed
+
+    with pytest.raises(ControlsClosed, match="COMPLETED after step 3"):
+        append_request(run_dir, {"train.lr": 0.02}, who="test")  # after the close: refused, nothing written
+    # a resume with more steps applies neither, and takes requests again while it trains
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    late = []
+    step = Trainer.train_step
+
+    def stepping(self, n):
+        if n == 4:
+            late.append(append_request(self.run_dir, {"train.lr": 0.03}, who="test"))
+        return step(self, n)
+
+    monkeypatch.setattr(Trainer, "train_step", stepping)
+    run_one_thread(_cfg(**{"train.steps": 5, "train.checkpoint_every": 0}), run_dir)
+    assert [(e["step"], e["new"]) for e in _controls(run_dir)] == [(4, 0.03)]
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "controls.jsonl").read_text().splitlines()]
+    assert kinds == ["request", "rejected", "closed", "opened", "request", "applied", "closed"]
+
+
+def test_a_line_cut_by_a_crash_is_reported_and_the_next_request_applies(tmp_path):
+    # issue 42.2 on the ranks: a writer killed mid-append left a line without its newline
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / "controls.jsonl", "wb") as f:
+        f.write(b'{"time": 1.0, "kind": "request", "id": "cut", "changes": {"train.l')
+    append_request(run_dir, {"train.lr": 0.01}, who="test", at=1)
+    from moelab.contract.controls import ControlsWarning
+
+    with pytest.warns(ControlsWarning, match="controls.jsonl:1: not a control line"):
+        run_one_thread(_cfg(**{"train.steps": 2}), run_dir)
+    assert [(e["step"], e["field"], e["new"]) for e in _controls(run_dir)] == [(1, "train.lr", 0.01)]
+    damaged = [e for e in read_events(run_dir / "metrics.jsonl") if e.get("kind") == "damaged_controls_line"]
+    assert len(damaged) == 1 and "controls.jsonl:1: not a control line" in damaged[0]["message"]
