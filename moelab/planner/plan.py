@@ -48,6 +48,7 @@ from moelab.planner.comm import (_replication_comm, check_one_rank, dispatch_ran
                                  fsdp_units, wrapped)
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.dispatch import exchange_rows, resolve_ep_dispatch
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.fp8 import fp8_cache_bytes
@@ -271,15 +272,17 @@ class _Sizes:
     T: int  # tokens of one micro batch on one rank
     one_rank: str = "plain"  # FSDP2 on one-rank meshes, by the code planned (moelab.planner.comm.FSDP_ONE_RANK)
     weighting: str = "experts"  # where the local dispatcher weights, by the code planned (planner.saved)
+    g: int = 8  # GPUs per node (the GPU kind's, or parallel.ranks_per_node)
 
 
-def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts") -> _Sizes:
+def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts", g: int = 8) -> _Sizes:
     p = ParallelDims.build(cfg, world).layout
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
                   2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
-                  t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting)
+                  t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting,
+                  getattr(p, "ranks_per_node", 0) or g)
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
@@ -309,13 +312,13 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     if cfg.backend.loss == "auto":  # planned as the loss the run will take (a GPU run: CUDA assumed)
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
-    z = _sizes(cfg, world, fsdp_one_rank, local_weighting)
+    kind = gpu_kind(gpu) if gpu else None
+    z = _sizes(cfg, world, fsdp_one_rank, local_weighting, kind.gpus_per_node if kind else 8)
     mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
     per_rank, logit_bytes = _memory(z, ranks)
     worst = max(per_rank, key=lambda x: x["total"])
     comm = _communication(z, worst)
-    kind = gpu_kind(gpu) if gpu else None
     capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
     source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
@@ -459,9 +462,14 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     p, a, T, m = z.p, z.a, z.T, z.m
     mdl, t = z.cfg.model, z.cfg.train
     frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    # dispatch+combine, fwd+bwd (+ the recompute: full and selective both rerun the dispatch in backward)
-    a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
-    a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
+    # dispatch+combine, fwd+bwd (+ full recompute's rerun of the block; selective keeps what the dispatch
+    # delivered and exchanges nothing again); the tokens of one rank: its sequence shard under TP
+    passes = exchanges_per_moe_layer(t.activation_checkpointing)
+    rows = _exchange(z)
+    tok = T // p.tp
+    row_bytes = passes * tok * mdl.hidden_size * a
+    intra, inter = int(row_bytes * rows.intra), int(row_bytes * rows.inter)
+    a2a_layer = intra + inter
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
     pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
     if mdl.attention == "mla":
@@ -471,16 +479,58 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
     fanout = dispatch_ranks_per_token(mdl.moe, p.ep)
     # a dispatcher that sends each token once per destination rank (DeepEP): the fan-out, not top_k, counts
-    once_layer = int(a2a_passes * T * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
-    if z.cfg.backend.dispatcher == "deepep":
-        a2a_layer = once_layer
+    once_layer = int(passes * tok * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
     return {"all_to_all_bytes_per_moe_layer": a2a_layer,
+            "all_to_all_intra_node_bytes_per_moe_layer": intra,
+            "all_to_all_inter_node_bytes_per_moe_layer": inter,
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
+            "all_to_all_inter_node_bytes_per_step": inter * worst["n_moe"] * m,
+            "exchanges_per_moe_layer": passes if p.ep > 1 else 0, "ep_dispatch": rows.dispatcher,
+            "exchange_stages": rows.stages, "ranks_per_node": z.g,
             "dispatch_ranks_per_token": fanout,
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
+            **tp_traffic(z, worst),
             **fsdp_traffic(z.cfg, worst["units"], m, a),  # FSDP2's units as scheduled (moelab.planner.comm)
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
             **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
+
+
+def exchanges_per_moe_layer(checkpointing: str) -> int:
+    """Expert exchanges of one MoE layer per micro batch: dispatch and combine, forward and backward; full
+    recompute reruns the block's forward with its dispatch and combine; selective keeps what the dispatch
+    delivered (moelab.model.recompute), so it exchanges as often as no recompute."""
+    return 4 + (2 if checkpointing == "full" else 0)
+
+
+def _exchange(z: "_Sizes"):
+    """Rows one token sends per exchange by link, for the dispatcher that runs (moelab.planner.dispatch)."""
+    cfg, p = z.cfg, z.p
+    setting = getattr(p, "ep_dispatch", "auto")  # parallel.ep_dispatch (issue 39); auto where the config has none
+    dispatcher = "deepep" if cfg.backend.dispatcher == "deepep" else resolve_ep_dispatch(setting, p.ep, z.g)
+    return exchange_rows(cfg.model.moe, p.ep, z.g, dispatcher, cfg.backend.fake_balanced_gate,
+                         cfg.backend.fake_gate_noise > 0)
+
+
+def tp_collectives_per_layer(checkpointing: str) -> int:
+    """Sequence-parallel collectives of one block per micro batch under TP: an all-gather before attention and
+    before the MLP / MoE layer, a reduce-scatter after each, forward, and their transposes in backward (8); full
+    recompute runs the forward's 4 again, selective the 2 all-gathers of the norms it recomputes."""
+    return 8 + {"full": 4, "selective": 2}.get(checkpointing, 0)
+
+
+def tp_traffic(z: "_Sizes", worst: dict) -> dict:
+    """TP's collectives per step on the rank (parallel.tp > 1): per block the sequence-parallel all-gathers and
+    reduce-scatters of the micro batch's hidden states (tp_collectives_per_layer), the vocabulary-parallel
+    embedding's reduce-scatter (forward) and all-gather (backward) on the first stage, the LM head's all-gather and
+    reduce-scatter on the last (the loss's per-token max and sum, 12 B a token, left out); each sends (tp - 1) / tp
+    of T x hidden."""
+    p, t = z.p, z.cfg.train
+    if p.tp == 1:
+        return {"tp_collectives_per_step": 0, "tp_bytes_per_step": 0, "tp_bytes_per_collective": 0}
+    one = int(z.T * z.cfg.model.hidden_size * z.a * (p.tp - 1) / p.tp)
+    ends = 2 * ((worst["rank"] == 0) + (worst["rank"] == p.pp - 1))
+    n = z.m * (len(worst["layers"]) * tp_collectives_per_layer(t.activation_checkpointing) + ends)
+    return {"tp_collectives_per_step": n, "tp_bytes_per_step": n * one, "tp_bytes_per_collective": one}
 
 
 def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str]:

@@ -68,14 +68,15 @@ from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
 from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, Rates, rates
 
-COMM_PARTS = ("all_to_all", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
+COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
 PART_LABELS = {"dense_matmul": "dense matmuls", "expert_matmul": "expert matmuls", "attention": "attention",
                "elementwise": "elementwise/permute", "head_loss": "LM head + loss", "fp8_quant": "FP8 quantisation",
                "idle": "launch gaps", "all_to_all": "all-to-all", "cp": "CP K/V exchange",
                "pipeline_send": "pipeline send/recv", "bubble": "pipeline bubble", "fsdp": "FSDP gather/reduce",
                "fsdp_copies": "FSDP copy-in/out", "replicated": "DDP / replicated-expert all-reduce",
-               "optimizer": "optimizer", "casts": "weight casts"}
+               "optimizer": "optimizer", "casts": "weight casts", "tp": "TP all-gather/reduce-scatter",
+               "grad_accumulate": "gradient accumulation"}
 _MODELLED_LOSSES = ("full", "chunked")
 
 
@@ -161,8 +162,11 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
         send = mb_parts["pipeline_send"]  # behind other stages' compute but the first receive and the last send
         mb_parts["pipeline_send"] = min(send, 2 * send / m)
         hidden["pipeline_send"] = m * (send - mb_parts["pipeline_send"])
+    # TP's sequence-parallel all-gathers and reduce-scatters sit between the kernels that need them: in line
+    mb_parts["tp"] = p.comm["tp_bytes_per_step"] / m / bw(L["tp"])
     f = p.pipeline["bubble_fraction"]
     parts = {k: m * v for k, v in mb_parts.items()}
+    parts["idle"] += r.idle_s_per_step  # the loss's and the optimizer's host work, once per step
     parts["bubble"] = m * sum(mb_parts.values()) * f / (1 - f)
     fsdp = _fsdp(cfg, p, r, bw, slowest)
     parts.update({"fsdp": fsdp["exposed"], "fsdp_copies": fsdp["copies"], "replicated": fsdp["replicated"]})
@@ -172,6 +176,7 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
     opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
     parts["optimizer"] = 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]
+    parts["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     parts["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0
     step = sum(parts.values())
@@ -191,11 +196,24 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
                  recompute_s=m * slowest["recompute_s"] / (1 - f))
 
 
+def _accumulated_bytes(cfg, p) -> float:
+    """Gradient bytes autograd adds into from the second micro batch of a step on: the sharded gradients FSDP2's
+    reduce-scatters return (and a plain rank's whole ones), or, reduced once per step, every wrapped unit's
+    unsharded gradient in the reduce dtype (moelab.layout.dims.grad_sync)."""
+    units = [u for u in p.comm.get("fsdp_units", []) if u["ranks"] > 1]
+    if p.fsdp_grad_sync == "step" and units:
+        return sum(u["count"] * u["params"] for u in units) * (2 if cfg.parallel.reduce_dtype == "bfloat16" else 4)
+    return p.memory["gradients"]
+
+
 def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -> dict:
     """One micro batch on pipeline rank `rank`: compute parts, exposed all-to-all, hidden all-to-all, and the
     forward / backward compute the FSDP overlap needs."""
     mdl, t, L = cfg.model, cfg.train, p.layout
-    T, D, K, V = t.micro_batch_size * t.seq_len // L["cp"], mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
+    # a rank's share of the micro batch's work: its sequence shard (CP), and under TP a tp-th of every matmul,
+    # attention head, routed row (the MoE layer routes each rank's sequence shard) and elementwise pass
+    T = t.micro_batch_size * t.seq_len // L["cp"] / L["tp"]
+    D, K, V = mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
     fl, ckpt = layer_flops(mdl), t.activation_checkpointing
     n_moe = sum(i >= mdl.num_dense_layers for i in layers)
     n_dense, last = len(layers) - n_moe, rank == L["pp"] - 1
@@ -232,10 +250,14 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -
     # recompute reruns the routed part
     a2a, hid = 0.0, 0.0
     if L["ep"] > 1 and n_moe:
-        passes = 4 + (2 if ckpt in ("full", "selective") else 0)
-        per_layer = p.comm["all_to_all_bytes_per_moe_layer"]
-        x = max(per_layer * intra / r.nvlink, per_layer * (1 - intra) / r.ib) / passes  # one exchange
-        a2a = n_moe * (passes * x + passes * r.exchange_s)
+        c = p.comm
+        passes = c["exchanges_per_moe_layer"]
+        over_nvlink = c["all_to_all_intra_node_bytes_per_moe_layer"] / passes / r.nvlink
+        over_ib = c["all_to_all_inter_node_bytes_per_moe_layer"] / passes / r.ib
+        # one exchange: NCCL's all_to_all (and DeepEP) drive both links at once; the hierarchical dispatch runs
+        # its collective between nodes, then the one inside the node (each with its counts and host copy)
+        x = over_nvlink + over_ib if c["ep_dispatch"] == "hierarchical" else max(over_nvlink, over_ib)
+        a2a = n_moe * passes * (x + c["exchange_stages"] * r.exchange_s)
         if cfg.parallel.ep_overlap:  # per direction, two of the four half exchanges hide behind half the experts
             e_fwd = parts["expert_matmul"] / mm / 3 / n_moe
             windows = [e_fwd, 2 * e_fwd] + ([e_fwd] if ckpt == "full" else [0.0] if ckpt == "selective" else [])
@@ -247,7 +269,7 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -
     rerun_terms = ["elementwise", "fp8_quant"] if ckpt != "none" else []
     rerun_terms += ["dense_matmul", "expert_matmul"] if ckpt == "full" else []
     rerun_terms += ["attention"] if ckpt == "full" or (ckpt == "selective" and eager_attn) else []
-    again = sum(parts[k] for k in rerun_terms) / 4 + (a2a * 2 / (4 + 2) if ckpt != "none" else 0.0)
+    again = sum(parts[k] for k in rerun_terms) / 4 + (a2a * 2 / 6 if ckpt == "full" else 0.0)
     return {"parts": parts, "hidden": {"all_to_all": hid}, "forward_s": compute / 3 / (mm if ckpt == "full" else 1),
             "backward_s": compute - compute / 3 / (mm if ckpt == "full" else 1),
             "experts_forward_s": parts["expert_matmul"] / mm / 3, "layers": len(layers), "recompute_s": again}

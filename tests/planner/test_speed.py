@@ -100,8 +100,12 @@ def test_recompute_reruns_a_forward_full_the_matmuls_selective_only_the_cheap_pa
     assert sel.parts_s["elementwise"] == pytest.approx(full.parts_s["elementwise"])
     assert sel.parts_s["elementwise"] > none.parts_s["elementwise"]
     assert none.recompute_s == 0 < sel.recompute_s < full.recompute_s
-    ep = {k: speed(PROXY, gpus=2, **EP2, **{"train.activation_checkpointing": k}) for k in ("none", "selective")}
-    assert ep["selective"].parts_s["all_to_all"] == pytest.approx(1.5 * ep["none"].parts_s["all_to_all"])
+    # full recompute reruns the block's dispatch and combine (6 exchanges a MoE layer); selective keeps what the
+    # dispatch delivered (4, as without recompute)
+    ep = {k: speed(PROXY, gpus=2, **EP2, **{"train.activation_checkpointing": k}) for k in ("none", "selective",
+                                                                                          "full")}
+    assert ep["selective"].parts_s["all_to_all"] == pytest.approx(ep["none"].parts_s["all_to_all"])
+    assert ep["full"].parts_s["all_to_all"] == pytest.approx(1.5 * ep["none"].parts_s["all_to_all"])
 
 
 def test_the_optimizer_follows_its_kernel_and_the_state_it_moves():
@@ -211,8 +215,9 @@ def test_compile_changes_only_the_elementwise_and_loss_work():
 def test_pipeline_bubble_is_the_plans_fraction_of_the_step():
     p = plan(load_config(PROXY, {"parallel.pp": 2, "train.global_batch_size": 8}), gpus=2, gpu="h200")
     s, f = p.speed, p.pipeline["bubble_fraction"]
-    per_step = ("fsdp", "fsdp_copies", "replicated", "optimizer", "casts", "bubble")
-    busy = sum(v for k, v in s.parts_s.items() if k not in per_step)
+    per_step = ("fsdp", "fsdp_copies", "replicated", "optimizer", "casts", "bubble", "grad_accumulate")
+    # the idle of the loss's and optimizer's host work comes once per step, not with each stage's micro batch
+    busy = sum(v for k, v in s.parts_s.items() if k not in per_step) - H200_MEASURED["idle_s_per_step"][0]
     assert s.parts_s["bubble"] == pytest.approx(busy * f / (1 - f))
 
 
