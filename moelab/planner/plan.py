@@ -49,6 +49,7 @@ from moelab.planner.comm import (_replication_comm, check_one_rank, dispatch_ran
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
 from moelab.planner.dispatch import exchange_rows, resolve_ep_dispatch
+from moelab.planner.fixes import fitting_change, set_text
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.fp8 import fp8_cache_bytes
@@ -188,8 +189,11 @@ class Plan:
                                      f"{self.pipeline['in_flight_micro_batches']:g} micro batches in flight on rank "
                                      f"{self.stage}"))
         rows.append(("verdict", self.verdict))
+        if not self.fits:
+            rows.append(("speed (predicted)", "none: the layout does not fit; plan the change the verdict names"))
         if self.speed:
-            rows += [("speed (predicted)", self.speed.line()), ("  step parts", self.speed.breakdown())]
+            rows += [("speed (predicted)", self.speed.line()), ("  step parts", self.speed.breakdown()),
+                     ("  bound", self.speed.bound_line())]
         rows += [("assumes" if i == 0 else "", text) for i, text in enumerate(self.assumptions)]
         return rows
 
@@ -286,14 +290,15 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
-         fsdp_one_rank: str = "plain", local_weighting: str = "experts") -> Plan:
+         fsdp_one_rank: str = "plain", local_weighting: str = "experts", suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
     kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
     records measured with old code (moelab.gallery_records.planner_options); `local_weighting` likewise: "experts"
-    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING).
+    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING). A plan that does not fit
+    predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -309,6 +314,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                           "(experts: moelab's code; combine: the code before a3f8c38, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
+    asked = cfg
     if cfg.backend.loss == "auto":  # planned as the loss the run will take (a GPU run: CUDA assumed)
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
@@ -322,6 +328,9 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
     source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
+    if not fits and suggest:
+        verdict += _fix_text(asked, world, capacity_gb, biggest, dict(fsdp_one_rank=fsdp_one_rank,
+                                                                      local_weighting=local_weighting))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -345,10 +354,21 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p))
-    if kind:
+    if p.ep > 1:
+        result.assumptions.append(_exchange_line(comm))
+    if kind and fits:  # a layout that does not fit has no speed to predict
         result.speed = predict_speed(cfg, result, kind)
         result.assumptions += result.speed.assumptions
     return result
+
+
+def _fix_text(cfg: Config, world: int, capacity_gb: float, biggest: str, kw: dict) -> str:
+    """The verdict's last sentence for a plan that does not fit: a change that fits (moelab.planner.fixes)."""
+    found = fitting_change(cfg, biggest, lambda c: plan(c, gpus=world, gpu_memory_gb=capacity_gb, suggest=False, **kw))
+    if found is None:
+        return "; no single setting tried fits (optimizer state, recompute, micro batch, ep, pp, tp): use more GPUs"
+    change, fitted = found
+    return f". Fits with {set_text(change)}: {_bytes(fitted.memory_per_gpu_bytes)} per GPU"
 
 
 AUTO_FULL_SHARE = 0.85  # backend.loss=auto takes the full loss while its plan leaves 15% of the GPU free
@@ -386,9 +406,12 @@ def _trained_params(cfg: Config, total: int) -> int:
 def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     """Per pipeline rank: its layers, parameters, activations and memory terms (bytes); and the logit bytes
     per token."""
-    cfg, p, a, T = z.cfg, z.p, z.a, z.T
+    cfg, p, a = z.cfg, z.p, z.a
     mdl, t = cfg.model, cfg.train
-    pieces, lp = block_params(mdl), lora_params(cfg)
+    # TP: a rank holds a tp-th of the dense weights (FSDP2 shards that over the fsdp*cp ranks) and of the
+    # micro batch's tokens in the sequence-parallel stream (tensor_parallel_pieces, tp_gathered_per_token)
+    T, dense_mesh = z.T // p.tp, z.shard // p.tp
+    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp), lora_params(cfg)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
 
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
@@ -398,8 +421,12 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     # autocast over fp32 weights on one rank (no FSDP2 casts): the residual stream stays fp32
     residual = 4 if z.world == 1 and t.dtype == "bfloat16" and t.param_dtype == "float32" else a
     acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual, z.weighting) for i in range(mdl.num_layers)]
-    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
-    logits_total = logits_bytes(cfg, T, a)
+    if p.tp > 1:  # what a rank keeps per token of its sequence shard: its share plus the gathered inputs' rest
+        extra = (p.tp - 1) * tp_gathered_per_token(cfg, a)
+        acts = [{**x, "attention": x["attention"] + extra, "ffn": x["ffn"] + extra} for x in acts]
+    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
+    # vocabulary-parallel under TP: a tp-th of it
+    logits_total = logits_bytes(cfg, z.T, a) // p.tp
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
     fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
     kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
@@ -410,19 +437,20 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         experts = n_moe * pieces.moe_experts
         dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
                  + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
-        dense_div = 1 if p.data_parallel == "ddp" else z.shard  # replicated dense weights are whole here
+        dense_div = 1 if p.data_parallel == "ddp" else dense_mesh  # replicated dense weights are whole here
         expert_div = 1 if p.expert_dp == "replicate" else z.efsdp
         local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
         # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
-        experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp, z.one_rank)[1]  # DTensors: no FP8 cache
+        experts_sharded = z.world > 1 and wrapped(cfg, p, dense_mesh, z.efsdp, z.one_rank)[1]  # no FP8 cache
         units = []  # FSDP2's units (moelab.planner.comm) and what they gather (moelab.planner.gathered)
         if z.world > 1:
             held_moe = [is_moe[i] for i in layers]
-            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a,
+            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, dense_mesh, z.efsdp, a,
                                        z.one_rank)
-            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, z.shard, z.efsdp, z.m, r, z.one_rank)
+            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, dense_mesh, z.efsdp, z.m, r,
+                               z.one_rank)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         # (held per micro batch in flight, the working set of the one block recomputed at a time)
@@ -457,6 +485,23 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     return per_rank, logit_bytes
 
 
+def tensor_parallel_pieces(pieces, tp: int):
+    """A block's parameters as one TP rank holds them: attention, dense MLPs, shared experts, the embedding and
+    the LM head split tp ways (their norms and the router, replicated, counted split too: under 0.1% of a
+    block); the routed experts are EP's, whole."""
+    if tp == 1:
+        return pieces
+    return dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
+                               dense_layer=pieces.dense_layer // tp,
+                               moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+
+
+def tp_gathered_per_token(cfg: Config, a: int) -> int:
+    """Bytes per token of one all-gathered input a block keeps whole under TP's sequence parallelism: the norm
+    output the attention projections read, and likewise the one the MLP (or the router and experts) reads."""
+    return a * cfg.model.hidden_size
+
+
 def _communication(z: _Sizes, worst: dict) -> dict:
     """Bytes sent per GPU, for the rank that needs the most memory."""
     p, a, T, m = z.p, z.a, z.T, z.m
@@ -471,7 +516,7 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     intra, inter = int(row_bytes * rows.intra), int(row_bytes * rows.inter)
     a2a_layer = intra + inter
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
+    pp_send = 2 * m * p.vp * T // p.tp * mdl.hidden_size * a if p.pp > 1 else 0  # TP: each rank its shard
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
     else:
@@ -565,8 +610,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
     out = [
         states,
         compute,
-        f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
-        f"expert-FSDP = {efsdp}",
+        (f"dense parameters split over tp = {p.tp} (FSDP2 shards each part over fsdp*cp = {shard // p.tp} ranks)"
+         if p.tp > 1 else f"dense parameters sharded over fsdp*cp*tp = {shard} ranks")
+        + f"; experts over ep = {p.ep} then expert-FSDP = {efsdp}",
         f"activations: what autograd keeps {'compiled (inductor recomputes pointwise work)' if t.compile else 'eager'}"
         f" for the {cfg.backend.router_kind} router (moelab.planner.saved); activation checkpointing: "
         f"{t.activation_checkpointing}",
@@ -595,8 +641,26 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
     if t.init_from:
         out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "
                    "of that slice on the host; the larger of this and the training peak counts")
+    if p.tp > 1:
+        out.append(f"TP {p.tp} with sequence parallelism: a rank keeps a tp-th of each block's activations plus "
+                   "the all-gathered inputs of attention and the MLP / MoE layer whole, a tp-th of the logits "
+                   "(vocabulary-parallel head and loss), routes its sequence shard's tokens; per block and micro "
+                   "batch an all-gather and a reduce-scatter around attention and around the MLP, forward and "
+                   "backward (tp_collectives_per_layer)")
     if p.ep > 1:
-        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank); "
-                   "once-per-rank dispatch (DeepEP) sends a token to each of the "
-                   f"{dispatch_ranks_per_token(cfg.model.moe, p.ep):.2f} ranks it reaches (dispatch_ranks_per_token)")
+        out.append("expert exchange (moelab.planner.dispatch): balanced routing over the EP group's ranks; the "
+                   "flat all-to-all sends one row per routed expert, the hierarchical dispatch a token once per "
+                   "other node it reaches and top_k rows inside the node, DeepEP once per rank; "
+                   + ("the fake gate's top_k consecutive experts counted exactly" if cfg.backend.fake_balanced_gate
+                      else "a learned router's picks taken as uniform (node-limited routing: from topk_groups "
+                           "nodes)"))
     return out
+
+
+def _exchange_line(comm: dict) -> str:
+    """What the plan counted for the expert exchange (the rows behind comm's bytes)."""
+    n, tok = comm["exchanges_per_moe_layer"], comm["all_to_all_bytes_per_moe_layer"] or 1
+    share = comm["all_to_all_inter_node_bytes_per_moe_layer"] / tok
+    return (f"expert exchange: {comm['ep_dispatch']}, {n} per MoE layer and micro batch (dispatch and combine, "
+            f"forward and backward{', and again in full recompute' if n == 6 else ''}), {100 * share:.0f}% of its "
+            f"bytes between nodes of {comm['ranks_per_node']} GPUs")
