@@ -29,10 +29,13 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
   cast of every weight per micro batch.
 
 Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s holds what is exposed):
-- Expert all-to-all: the plan's bytes per MoE layer; the EP group is EP consecutive ranks over 8-GPU nodes, so a
-  share (min(ep, 8) - 1) / (ep - 1) of its partners is on the same node (NVLink), the rest on others
-  (InfiniBand), both at once; plus a fixed cost per exchange (the counts' all-to-all and the device-to-host copy
-  of the split sizes). The exchange blocks the compute that needs its rows: exposed, except with
+- Expert exchange: the plan's bytes per MoE layer by link (moelab.planner.dispatch: the flat all-to-all's row per
+  routed expert, the hierarchical dispatch's copy per other node then rows inside the node, DeepEP's row per
+  rank; 4 exchanges per layer and micro batch, 6 under full recompute); NVLink at the all-to-all rate measured
+  here, InfiniBand at DeepEP's published internode share of the NIC (moelab.planner.rates.PUBLISHED); the flat
+  exchange and DeepEP drive both links at once, the hierarchical one runs its collective between nodes and then
+  the one inside; plus a fixed cost per collective (the counts' all-to-all and the device-to-host copy of the
+  split sizes). The exchange blocks the compute that needs its rows: exposed, except with
   parallel.ep_overlap, where chunk 1's dispatch hides behind chunk 0's experts and chunk 0's combine behind
   chunk 1's, in each direction (moelab.parallel.expert_parallel).
 - FSDP2 (moelab.planner.comm.fsdp_counts: what is gathered and reduced how often): all-gathers run on their own
@@ -53,9 +56,14 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
   in flight under interleaved 1F1B (its runtime posts receives early and waits for sends at the end) but for
   the first receive and the last send.
 - CP: the K/V all-gather and its gradient's all-reduce are in line with attention: exposed.
+- TP (sequence parallel): a rank computes a tp-th of the micro batch; its all-gathers and reduce-scatters around
+  attention and the MLP (moelab.planner.plan.tp_traffic) sit between the kernels that need them: exposed.
+- Fixed costs: idle gaps per layer and micro batch and once per step (two profiles with 1 and 8 micro batches),
+  and autograd's gradient accumulation from a step's second micro batch on.
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
-Not modelled: TP (refused by the layout check), kernel backends other than torch's grouped GEMM and SDPA (te,
+Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM
+and SDPA (te,
 grouped_gemm, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
 proxy's shapes).
 """
@@ -66,7 +74,7 @@ from dataclasses import dataclass, field
 
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
-from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, Rates, rates
+from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, PUBLISHED, Rates, rates
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -158,7 +166,7 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     bw = lambda span: r.nvlink if span <= g or p.gpus <= g else min(r.nvlink, g * r.ib)  # noqa: E731
     ep = L["ep"]
     intra = (min(ep, g) - 1) / (ep - 1) if ep > 1 else 1.0
-    per_rank = [_micro_batch(cfg, p, r, rank, layers, intra) for rank, layers in enumerate(p.stage_layers)]
+    per_rank = [_micro_batch(cfg, p, r, rank, layers) for rank, layers in enumerate(p.stage_layers)]
     slowest = max(per_rank, key=lambda x: sum(x["parts"].values()))
     mb_parts, hidden = slowest["parts"], {k: m * v for k, v in slowest["hidden"].items()}
     mb_parts["cp"] = p.comm["cp_bytes_per_step"] / m / bw(L["cp"])
@@ -198,7 +206,8 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
                  tflops_per_gpu=tflops, mfu=tflops / kind.bf16_tflops, bottleneck=max(parts, key=parts.get),
                  gpu_hours_per_billion_tokens=1e9 / tokens / 3600, hidden_s={k: v for k, v in hidden.items() if v},
                  assumptions=_assumptions(cfg, kind, ep, intra, opt_kind, unmod), unmodelled=unmod,
-                 settings={"loss": cfg.backend.loss, "fp8": t.fp8, "optimizer": opt_kind, "compile": t.compile},
+                 settings={"loss": cfg.backend.loss, "fp8": t.fp8, "optimizer": opt_kind, "compile": t.compile,
+                           "ep_dispatch": p.comm.get("ep_dispatch", "flat")},
                  extrapolated=extrapolated(cfg),
                  comm_hidden_tokens_per_s_per_gpu=tokens * step / bound_step,
                  recompute_s=m * slowest["recompute_s"] / (1 - f))
@@ -214,7 +223,7 @@ def _accumulated_bytes(cfg, p) -> float:
     return p.memory["gradients"]
 
 
-def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -> dict:
+def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
     """One micro batch on pipeline rank `rank`: compute parts, exposed all-to-all, hidden all-to-all, and the
     forward / backward compute the FSDP overlap needs."""
     mdl, t, L = cfg.model, cfg.train, p.layout
@@ -386,9 +395,9 @@ def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod
            "the last backward exposed), the expert all-to-all in line "
            + ("(parallel.ep_overlap: half of each direction's exchanges behind half the experts)"
               if cfg.parallel.ep_overlap else "(parallel.ep_overlap off)")
-           + ", CP in line, pipeline sends in line (1F1B) or in flight (interleaved); hidden communication slows "
-           "no kernel; InfiniBand at the efficiency "
-           "NVLink reached here"]
+           + ", TP and CP in line, pipeline sends in line (1F1B) or in flight (interleaved); hidden communication "
+           "slows no kernel; InfiniBand at DeepEP's published internode share of its 400 Gb/s NIC "
+           f"({100 * PUBLISHED['ib_fraction'][0]:.0f}%)"]
     if ep > 1:
         out.append(f"speed: EP group of {ep} consecutive ranks over {kind.gpus_per_node}-GPU nodes: "
                    f"{100 * intra:.0f}% of its all-to-all partners on the same node")
