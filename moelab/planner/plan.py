@@ -13,6 +13,12 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   are bf16 (2 + 2 + 4 B) and there is no fp32 master copy (moelab.planner.states).
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
+- TP (parallel.tp, sequence parallel): a rank holds a tp-th of the dense weights, FSDP2 shards that over the
+  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention and the MLP whole,
+  and a tp-th of the logits (vocabulary-parallel head); its collectives: tp_traffic.
+- Expert exchange: the rows the dispatcher that runs sends per token, by link (moelab.planner.dispatch; flat,
+  hierarchical across nodes, DeepEP), 4 exchanges per MoE layer and micro batch, 6 under full recompute.
+- A plan that does not fit names a setting that fits (moelab.planner.fixes) and predicts no speed.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
   expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages as the pipeline splits them
   (balancing matmul cost, the LM head counted on the last stage; moelab.planner.stages.stage_layers), the

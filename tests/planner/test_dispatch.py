@@ -91,3 +91,24 @@ def test_the_plan_counts_rows_times_tokens_hidden_and_exchanges():
     # DeepEP's intranode dispatcher sends a token once per destination rank, fewer rows than one per expert
     once = exchange_rows(cfg.model.moe, 8, 8, "deepep", False)
     assert once.intra < exchange_rows(cfg.model.moe, 8, 8, "flat", False).intra
+
+
+def test_the_hierarchical_exchange_times_its_two_collectives_in_line_at_the_published_fabric_rate():
+    from moelab.planner.gpus import gpu_kind
+    from moelab.planner.rates import H200_MEASURED, PUBLISHED, rates
+
+    # Qwen3-30B-A3B with its EP group over two nodes: parallel.ep_dispatch=auto runs the hierarchical exchange
+    cfg = load_config("qwen3-moe-30b-a3b", {"parallel.ep": 16, "parallel.fsdp": 16, "train.global_batch_size": 64,
+                                            "train.activation_checkpointing": "selective"})
+    p = plan(cfg, gpus=16, gpu="h100", gpu_memory_gb=1e4)
+    c, n, m = p.comm, p.comm["exchanges_per_moe_layer"], p.micro_batches_per_step
+    assert c["ep_dispatch"] == "hierarchical" and n == 4 and c["exchange_stages"] == 2
+    r = rates(gpu_kind("h100"), balanced=False)
+    assert r.ib == pytest.approx(50e9 * PUBLISHED["ib_fraction"][0])
+    one = (c["all_to_all_intra_node_bytes_per_moe_layer"] / n / r.nvlink
+           + c["all_to_all_inter_node_bytes_per_moe_layer"] / n / r.ib + 2 * H200_MEASURED["exchange_s"][0])
+    assert p.speed.parts_s["all_to_all"] == pytest.approx(m * 48 * n * one, rel=1e-9)
+    # the flat exchange of the same layout sends top_k rows, 8 of 15 partners on the other node
+    flat = exchange_rows(cfg.model.moe, 16, 8, "flat", fake_balanced=False)
+    rows = exchange_rows(cfg.model.moe, 16, 8, "hierarchical", fake_balanced=False)
+    assert rows.inter < flat.inter / 3
