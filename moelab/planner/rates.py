@@ -120,6 +120,20 @@ PUBLISHED = {
     # 153 / 158 GB/s of the H800's ~160 GB/s, the same 0.96 share a tuned kernel gets, NCCL's all_to_all 0.65-0.74
     "nvlink_deepep_fraction": (155.5 / 160, _DEEPEP + ": intranode EP8 dispatch 153, combine 158 GB/s (NVLink)"),
 }
+# The routed experts' forward grouped GEMMs at the reference rows' shapes on one H100 (bf16, balanced rows):
+# (hidden, expert width, rows per local expert) -> TFLOP/s of gate|up and down together (time-weighted 2:1).
+# The model keeps the profile's rate (the proxy's shape) and names the measured ratio where a config's shape has
+# one (moelab.planner.speed.extrapolated): a shape factor from forward GEMMs alone is not what a step's
+# forward + backward GEMMs reach (wgrad runs at other shapes).
+GROUPED_SHAPES = _RESULTS + "grouped-gemm-shapes-h100.json"
+GROUPED_FORWARD_TFLOPS = {  # GROUPED_SHAPES: shapes.<name>.gate_up_bf16_tflops / down_bf16_tflops
+    (2048, 768, 512): 1 / ((2 / 3) / 613.33 + (1 / 3) / 526.43),   # the Qwen3 proxy (the profile's shape)
+    (2048, 768, 8192): 1 / ((2 / 3) / 682.46 + (1 / 3) / 613.80),  # Qwen3-30B-A3B, 8 GPUs
+    (7168, 2048, 8192): 1 / ((2 / 3) / 691.48 + (1 / 3) / 695.75),  # DeepSeek-V3, EP 64
+    (7168, 2048, 2730): 1 / ((2 / 3) / 759.36 + (1 / 3) / 718.63),  # Kimi-K2, EP 32
+    (2880, 2880, 16384): 1 / ((2 / 3) / 587.98 + (1 / 3) / 544.03),  # GPT-OSS-120B, EP 64
+    (2880, 2880, 8192): 1 / ((2 / 3) / 676.68 + (1 / 3) / 633.59),  # GPT-OSS-20B, EP 8
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.

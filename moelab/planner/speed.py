@@ -74,7 +74,8 @@ from dataclasses import dataclass, field
 
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
-from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, PUBLISHED, Rates, rates
+from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES, H200_MEASURED, PUBLISHED, Rates,
+                                  rates)
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -373,6 +374,10 @@ def extrapolated(cfg) -> list[str]:
     """Kernels of `cfg` the model times at a rate measured on another kind of shape (the rates come from the
     Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
     m, out = cfg.model, []
+    shape = grouped_shape_ratio(cfg)
+    if shape:
+        out.append(f"routed experts at the grouped rate of the Qwen3 proxy's profile; their forward GEMMs at this "
+                   f"shape ran {shape:.2f}x the proxy's on an H100 ({GROUPED_SHAPES})")
     if m.attention == "mla":
         out.append(f"MLA attention (q/k head dim {m.qk_nope_head_dim + m.qk_rope_head_dim}, v {m.v_head_dim}) at "
                    "the rate SDPA reached on GQA with head dim 128")
@@ -381,6 +386,22 @@ def extrapolated(cfg) -> list[str]:
                    "SDPA reached on whole sequences (the CP=2 profile, logs/...profile-cp2-seq8192-eager.txt, ran "
                    "FlashAttention-2's kernels there, not cuDNN's)")
     return out
+
+
+def grouped_shape_ratio(cfg) -> float | None:
+    """The measured forward grouped-GEMM rate at `cfg`'s expert shape over the proxy's (rates.GROUPED_FORWARD_TFLOPS:
+    the same hidden and expert width, the nearest rows per local expert), or None where none was measured or the
+    shape is the proxy's."""
+    import math
+
+    m, L, t = cfg.model, cfg.parallel, cfg.train
+    rows = t.micro_batch_size * t.seq_len // L.cp // L.tp * m.moe.top_k * L.ep // m.moe.num_experts
+    near = [k for k in GROUPED_FORWARD_TFLOPS if k[:2] == (m.hidden_size, m.moe.expert_ffn_size)]
+    if not near or rows < 1:
+        return None
+    key = min(near, key=lambda k: abs(math.log(k[2] / rows)))
+    proxy = GROUPED_FORWARD_TFLOPS[(2048, 768, 512)]
+    return None if key == (2048, 768, 512) else GROUPED_FORWARD_TFLOPS[key] / proxy
 
 
 def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod: list[str]) -> list[str]:

@@ -147,3 +147,14 @@ def test_the_fsdp_copy_rate_is_the_cp2_profiles_chunk_cat():
     assert p.micro_batches_per_step == 1
     assert p.comm["fsdp_reduce_copied_bytes_per_step"] / (ms * 1e-3) / 1e12 == pytest.approx(
         H200_MEASURED["reduce_copy_tb_s"][0], rel=2e-3)
+
+
+def test_the_grouped_gemm_shape_table_is_the_h100_record():
+    from moelab.planner.rates import GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES
+
+    shapes = json.loads((ROOT / GROUPED_SHAPES).read_text())["shapes"]
+    assert len(shapes) == len(GROUPED_FORWARD_TFLOPS)
+    for s in shapes.values():
+        key = (s["hidden"], s["expert_ffn"], s["rows"] // s["experts"])
+        both = 1 / ((2 / 3) / s["gate_up_bf16_tflops"] + (1 / 3) / s["down_bf16_tflops"])
+        assert GROUPED_FORWARD_TFLOPS[key] == pytest.approx(both, rel=1e-4), key
