@@ -21,8 +21,8 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
   batch where FSDP2 shards them; rowwise_lm_head: the head at the kernel check's FP8 / bf16 time.
 - Recompute (train.activation_checkpointing): full reruns each block's forward (a third of its matmul FLOPs and,
   as assumed here, of its elementwise work) and its all-to-all; selective keeps the matmul and fused-attention
-  outputs (moelab.model.recompute.SAVED_OPS), so only the elementwise work, the eager attention path's scores
-  and the all-to-all run again.
+  outputs (moelab.model.recompute.SAVED_OPS) and what the dispatch delivered, so only the elementwise work and
+  the eager attention path's scores run again (no exchange: issue 39).
 - The optimizer reads p, g, m, v and writes p, m, v, the gradient norm reads g (2 x (parameter + gradient +
   state) bytes per trained parameter of the rank) at the measured bandwidth of train.optimizer's kernel (auto:
   the Triton AdamW, as on a CUDA machine with Triton); fp32 weights computing in bf16 on one GPU pay autocast's
@@ -423,7 +423,8 @@ def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod
         out.append(f"speed: EP group of {ep} consecutive ranks over {kind.gpus_per_node}-GPU nodes: "
                    f"{100 * intra:.0f}% of its all-to-all partners on the same node")
     if cfg.train.activation_checkpointing != "none":
-        out.append("speed: recompute reruns a forward: a third of the block's work (full), or its elementwise work "
-                   "and the all-to-all only (selective keeps matmul and fused-attention outputs)")
+        out.append("speed: recompute reruns a forward: a third of the block's work and its expert exchange (full), "
+                   "or its elementwise work only (selective keeps matmul and fused-attention outputs and what the "
+                   "dispatch delivered)")
     return (out + [f"speed, extrapolated: {text}" for text in extrapolated(cfg)]
             + [f"speed, not modelled: {text}" for text in unmod])
