@@ -268,8 +268,8 @@ def speed_section(entries: list, results: list, planned, rebuild_keys: tuple) ->
         "expert exchange moelab runs there (parallel.ep_dispatch=auto: hierarchical where the EP group spans "
         "nodes; moelab.planner.dispatch). InfiniBand was not measured here: the model takes its datasheet rate "
         "times the share DeepEP's published internode figures reach (moelab.planner.rates.PUBLISHED). Target: "
-        "within 20%; a miss names the one term most likely wrong and why. The bound column plans the entry with `train.compile=true` and every communication term "
-        "hidden behind compute (Speed.comm_hidden_tokens_per_s_per_gpu): what the same kernel rates give when the "
+        "within 20%; a miss names the one term most likely wrong and why. The bound column plans the entry with "
+        "`train.compile=true` and every communication term hidden behind compute (Speed.comm_hidden_tokens_per_s_per_gpu): what the same kernel rates give when the "
         "schedule overlaps as the published runs' may. No constant is fitted to these figures.", "",
         "| entry | GPUs | layout | published tokens/s/GPU | predicted | predicted / published | bound: compiled, "
         "communication hidden (/ published) | largest term | communication exposed / hidden | note |",

@@ -125,8 +125,8 @@ class Speed:
     def bound_line(self) -> str:
         """Which term bounds the step, and the throughput if every communication term were hidden."""
         comm = sum(self.parts_s.get(k, 0.0) for k in COMM_PARTS)
-        return (f"{PART_LABELS[self.bottleneck]} bounds the step ({100 * self.parts_s[self.bottleneck] / self.step_s:.0f}"
-                f"%); communication {_secs(comm)} exposed, {_secs(sum(self.hidden_s.values()))} hidden; with all of "
+        share = 100 * self.parts_s[self.bottleneck] / self.step_s
+        return (f"{PART_LABELS[self.bottleneck]} bounds the step ({share:.0f}%); communication {_secs(comm)} exposed, {_secs(sum(self.hidden_s.values()))} hidden; with all of "
                 f"it hidden {self.comm_hidden_tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
                 f"({self.comm_hidden_tokens_per_s_per_gpu / self.tokens_per_s_per_gpu:.2f}x)")
 
