@@ -82,3 +82,15 @@ def test_a_published_miss_names_one_term_with_its_share_of_the_step(name):
     fast = published_note(s, ratio=1.3, bound=1.5)
     assert fast.startswith("predicted faster: ") and fast.count("% of the step)") == 1
     assert "InfiniBand rates published for a few nodes" in fast
+
+
+def test_every_published_row_is_within_its_target_or_names_one_term():
+    rows = [x for x in speed_section(load_entries(), [], lambda *a, **k: None, ())
+            if x.startswith("| ") and x.split(" | ")[3].replace(",", "").isdigit()]
+    assert len(rows) == 6
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        ratio, note = float(cells[5]), cells[-1]
+        assert note.startswith("within 20%") == (abs(ratio - 1) <= 0.20), row
+        if abs(ratio - 1) > 0.20:
+            assert note.count("% of the step)") == 1, row  # the one term, with its share of the step
