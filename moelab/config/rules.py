@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import fields
 from typing import Any
@@ -224,11 +225,27 @@ def _check_parallel(cfg: "Config") -> None:
     if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
         _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
     if p.tp > 1:
-        _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
-              "(supported: ep, fsdp, pp with vp)")
+        _check_tensor_parallel(cfg)
     _check_replication(p, t)
     _check_ep_overlap(p, cfg.backend)
     _check_grad_sync(p)
+
+
+def _check_tensor_parallel(cfg: "Config") -> None:
+    """parallel.tp > 1: every dimension TP splits across its ranks divides by it (attention heads, GQA's
+    key/value heads, the dense MLP's width, the vocabulary of the vocabulary-parallel embedding and head)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    split = [("model.num_heads", m.num_heads)]
+    if m.attention == "gqa":
+        split.append(("model.num_kv_heads", m.num_kv_heads))
+    if m.num_dense_layers:
+        split.append(("model.dense_ffn_size", m.dense_ffn_size))
+    split.append(("model.vocab_size", m.vocab_size))
+    common = math.gcd(*(size for _, size in split))
+    for name, size in split:
+        if size % tp:
+            _fail("parallel.tp", tp, f"must divide {name}={size} (tensor parallelism splits it across its ranks); "
+                  f"try tp in {_divisors(common)[:8]}")
 
 
 def _check_grad_sync(p: ParallelConfig) -> None:

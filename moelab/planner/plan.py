@@ -13,6 +13,12 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   are bf16 (2 + 2 + 4 B) and there is no fp32 master copy (moelab.planner.states).
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
+- TP (parallel.tp, sequence parallel): a rank holds a tp-th of the dense weights, FSDP2 shards that over the
+  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention and the MLP whole,
+  and a tp-th of the logits (vocabulary-parallel head); its collectives: tp_traffic.
+- Expert exchange: the rows the dispatcher that runs sends per token, by link (moelab.planner.dispatch; flat,
+  hierarchical across nodes, DeepEP), 4 exchanges per MoE layer and micro batch, 6 under full recompute.
+- A plan that does not fit names a setting that fits (moelab.planner.fixes) and predicts no speed.
 - Sharding: dense parameters over the fsdp*cp*tp ranks of a pipeline stage; experts over ep, then over the
   expert-FSDP mesh efsdp = fsdp*cp*tp/ep; layers over pp*vp virtual stages as the pipeline splits them
   (balancing matmul cost, the LM head counted on the last stage; moelab.planner.stages.stage_layers), the
@@ -48,6 +54,8 @@ from moelab.planner.comm import (_replication_comm, check_one_rank, dispatch_ran
                                  fsdp_units, wrapped)
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
+from moelab.planner.dispatch import exchange_rows, resolve_ep_dispatch
+from moelab.planner.fixes import fitting_change, set_text
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
 from moelab.planner.fp8 import fp8_cache_bytes
@@ -187,8 +195,11 @@ class Plan:
                                      f"{self.pipeline['in_flight_micro_batches']:g} micro batches in flight on rank "
                                      f"{self.stage}"))
         rows.append(("verdict", self.verdict))
+        if not self.fits:
+            rows.append(("speed (predicted)", "none: the layout does not fit; plan the change the verdict names"))
         if self.speed:
-            rows += [("speed (predicted)", self.speed.line()), ("  step parts", self.speed.breakdown())]
+            rows += [("speed (predicted)", self.speed.line()), ("  step parts", self.speed.breakdown()),
+                     ("  bound", self.speed.bound_line())]
         rows += [("assumes" if i == 0 else "", text) for i, text in enumerate(self.assumptions)]
         return rows
 
@@ -271,26 +282,29 @@ class _Sizes:
     T: int  # tokens of one micro batch on one rank
     one_rank: str = "plain"  # FSDP2 on one-rank meshes, by the code planned (moelab.planner.comm.FSDP_ONE_RANK)
     weighting: str = "experts"  # where the local dispatcher weights, by the code planned (planner.saved)
+    g: int = 8  # GPUs per node (the GPU kind's, or parallel.ranks_per_node)
 
 
-def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts") -> _Sizes:
+def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts", g: int = 8) -> _Sizes:
     p = ParallelDims.build(cfg, world).layout
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
                   2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
-                  t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting)
+                  t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting,
+                  getattr(p, "ranks_per_node", 0) or g)
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
-         fsdp_one_rank: str = "plain", local_weighting: str = "experts") -> Plan:
+         fsdp_one_rank: str = "plain", local_weighting: str = "experts", suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
     kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
     records measured with old code (moelab.gallery.records.planner_options); `local_weighting` likewise: "experts"
-    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING).
+    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING). A plan that does not fit
+    predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
         plan(load_config("tiny"), gpu_memory_gb=0.001).verdict   # 'does not fit: ...'
@@ -306,19 +320,23 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                           "(experts: moelab's code; combine: the code before a3f8c38, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
+    asked = cfg
     if cfg.backend.loss == "auto":  # planned as the loss the run will take (a GPU run: CUDA assumed)
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
-    z = _sizes(cfg, world, fsdp_one_rank, local_weighting)
+    kind = gpu_kind(gpu) if gpu else None
+    z = _sizes(cfg, world, fsdp_one_rank, local_weighting, kind.gpus_per_node if kind else 8)
     mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
     per_rank, logit_bytes = _memory(z, ranks)
     worst = max(per_rank, key=lambda x: x["total"])
     comm = _communication(z, worst)
-    kind = gpu_kind(gpu) if gpu else None
     capacity_gb, source = gpu_memory(gpu_memory_gb if gpu_memory_gb or not kind else kind.memory_gb)
     source = kind.name if kind and gpu_memory_gb is None else source
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
+    if not fits and suggest:
+        verdict += _fix_text(asked, world, capacity_gb, biggest, dict(fsdp_one_rank=fsdp_one_rank,
+                                                                      local_weighting=local_weighting))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -342,10 +360,21 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p))
-    if kind:
+    if p.ep > 1:
+        result.assumptions.append(_exchange_line(comm))
+    if kind and fits:  # a layout that does not fit has no speed to predict
         result.speed = predict_speed(cfg, result, kind)
         result.assumptions += result.speed.assumptions
     return result
+
+
+def _fix_text(cfg: Config, world: int, capacity_gb: float, biggest: str, kw: dict) -> str:
+    """The verdict's last sentence for a plan that does not fit: a change that fits (moelab.planner.fixes)."""
+    found = fitting_change(cfg, biggest, lambda c: plan(c, gpus=world, gpu_memory_gb=capacity_gb, suggest=False, **kw))
+    if found is None:
+        return "; no single setting tried fits (optimizer state, recompute, micro batch, ep, pp, tp): use more GPUs"
+    change, fitted = found
+    return f". Fits with {set_text(change)}: {_bytes(fitted.memory_per_gpu_bytes)} per GPU"
 
 
 AUTO_FULL_SHARE = 0.85  # backend.loss=auto takes the full loss while its plan leaves 15% of the GPU free
@@ -383,9 +412,12 @@ def _trained_params(cfg: Config, total: int) -> int:
 def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     """Per pipeline rank: its layers, parameters, activations and memory terms (bytes); and the logit bytes
     per token."""
-    cfg, p, a, T = z.cfg, z.p, z.a, z.T
+    cfg, p, a = z.cfg, z.p, z.a
     mdl, t = cfg.model, cfg.train
-    pieces, lp = block_params(mdl), lora_params(cfg)
+    # TP: a rank holds a tp-th of the dense weights (FSDP2 shards that over the fsdp*cp ranks) and of the
+    # micro batch's tokens in the sequence-parallel stream (tensor_parallel_pieces, tp_gathered_per_token)
+    T, dense_mesh = z.T // p.tp, z.shard // p.tp
+    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp), lora_params(cfg)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
 
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
@@ -395,8 +427,12 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     # autocast over fp32 weights on one rank (no FSDP2 casts): the residual stream stays fp32
     residual = 4 if z.world == 1 and t.dtype == "bfloat16" and t.param_dtype == "float32" else a
     acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual, z.weighting) for i in range(mdl.num_layers)]
-    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss)
-    logits_total = logits_bytes(cfg, T, a)
+    if p.tp > 1:  # what a rank keeps per token of its sequence shard: its share plus the gathered inputs' rest
+        extra = (p.tp - 1) * tp_gathered_per_token(cfg, a)
+        acts = [{**x, "attention": x["attention"] + extra, "ffn": x["ffn"] + extra} for x in acts]
+    # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
+    # vocabulary-parallel under TP: a tp-th of it
+    logits_total = logits_bytes(cfg, z.T, a) // p.tp
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
     fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
     kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
@@ -407,19 +443,20 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
         experts = n_moe * pieces.moe_experts
         dense = (n_moe * (pieces.moe_layer - pieces.moe_experts) + n_dense * pieces.dense_layer
                  + (pieces.embedding if r == 0 else 0) + (pieces.head if r == p.pp - 1 else 0))
-        dense_div = 1 if p.data_parallel == "ddp" else z.shard  # replicated dense weights are whole here
+        dense_div = 1 if p.data_parallel == "ddp" else dense_mesh  # replicated dense weights are whole here
         expert_div = 1 if p.expert_dp == "replicate" else z.efsdp
         local = math.ceil(dense / dense_div) + math.ceil(experts / (p.ep * expert_div))
         # LoRA: the adapters are new parameters; only they (and a trained router) get gradients and AdamW state
         adapters, trained = lp.on_rank(n_dense, n_moe, dense_div, p.ep * expert_div) if lp else (0, local)
         local += adapters
-        experts_sharded = z.world > 1 and wrapped(cfg, p, z.shard, z.efsdp, z.one_rank)[1]  # DTensors: no FP8 cache
+        experts_sharded = z.world > 1 and wrapped(cfg, p, dense_mesh, z.efsdp, z.one_rank)[1]  # no FP8 cache
         units = []  # FSDP2's units (moelab.planner.comm) and what they gather (moelab.planner.gathered)
         if z.world > 1:
             held_moe = [is_moe[i] for i in layers]
-            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, z.shard, z.efsdp, a,
+            gathered = gathered_params(pieces, held_moe, r == 0, r == p.pp - 1, cfg, p, dense_mesh, z.efsdp, a,
                                        z.one_rank)
-            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, z.shard, z.efsdp, z.m, r, z.one_rank)
+            units = fsdp_units(cfg, p, pieces, held_moe, r == 0, r == p.pp - 1, dense_mesh, z.efsdp, z.m, r,
+                               z.one_rank)
         else:
             gathered = local * a if a < z.pb else 0  # autocast's bf16 copy of every fp32 weight
         # (held per micro batch in flight, the working set of the one block recomputed at a time)
@@ -454,16 +491,38 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     return per_rank, logit_bytes
 
 
+def tensor_parallel_pieces(pieces, tp: int):
+    """A block's parameters as one TP rank holds them: attention, dense MLPs, shared experts, the embedding and
+    the LM head split tp ways (their norms and the router, replicated, counted split too: under 0.1% of a
+    block); the routed experts are EP's, whole."""
+    if tp == 1:
+        return pieces
+    return dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
+                               dense_layer=pieces.dense_layer // tp,
+                               moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+
+
+def tp_gathered_per_token(cfg: Config, a: int) -> int:
+    """Bytes per token of one all-gathered input a block keeps whole under TP's sequence parallelism: the norm
+    output the attention projections read, and likewise the one the MLP (or the router and experts) reads."""
+    return a * cfg.model.hidden_size
+
+
 def _communication(z: _Sizes, worst: dict) -> dict:
     """Bytes sent per GPU, for the rank that needs the most memory."""
     p, a, T, m = z.p, z.a, z.T, z.m
     mdl, t = z.cfg.model, z.cfg.train
     frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
-    # dispatch+combine, fwd+bwd (+ the recompute: full and selective both rerun the dispatch in backward)
-    a2a_passes = 4 + (2 if t.activation_checkpointing in ("full", "selective") else 0)
-    a2a_layer = int(a2a_passes * T * mdl.moe.top_k * mdl.hidden_size * a * frac(p.ep))
+    # dispatch+combine, fwd+bwd (+ full recompute's rerun of the block; selective keeps what the dispatch
+    # delivered and exchanges nothing again); the tokens of one rank: its sequence shard under TP
+    passes = exchanges_per_moe_layer(t.activation_checkpointing)
+    rows = _exchange(z)
+    tok = T // p.tp
+    row_bytes = passes * tok * mdl.hidden_size * a
+    intra, inter = int(row_bytes * rows.intra), int(row_bytes * rows.inter)
+    a2a_layer = intra + inter
     dense_sh, exp_sh = worst["dense"] / p.tp, worst["experts"] / p.ep
-    pp_send = 2 * m * p.vp * T * mdl.hidden_size * a if p.pp > 1 else 0
+    pp_send = 2 * m * p.vp * T // p.tp * mdl.hidden_size * a if p.pp > 1 else 0  # TP: each rank its shard
     if mdl.attention == "mla":
         kv_tok = mdl.num_heads * (mdl.qk_nope_head_dim + mdl.qk_rope_head_dim + mdl.v_head_dim) * a
     else:
@@ -471,16 +530,58 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     cp_bytes = int(3 * (p.cp - 1) * T * kv_tok * len(worst["layers"]) * m) if p.cp > 1 else 0
     fanout = dispatch_ranks_per_token(mdl.moe, p.ep)
     # a dispatcher that sends each token once per destination rank (DeepEP): the fan-out, not top_k, counts
-    once_layer = int(a2a_passes * T * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
-    if z.cfg.backend.dispatcher == "deepep":
-        a2a_layer = once_layer
+    once_layer = int(passes * tok * fanout * (p.ep - 1) / p.ep * mdl.hidden_size * a) if p.ep > 1 else 0
     return {"all_to_all_bytes_per_moe_layer": a2a_layer,
+            "all_to_all_intra_node_bytes_per_moe_layer": intra,
+            "all_to_all_inter_node_bytes_per_moe_layer": inter,
             "all_to_all_bytes_per_step": a2a_layer * worst["n_moe"] * m,
+            "all_to_all_inter_node_bytes_per_step": inter * worst["n_moe"] * m,
+            "exchanges_per_moe_layer": passes if p.ep > 1 else 0, "ep_dispatch": rows.dispatcher,
+            "exchange_stages": rows.stages, "ranks_per_node": z.g,
             "dispatch_ranks_per_token": fanout,
             "once_per_rank_dispatch_bytes_per_step": once_layer * worst["n_moe"] * m,
+            **tp_traffic(z, worst),
             **fsdp_traffic(z.cfg, worst["units"], m, a),  # FSDP2's units as scheduled (moelab.planner.comm)
             "pipeline_send_bytes_per_step": pp_send, "cp_bytes_per_step": cp_bytes,
             **_replication_comm(z.cfg, p, dense_sh, exp_sh, z.efsdp, worst["n_moe"])}
+
+
+def exchanges_per_moe_layer(checkpointing: str) -> int:
+    """Expert exchanges of one MoE layer per micro batch: dispatch and combine, forward and backward; full
+    recompute reruns the block's forward with its dispatch and combine; selective keeps what the dispatch
+    delivered (moelab.model.recompute), so it exchanges as often as no recompute."""
+    return 4 + (2 if checkpointing == "full" else 0)
+
+
+def _exchange(z: "_Sizes"):
+    """Rows one token sends per exchange by link, for the dispatcher that runs (moelab.planner.dispatch)."""
+    cfg, p = z.cfg, z.p
+    setting = getattr(p, "ep_dispatch", "auto")  # parallel.ep_dispatch (issue 39); auto where the config has none
+    dispatcher = "deepep" if cfg.backend.dispatcher == "deepep" else resolve_ep_dispatch(setting, p.ep, z.g)
+    return exchange_rows(cfg.model.moe, p.ep, z.g, dispatcher, cfg.backend.fake_balanced_gate,
+                         cfg.backend.fake_gate_noise > 0)
+
+
+def tp_collectives_per_layer(checkpointing: str) -> int:
+    """Sequence-parallel collectives of one block per micro batch under TP: an all-gather before attention and
+    before the MLP / MoE layer, a reduce-scatter after each, forward, and their transposes in backward (8); full
+    recompute runs the forward's 4 again, selective the 2 all-gathers of the norms it recomputes."""
+    return 8 + {"full": 4, "selective": 2}.get(checkpointing, 0)
+
+
+def tp_traffic(z: "_Sizes", worst: dict) -> dict:
+    """TP's collectives per step on the rank (parallel.tp > 1): per block the sequence-parallel all-gathers and
+    reduce-scatters of the micro batch's hidden states (tp_collectives_per_layer), the vocabulary-parallel
+    embedding's reduce-scatter (forward) and all-gather (backward) on the first stage, the LM head's all-gather and
+    reduce-scatter on the last (the loss's per-token max and sum, 12 B a token, left out); each sends (tp - 1) / tp
+    of T x hidden."""
+    p, t = z.p, z.cfg.train
+    if p.tp == 1:
+        return {"tp_collectives_per_step": 0, "tp_bytes_per_step": 0, "tp_bytes_per_collective": 0}
+    one = int(z.T * z.cfg.model.hidden_size * z.a * (p.tp - 1) / p.tp)
+    ends = 2 * ((worst["rank"] == 0) + (worst["rank"] == p.pp - 1))
+    n = z.m * (len(worst["layers"]) * tp_collectives_per_layer(t.activation_checkpointing) + ends)
+    return {"tp_collectives_per_step": n, "tp_bytes_per_step": n * one, "tp_bytes_per_collective": one}
 
 
 def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str]:
@@ -515,8 +616,9 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
     out = [
         states,
         compute,
-        f"dense parameters sharded over fsdp*cp*tp = {shard} ranks; experts over ep = {p.ep} then "
-        f"expert-FSDP = {efsdp}",
+        (f"dense parameters split over tp = {p.tp} (FSDP2 shards each part over fsdp*cp = {shard // p.tp} ranks)"
+         if p.tp > 1 else f"dense parameters sharded over fsdp*cp*tp = {shard} ranks")
+        + f"; experts over ep = {p.ep} then expert-FSDP = {efsdp}",
         f"activations: what autograd keeps {'compiled (inductor recomputes pointwise work)' if t.compile else 'eager'}"
         f" for the {cfg.backend.router_kind} router (moelab.planner.saved); activation checkpointing: "
         f"{t.activation_checkpointing}",
@@ -545,8 +647,26 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
     if t.init_from:
         out.append("loading from train.init_from: weights + the largest tensor slice on the GPU, 12 B per element "
                    "of that slice on the host; the larger of this and the training peak counts")
+    if p.tp > 1:
+        out.append(f"TP {p.tp} with sequence parallelism: a rank keeps a tp-th of each block's activations plus "
+                   "the all-gathered inputs of attention and the MLP / MoE layer whole, a tp-th of the logits "
+                   "(vocabulary-parallel head and loss), routes its sequence shard's tokens; per block and micro "
+                   "batch an all-gather and a reduce-scatter around attention and around the MLP, forward and "
+                   "backward (tp_collectives_per_layer)")
     if p.ep > 1:
-        out.append("all-to-all bytes assume balanced routing ((ep-1)/ep of the routed rows leave the rank); "
-                   "once-per-rank dispatch (DeepEP) sends a token to each of the "
-                   f"{dispatch_ranks_per_token(cfg.model.moe, p.ep):.2f} ranks it reaches (dispatch_ranks_per_token)")
+        out.append("expert exchange (moelab.planner.dispatch): balanced routing over the EP group's ranks; the "
+                   "flat all-to-all sends one row per routed expert, the hierarchical dispatch a token once per "
+                   "other node it reaches and top_k rows inside the node, DeepEP once per rank; "
+                   + ("the fake gate's top_k consecutive experts counted exactly" if cfg.backend.fake_balanced_gate
+                      else "a learned router's picks taken as uniform (node-limited routing: from topk_groups "
+                           "nodes)"))
     return out
+
+
+def _exchange_line(comm: dict) -> str:
+    """What the plan counted for the expert exchange (the rows behind comm's bytes)."""
+    n, tok = comm["exchanges_per_moe_layer"], comm["all_to_all_bytes_per_moe_layer"] or 1
+    share = comm["all_to_all_inter_node_bytes_per_moe_layer"] / tok
+    return (f"expert exchange: {comm['ep_dispatch']}, {n} per MoE layer and micro batch (dispatch and combine, "
+            f"forward and backward{', and again in full recompute' if n == 6 else ''}), {100 * share:.0f}% of its "
+            f"bytes between nodes of {comm['ranks_per_node']} GPUs")

@@ -26,6 +26,8 @@ _PROFILE_FP8 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-
 _FP8_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--fp8-kernel-check-5fe5a16.json"
 _KERNELS = _RESULTS + "backends-experts-kernels.json"
 _PROFILE_CP2 = _RESULTS + "logs/qwen3-moe-30b-a3b-proxy--moelab--profile-cp2-seq8192-eager.txt"
+# the same compiled step at global batch 16 (8 micro batches, commit 9e0dd92): what grows with micro batches
+_PROFILE_GBS16 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs16.json"
 _MACHINE = "../shared/notes/gpu-machine.md (nvidia-h200-x2, 2026-11-30)"
 # the proxy's shapes the per-element figures divide by: tokens per micro batch, hidden, layers, top_k, vocabulary,
 # and the elements of one layer's expert weights (gate|up E x D x 2F, down E x F x D)
@@ -48,7 +50,19 @@ H200_MEASURED = {
     "elementwise_s": ((11.785 - 3.129 + 1.245) * 1e-3 / (_T * _D * _L), _PROFILE + ": categories elementwise "
                       "(less the log_softmax / nll_loss kernels, 3.13 ms) + other"),
     "permute_s": (5.958e-3 / (_T * _K * _D * _L), _PROFILE + ": category permute"),
-    "idle_s_per_layer": (9.018e-3 / _L, _PROFILE + ": idle_ms (launch gaps, host synchronisations)"),
+    # idle (launch gaps, host synchronisations): a part per step (the loss's and optimizer's host work) and a part
+    # per layer and micro batch, from two profiles of one step with 1 and 8 micro batches: 9.018 = s + 8 x and
+    # 27.629 = s + 64 x ms (the one-micro-batch profile alone put all of it on the layers: 1.13 ms, 3.4x too much
+    # for a step of many micro batches)
+    "idle_s_per_layer": ((27.629 - 9.018) * 1e-3 / (64 - _L), _PROFILE + " and " + _PROFILE_GBS16 + ": idle_ms "
+                         "9.018 (1 micro batch) and 27.629 (8), per layer and micro batch"),
+    "idle_s_per_step": ((9.018 - _L * (27.629 - 9.018) / (64 - _L)) * 1e-3, _PROFILE + " and " + _PROFILE_GBS16
+                        + ": idle_ms, what is left of the one-micro-batch step's idle"),
+    # autograd's gradient accumulation from the second micro batch on (.grad += new: 3 x 2 B per bf16 parameter),
+    # the vectorized add kernel (CUDAFunctor_add) the 8-micro-batch profile has and the one-micro-batch one has not
+    "grad_accumulate_tb_s": (3 * 2 * 5.607297e9 * 7 / 54.1654e-3 / 1e12, _PROFILE_GBS16 + ": top_kernels "
+                             "vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add...> 54.17 ms over 7 "
+                             "accumulations"),
     # the loss (backend.loss), seconds per token x vocabulary element: the full loss's log_softmax / nll_loss
     # kernels; the chunked loss's own kernels (its logsumexp / scatter-add kernel, filed under permute, and its
     # gradient casts and fills under elementwise: the categories' growth between the two profiles once the full
@@ -94,6 +108,32 @@ H200_MEASURED = {
     "exchange_s": (0.29e-3, _MACHINE + ": the MoE exchange with counts and the device-to-host copy 1.20 ms "
                    "against 0.91 ms for the bare all_to_all_single of the same bytes"),
 }
+# Fabric figures not measured here, from published collective benchmarks (value, source):
+_DEEPEP = ("DeepEP README (github.com/deepseek-ai/DeepEP), 'Normal kernels with NVLink and RDMA forwarding', "
+           "H800 with one CX7 InfiniBand 400 Gb/s NIC per GPU (~50 GB/s), DeepSeek-V3 pre-training setting")
+PUBLISHED = {
+    # the inter-node share of an expert exchange, once per destination node over each GPU's own 400 Gb/s NIC:
+    # internode EP64 dispatch 46 GB/s, combine 45 GB/s of ~50 GB/s (EP32 44 / 47, EP16 43 / 43)
+    "ib_fraction": ((46 + 45) / 2 / 50, _DEEPEP + ": internode EP64 dispatch 46, combine 45 GB/s (RDMA)"),
+    # NVLink 4 inside a node: the all-to-all this project timed on two H200s (the same NVLink 4 as the H100's,
+    # H200_MEASURED['nvlink_gb_s']) reached 294-334 GB/s leaving each GPU; DeepEP's intranode kernels reach
+    # 153 / 158 GB/s of the H800's ~160 GB/s, the same 0.96 share a tuned kernel gets, NCCL's all_to_all 0.65-0.74
+    "nvlink_deepep_fraction": (155.5 / 160, _DEEPEP + ": intranode EP8 dispatch 153, combine 158 GB/s (NVLink)"),
+}
+# The routed experts' forward grouped GEMMs at the reference rows' shapes on one H100 (bf16, balanced rows):
+# (hidden, expert width, rows per local expert) -> TFLOP/s of gate|up and down together (time-weighted 2:1).
+# The model keeps the profile's rate (the proxy's shape) and names the measured ratio where a config's shape has
+# one (moelab.planner.speed.extrapolated): a shape factor from forward GEMMs alone is not what a step's
+# forward + backward GEMMs reach (wgrad runs at other shapes).
+GROUPED_SHAPES = _RESULTS + "grouped-gemm-shapes-h100.json"
+GROUPED_FORWARD_TFLOPS = {  # GROUPED_SHAPES: shapes.<name>.gate_up_bf16_tflops / down_bf16_tflops
+    (2048, 768, 512): 1 / ((2 / 3) / 613.33 + (1 / 3) / 526.43),   # the Qwen3 proxy (the profile's shape)
+    (2048, 768, 8192): 1 / ((2 / 3) / 682.46 + (1 / 3) / 613.80),  # Qwen3-30B-A3B, 8 GPUs
+    (7168, 2048, 8192): 1 / ((2 / 3) / 691.48 + (1 / 3) / 695.75),  # DeepSeek-V3, EP 64
+    (7168, 2048, 2730): 1 / ((2 / 3) / 759.36 + (1 / 3) / 718.63),  # Kimi-K2, EP 32
+    (2880, 2880, 16384): 1 / ((2 / 3) / 587.98 + (1 / 3) / 544.03),  # GPT-OSS-120B, EP 64
+    (2880, 2880, 8192): 1 / ((2 / 3) / 676.68 + (1 / 3) / 633.59),  # GPT-OSS-20B, EP 8
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -101,6 +141,7 @@ EAGER_FACTOR = 1 + (195.3 - 137.3) / (11.785 + 1.245 + 5.958)
 H200 = GPU_KINDS["h200"]
 # the records the rates come from: a prediction of one of them is not an independent check
 CALIBRATION_RECORDS = ("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-f7ecd22.json",
+                       "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs16.json",
                        "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2.json",
                        "qwen3-moe-30b-a3b-proxy--moelab--fake-gate-gbs2-compile.json")
 
@@ -109,7 +150,8 @@ CALIBRATION_RECORDS = ("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gb
 class Rates:
     """H200_MEASURED carried to a GPU kind: compute rates by the BF16 (FP8) peak ratio, memory-bound terms by
     the HBM bandwidth ratio, NVLink by the NVLink ratio; InfiniBand (not measured here) at its datasheet rate
-    times the efficiency NVLink reached here (measured / datasheet). Idle gaps (host-side) do not scale.
+    times the share of it DeepEP's published internode figures reach (PUBLISHED). Idle gaps (host-side) do not
+    scale.
 
         rates(gpu_kind("h200"), balanced=False).grouped / 1e12     # 564.0
     """
@@ -126,6 +168,8 @@ class Rates:
     ib: float
     exchange_s: float
     idle_s_per_layer: float
+    idle_s_per_step: float
+    grad_accumulate: float  # bytes/s of autograd's gradient accumulation (read both, write one)
 
     def per_element(self, key: str) -> float:
         """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
@@ -145,5 +189,6 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
                  optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": v["adamw_triton_tb_s"] * 1e12 * hbm},
                  copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
-                 nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * link,
-                 exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"])
+                 nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],
+                 exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],
+                 idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm)

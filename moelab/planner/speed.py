@@ -21,18 +21,21 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
   batch where FSDP2 shards them; rowwise_lm_head: the head at the kernel check's FP8 / bf16 time.
 - Recompute (train.activation_checkpointing): full reruns each block's forward (a third of its matmul FLOPs and,
   as assumed here, of its elementwise work) and its all-to-all; selective keeps the matmul and fused-attention
-  outputs (moelab.model.recompute.SAVED_OPS), so only the elementwise work, the eager attention path's scores
-  and the all-to-all run again.
+  outputs (moelab.model.recompute.SAVED_OPS) and what the dispatch delivered, so only the elementwise work and
+  the eager attention path's scores run again (no exchange: issue 39).
 - The optimizer reads p, g, m, v and writes p, m, v, the gradient norm reads g (2 x (parameter + gradient +
   state) bytes per trained parameter of the rank) at the measured bandwidth of train.optimizer's kernel (auto:
   the Triton AdamW, as on a CUDA machine with Triton); fp32 weights computing in bf16 on one GPU pay autocast's
   cast of every weight per micro batch.
 
 Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s holds what is exposed):
-- Expert all-to-all: the plan's bytes per MoE layer; the EP group is EP consecutive ranks over 8-GPU nodes, so a
-  share (min(ep, 8) - 1) / (ep - 1) of its partners is on the same node (NVLink), the rest on others
-  (InfiniBand), both at once; plus a fixed cost per exchange (the counts' all-to-all and the device-to-host copy
-  of the split sizes). The exchange blocks the compute that needs its rows: exposed, except with
+- Expert exchange: the plan's bytes per MoE layer by link (moelab.planner.dispatch: the flat all-to-all's row per
+  routed expert, the hierarchical dispatch's copy per other node then rows inside the node, DeepEP's row per
+  rank; 4 exchanges per layer and micro batch, 6 under full recompute); NVLink at the all-to-all rate measured
+  here, InfiniBand at DeepEP's published internode share of the NIC (moelab.planner.rates.PUBLISHED); the flat
+  exchange and DeepEP drive both links at once, the hierarchical one runs its collective between nodes and then
+  the one inside; plus a fixed cost per collective (the counts' all-to-all and the device-to-host copy of the
+  split sizes). The exchange blocks the compute that needs its rows: exposed, except with
   parallel.ep_overlap, where chunk 1's dispatch hides behind chunk 0's experts and chunk 0's combine behind
   chunk 1's, in each direction (moelab.parallel.expert_parallel).
 - FSDP2 (moelab.planner.comm.fsdp_counts: what is gathered and reduced how often): all-gathers run on their own
@@ -53,9 +56,14 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
   in flight under interleaved 1F1B (its runtime posts receives early and waits for sends at the end) but for
   the first receive and the last send.
 - CP: the K/V all-gather and its gradient's all-reduce are in line with attention: exposed.
+- TP (sequence parallel): a rank computes a tp-th of the micro batch; its all-gathers and reduce-scatters around
+  attention and the MLP (moelab.planner.plan.tp_traffic) sit between the kernels that need them: exposed.
+- Fixed costs: idle gaps per layer and micro batch and once per step (two profiles with 1 and 8 micro batches),
+  and autograd's gradient accumulation from a step's second micro batch on.
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
-Not modelled: TP (refused by the layout check), kernel backends other than torch's grouped GEMM and SDPA (te,
+Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM
+and SDPA (te,
 grouped_gemm, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
 proxy's shapes).
 """
@@ -66,16 +74,18 @@ from dataclasses import dataclass, field
 
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
-from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, Rates, rates
+from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES, H200_MEASURED, PUBLISHED, Rates,
+                                  rates)
 
-COMM_PARTS = ("all_to_all", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
+COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
 PART_LABELS = {"dense_matmul": "dense matmuls", "expert_matmul": "expert matmuls", "attention": "attention",
                "elementwise": "elementwise/permute", "head_loss": "LM head + loss", "fp8_quant": "FP8 quantisation",
                "idle": "launch gaps", "all_to_all": "all-to-all", "cp": "CP K/V exchange",
                "pipeline_send": "pipeline send/recv", "bubble": "pipeline bubble", "fsdp": "FSDP gather/reduce",
                "fsdp_copies": "FSDP copy-in/out", "replicated": "DDP / replicated-expert all-reduce",
-               "optimizer": "optimizer", "casts": "weight casts"}
+               "optimizer": "optimizer", "casts": "weight casts", "tp": "TP all-gather/reduce-scatter",
+               "grad_accumulate": "gradient accumulation"}
 _MODELLED_LOSSES = ("full", "chunked")
 
 
@@ -111,6 +121,14 @@ class Speed:
                 f"{100 * self.mfu:.0f}% on {self.gpus} x {self.gpu}; step {_secs(self.step_s)}, bottleneck "
                 f"{PART_LABELS[self.bottleneck]}; {self.gpu_hours_per_billion_tokens:,.0f} GPU-hours per billion "
                 "tokens")
+
+    def bound_line(self) -> str:
+        """Which term bounds the step, and the throughput if every communication term were hidden."""
+        comm = sum(self.parts_s.get(k, 0.0) for k in COMM_PARTS)
+        share = 100 * self.parts_s[self.bottleneck] / self.step_s
+        return (f"{PART_LABELS[self.bottleneck]} bounds the step ({share:.0f}%); communication {_secs(comm)} exposed, {_secs(sum(self.hidden_s.values()))} hidden; with all of "
+                f"it hidden {self.comm_hidden_tokens_per_s_per_gpu:,.0f} tokens/s/GPU "
+                f"({self.comm_hidden_tokens_per_s_per_gpu / self.tokens_per_s_per_gpu:.2f}x)")
 
     def breakdown(self) -> str:
         parts = []
@@ -149,7 +167,7 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     bw = lambda span: r.nvlink if span <= g or p.gpus <= g else min(r.nvlink, g * r.ib)  # noqa: E731
     ep = L["ep"]
     intra = (min(ep, g) - 1) / (ep - 1) if ep > 1 else 1.0
-    per_rank = [_micro_batch(cfg, p, r, rank, layers, intra) for rank, layers in enumerate(p.stage_layers)]
+    per_rank = [_micro_batch(cfg, p, r, rank, layers) for rank, layers in enumerate(p.stage_layers)]
     slowest = max(per_rank, key=lambda x: sum(x["parts"].values()))
     mb_parts, hidden = slowest["parts"], {k: m * v for k, v in slowest["hidden"].items()}
     mb_parts["cp"] = p.comm["cp_bytes_per_step"] / m / bw(L["cp"])
@@ -161,8 +179,11 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
         send = mb_parts["pipeline_send"]  # behind other stages' compute but the first receive and the last send
         mb_parts["pipeline_send"] = min(send, 2 * send / m)
         hidden["pipeline_send"] = m * (send - mb_parts["pipeline_send"])
+    # TP's sequence-parallel all-gathers and reduce-scatters sit between the kernels that need them: in line
+    mb_parts["tp"] = p.comm["tp_bytes_per_step"] / m / bw(L["tp"])
     f = p.pipeline["bubble_fraction"]
     parts = {k: m * v for k, v in mb_parts.items()}
+    parts["idle"] += r.idle_s_per_step  # the loss's and the optimizer's host work, once per step
     parts["bubble"] = m * sum(mb_parts.values()) * f / (1 - f)
     fsdp = _fsdp(cfg, p, r, bw, slowest)
     parts.update({"fsdp": fsdp["exposed"], "fsdp_copies": fsdp["copies"], "replicated": fsdp["replicated"]})
@@ -172,6 +193,7 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
     opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
     parts["optimizer"] = 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]
+    parts["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     parts["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0
     step = sum(parts.values())
@@ -185,17 +207,31 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
                  tflops_per_gpu=tflops, mfu=tflops / kind.bf16_tflops, bottleneck=max(parts, key=parts.get),
                  gpu_hours_per_billion_tokens=1e9 / tokens / 3600, hidden_s={k: v for k, v in hidden.items() if v},
                  assumptions=_assumptions(cfg, kind, ep, intra, opt_kind, unmod), unmodelled=unmod,
-                 settings={"loss": cfg.backend.loss, "fp8": t.fp8, "optimizer": opt_kind, "compile": t.compile},
+                 settings={"loss": cfg.backend.loss, "fp8": t.fp8, "optimizer": opt_kind, "compile": t.compile,
+                           "ep_dispatch": p.comm.get("ep_dispatch", "flat")},
                  extrapolated=extrapolated(cfg),
                  comm_hidden_tokens_per_s_per_gpu=tokens * step / bound_step,
                  recompute_s=m * slowest["recompute_s"] / (1 - f))
 
 
-def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -> dict:
+def _accumulated_bytes(cfg, p) -> float:
+    """Gradient bytes autograd adds into from the second micro batch of a step on: the sharded gradients FSDP2's
+    reduce-scatters return (and a plain rank's whole ones), or, reduced once per step, every wrapped unit's
+    unsharded gradient in the reduce dtype (moelab.layout.dims.grad_sync)."""
+    units = [u for u in p.comm.get("fsdp_units", []) if u["ranks"] > 1]
+    if p.fsdp_grad_sync == "step" and units:
+        return sum(u["count"] * u["params"] for u in units) * (2 if cfg.parallel.reduce_dtype == "bfloat16" else 4)
+    return p.memory["gradients"]
+
+
+def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
     """One micro batch on pipeline rank `rank`: compute parts, exposed all-to-all, hidden all-to-all, and the
     forward / backward compute the FSDP overlap needs."""
     mdl, t, L = cfg.model, cfg.train, p.layout
-    T, D, K, V = t.micro_batch_size * t.seq_len // L["cp"], mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
+    # a rank's share of the micro batch's work: its sequence shard (CP), and under TP a tp-th of every matmul,
+    # attention head, routed row (the MoE layer routes each rank's sequence shard) and elementwise pass
+    T = t.micro_batch_size * t.seq_len // L["cp"] / L["tp"]
+    D, K, V = mdl.hidden_size, mdl.moe.top_k, mdl.vocab_size
     fl, ckpt = layer_flops(mdl), t.activation_checkpointing
     n_moe = sum(i >= mdl.num_dense_layers for i in layers)
     n_dense, last = len(layers) - n_moe, rank == L["pp"] - 1
@@ -232,10 +268,14 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -
     # recompute reruns the routed part
     a2a, hid = 0.0, 0.0
     if L["ep"] > 1 and n_moe:
-        passes = 4 + (2 if ckpt in ("full", "selective") else 0)
-        per_layer = p.comm["all_to_all_bytes_per_moe_layer"]
-        x = max(per_layer * intra / r.nvlink, per_layer * (1 - intra) / r.ib) / passes  # one exchange
-        a2a = n_moe * (passes * x + passes * r.exchange_s)
+        c = p.comm
+        passes = c["exchanges_per_moe_layer"]
+        over_nvlink = c["all_to_all_intra_node_bytes_per_moe_layer"] / passes / r.nvlink
+        over_ib = c["all_to_all_inter_node_bytes_per_moe_layer"] / passes / r.ib
+        # one exchange: NCCL's all_to_all (and DeepEP) drive both links at once; the hierarchical dispatch runs
+        # its collective between nodes, then the one inside the node (each with its counts and host copy)
+        x = over_nvlink + over_ib if c["ep_dispatch"] == "hierarchical" else max(over_nvlink, over_ib)
+        a2a = n_moe * passes * (x + c["exchange_stages"] * r.exchange_s)
         if cfg.parallel.ep_overlap:  # per direction, two of the four half exchanges hide behind half the experts
             e_fwd = parts["expert_matmul"] / mm / 3 / n_moe
             windows = [e_fwd, 2 * e_fwd] + ([e_fwd] if ckpt == "full" else [0.0] if ckpt == "selective" else [])
@@ -247,7 +287,7 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int], intra: float) -
     rerun_terms = ["elementwise", "fp8_quant"] if ckpt != "none" else []
     rerun_terms += ["dense_matmul", "expert_matmul"] if ckpt == "full" else []
     rerun_terms += ["attention"] if ckpt == "full" or (ckpt == "selective" and eager_attn) else []
-    again = sum(parts[k] for k in rerun_terms) / 4 + (a2a * 2 / (4 + 2) if ckpt != "none" else 0.0)
+    again = sum(parts[k] for k in rerun_terms) / 4 + (a2a * 2 / 6 if ckpt == "full" else 0.0)
     return {"parts": parts, "hidden": {"all_to_all": hid}, "forward_s": compute / 3 / (mm if ckpt == "full" else 1),
             "backward_s": compute - compute / 3 / (mm if ckpt == "full" else 1),
             "experts_forward_s": parts["expert_matmul"] / mm / 3, "layers": len(layers), "recompute_s": again}
@@ -334,6 +374,10 @@ def extrapolated(cfg) -> list[str]:
     """Kernels of `cfg` the model times at a rate measured on another kind of shape (the rates come from the
     Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
     m, out = cfg.model, []
+    shape = grouped_shape_ratio(cfg)
+    if shape:
+        out.append(f"routed experts at the grouped rate of the Qwen3 proxy's profile; their forward GEMMs at this "
+                   f"shape ran {shape:.2f}x the proxy's on an H100 ({GROUPED_SHAPES})")
     if m.attention == "mla":
         out.append(f"MLA attention (q/k head dim {m.qk_nope_head_dim + m.qk_rope_head_dim}, v {m.v_head_dim}) at "
                    "the rate SDPA reached on GQA with head dim 128")
@@ -342,6 +386,22 @@ def extrapolated(cfg) -> list[str]:
                    "SDPA reached on whole sequences (the CP=2 profile, logs/...profile-cp2-seq8192-eager.txt, ran "
                    "FlashAttention-2's kernels there, not cuDNN's)")
     return out
+
+
+def grouped_shape_ratio(cfg) -> float | None:
+    """The measured forward grouped-GEMM rate at `cfg`'s expert shape over the proxy's (rates.GROUPED_FORWARD_TFLOPS:
+    the same hidden and expert width, the nearest rows per local expert), or None where none was measured or the
+    shape is the proxy's."""
+    import math
+
+    m, L, t = cfg.model, cfg.parallel, cfg.train
+    rows = t.micro_batch_size * t.seq_len // L.cp // L.tp * m.moe.top_k * L.ep // m.moe.num_experts
+    near = [k for k in GROUPED_FORWARD_TFLOPS if k[:2] == (m.hidden_size, m.moe.expert_ffn_size)]
+    if not near or rows < 1:
+        return None
+    key = min(near, key=lambda k: abs(math.log(k[2] / rows)))
+    proxy = GROUPED_FORWARD_TFLOPS[(2048, 768, 512)]
+    return None if key == (2048, 768, 512) else GROUPED_FORWARD_TFLOPS[key] / proxy
 
 
 def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod: list[str]) -> list[str]:
@@ -356,14 +416,15 @@ def _assumptions(cfg, kind: GPUKind, ep: int, intra: float, opt_kind: str, unmod
            "the last backward exposed), the expert all-to-all in line "
            + ("(parallel.ep_overlap: half of each direction's exchanges behind half the experts)"
               if cfg.parallel.ep_overlap else "(parallel.ep_overlap off)")
-           + ", CP in line, pipeline sends in line (1F1B) or in flight (interleaved); hidden communication slows "
-           "no kernel; InfiniBand at the efficiency "
-           "NVLink reached here"]
+           + ", TP and CP in line, pipeline sends in line (1F1B) or in flight (interleaved); hidden communication "
+           "slows no kernel; InfiniBand at DeepEP's published internode share of its 400 Gb/s NIC "
+           f"({100 * PUBLISHED['ib_fraction'][0]:.0f}%)"]
     if ep > 1:
         out.append(f"speed: EP group of {ep} consecutive ranks over {kind.gpus_per_node}-GPU nodes: "
                    f"{100 * intra:.0f}% of its all-to-all partners on the same node")
     if cfg.train.activation_checkpointing != "none":
-        out.append("speed: recompute reruns a forward: a third of the block's work (full), or its elementwise work "
-                   "and the all-to-all only (selective keeps matmul and fused-attention outputs)")
+        out.append("speed: recompute reruns a forward: a third of the block's work and its expert exchange (full), "
+                   "or its elementwise work only (selective keeps matmul and fused-attention outputs and what the "
+                   "dispatch delivered)")
     return (out + [f"speed, extrapolated: {text}" for text in extrapolated(cfg)]
             + [f"speed, not modelled: {text}" for text in unmod])

@@ -55,7 +55,19 @@ def test_bf16_rates_are_the_compiled_profile(proxy):
     params = count_params(mdl).total
     assert 16 * params / (prof["by_category_ms"]["optimizer"] * 1e-3) / 1e12 == pytest.approx(
         H200_MEASURED["adamw_tb_s"][0], rel=2e-3)
-    assert H200_MEASURED["idle_s_per_layer"][0] == pytest.approx(prof["idle_ms"] * 1e-3 / 8, rel=1e-3)
+    # idle: a part per step and a part per layer and micro batch, from this profile (1 micro batch) and the same
+    # step with 8 (global batch 16)
+    eight = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs16.json")
+    per_step, per_layer = H200_MEASURED["idle_s_per_step"][0], H200_MEASURED["idle_s_per_layer"][0]
+    assert per_step + 8 * per_layer == pytest.approx(prof["idle_ms"] * 1e-3, rel=1e-3)
+    assert per_step + 8 * 8 * per_layer == pytest.approx(eight["idle_ms"] * 1e-3, rel=1e-3)
+    # gradient accumulation: the vectorized add kernel the 8-micro-batch step adds, 7 times 3 x 2 B per parameter
+    add = lambda r: kernels_ms(r, lambda n, c: n.startswith("void at::native::vectorized_elementwise_kernel<8, "  # noqa
+                                                           "at::native::CUDAFunc"))
+    params = count_params(mdl).total
+    assert add(prof) == 0 < add(eight)
+    assert 3 * 2 * params * 7 / (add(eight) * 1e-3) / 1e12 == pytest.approx(
+        H200_MEASURED["grad_accumulate_tb_s"][0], rel=5e-3)
     loss_ms = kernels_ms(prof, lambda n, c: "log_softmax" in n)
     assert H200_MEASURED["loss_full_s"][0] * T * mdl.vocab_size == pytest.approx(loss_ms * 1e-3, rel=1e-3)
     cats = prof["by_category_ms"]
@@ -135,3 +147,14 @@ def test_the_fsdp_copy_rate_is_the_cp2_profiles_chunk_cat():
     assert p.micro_batches_per_step == 1
     assert p.comm["fsdp_reduce_copied_bytes_per_step"] / (ms * 1e-3) / 1e12 == pytest.approx(
         H200_MEASURED["reduce_copy_tb_s"][0], rel=2e-3)
+
+
+def test_the_grouped_gemm_shape_table_is_the_h100_record():
+    from moelab.planner.rates import GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES
+
+    shapes = json.loads((ROOT / GROUPED_SHAPES).read_text())["shapes"]
+    assert len(shapes) == len(GROUPED_FORWARD_TFLOPS)
+    for s in shapes.values():
+        key = (s["hidden"], s["expert_ffn"], s["rows"] // s["experts"])
+        both = 1 / ((2 / 3) / s["gate_up_bf16_tflops"] + (1 / 3) / s["down_bf16_tflops"])
+        assert GROUPED_FORWARD_TFLOPS[key] == pytest.approx(both, rel=1e-4), key
