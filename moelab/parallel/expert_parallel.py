@@ -90,6 +90,8 @@ class AllToAllDispatcher(Dispatcher):
         moe.dispatcher = AllToAllDispatcher(meshes.ep_group)
     """
 
+    exchanges = True
+
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.ep = dist.get_world_size(group)
