@@ -10,7 +10,7 @@ activation's bytes per element and K top-k:
     bytes (the flat all-to-all of that node's G ranks).
 
     row = inter_node_row_bytes(hidden=2048, act_bytes=2, top_k=8)                 # 4160
-    nodes_per_token(MoEConfig(num_experts=128, top_k=8), nodes=4)                # 3.61 (uniform routing)
+    nodes_per_token(MoEConfig(num_experts=128, top_k=8), nodes=4)                # 3.63 (uniform routing)
     round_robin_node_rows(tokens=8, top_k=2, num_experts=16, nodes=2, own_node=0)  # 4 (fake balanced gate)
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def nodes_per_token(moe, nodes: int) -> float:
     M * (1 - C((M - 1) Y, K) / C(M Y, K)) with Y = E/nodes when there is one block per node, else at most
     min(M, the unlimited figure). A share (nodes - 1)/nodes of them are other nodes (symmetric placement).
 
-        nodes_per_token(MoEConfig(num_experts=64, top_k=8, num_groups=8, topk_groups=2), nodes=8)   # 1.87
+        nodes_per_token(MoEConfig(num_experts=64, top_k=8, num_groups=8, topk_groups=2), nodes=8)   # 2.00
     """
     E, K = moe.num_experts, moe.top_k
     if nodes <= 1:
