@@ -40,6 +40,8 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     # with the router's kept choices; pipeline stages recompute inside the schedule
     "ep2-selective": (2, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
     "pp2xep2-selective": (4, ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=selective"], ()),
+    # the experts' checkpointed piece is their FSDP2 unit (expert-FSDP over 2 ranks): gathered again to recompute
+    "ep2xfsdp2-selective": (4, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
 # One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
