@@ -18,22 +18,25 @@ and `intra`, the G ranks of its own node. One MoE layer's route:
   4. the partial outputs cross back over `inter` (the mirror of 1) and each token sums its nodes' parts.
 Backward runs the mirrored exchanges. With node-limited routing (model.moe.num_groups / topk_groups, or
 max_routed_ranks / routing_ranks, whose blocks nest in nodes) a token reaches at most that many nodes, so at
-most that many copies of it cross between nodes. With parallel.ep_overlap the node-local exchange of step 3 is
-the overlapped one (two chunks, see OverlappedAllToAllDispatcher). Two host synchronisations per layer (steps 1
-and 3), where the flat dispatcher has one.
+most that many copies of it cross between nodes. With parallel.ep_overlap the tokens go in two chunks after
+routing (as OverlappedAllToAllDispatcher's): chunk 1 crosses between nodes while chunk 0's experts compute, and
+chunk 0's sums return while chunk 1's compute; backward mirrors it. Host synchronisations per layer: one for the
+node counts, and one per chunk in the node-local dispatch (the flat dispatcher has one).
 
     d = HierarchicalDispatcher(ep_group, NodeGroups.build(ep_group, ranks_per_node=4))
     y_TD = d.route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moelab.model.moe import Dispatcher
-from moelab.parallel.expert_parallel import AllToAllDispatcher, OverlappedAllToAllDispatcher, all_to_all
+from moelab.parallel.expert_parallel import (AllToAllDispatcher, _Travel, all_to_all, start_all_to_all,
+                                             wait_all_to_all)
 
 
 @dataclass
@@ -120,38 +123,76 @@ class HierarchicalDispatcher(Dispatcher):
         self.per_node = dist.get_world_size(nodes.intra)
         self.node = nodes.node_of[self.me]
         self.node_of_R, self.local_of_R = torch.tensor(nodes.node_of), torch.tensor(nodes.local_of)
-        self.intra = (OverlappedAllToAllDispatcher if overlap else AllToAllDispatcher)(nodes.intra)
+        self.overlap = overlap
+        self.intra = AllToAllDispatcher(nodes.intra)
         self.counts = NodeDispatchCounts(self.num_nodes, self.intra.counts)
+        self._start = torch.compiler.disable(start_all_to_all)  # eager inside a compiled step, as the flat one's
+        self._wait = torch.compiler.disable(wait_all_to_all)
 
     def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
         T, K = experts_TK.shape
-        N, X, dev = self.num_nodes, num_experts // self.ep, x_TD.device
-        node_of_R, local_of_R = self.node_of_R.to(dev), self.local_of_R.to(dev)
-        # 1. the (token, node) pairs, node-major; dropped assignments reach no node
-        node_TK = node_of_R[experts_TK // X]
+        X, g = num_experts // self.ep, self.inter
+        # 1. the (token, node) pairs of each chunk (two under ep_overlap), node-major; one exchange of the counts
+        bounds = [0, T // 2, T] if self.overlap and T >= 2 else [0, T]
+        chunks = list(zip(bounds, bounds[1:]))
+        pairs = [self._pairs(experts_TK[a:b], None if keep_TK is None else keep_TK[a:b], X, a) for a, b in chunks]
+        send, recv = self._exchange_counts(pairs, x_TD.shape[-1] * x_TD.element_size() + 8 * K)
+        # 2. each row's routing beside it: expert ids (-1 where dropped) and weights, fp32, the weights differentiable
+        ids_TK = experts_TK if keep_TK is None else torch.where(keep_TK, experts_TK, -1)
+        route_TK2 = torch.cat([weights_TK.float(), ids_TK.float()], 1)
+        rows = [(x_TD[token_S], route_TK2[token_S]) for token_S, *_ in pairs]
+        in_node = functools.partial(self._in_node, experts, X, weights_TK.dtype)
+        if len(chunks) == 1:
+            x_MD, route_MK2 = (all_to_all(t, recv[0], send[0], g) for t in rows[0])
+            y_SD = [all_to_all(in_node(x_MD, route_MK2), send[0], recv[0], g)]
+        else:  # chunk 1 crosses while chunk 0's experts compute, chunk 0's sums return while chunk 1's compute
+            x0_MD, route0_MK2 = (all_to_all(t, recv[0], send[0], g) for t in rows[0])
+            travels = [_Travel(), _Travel()]
+            x1_MD, route1_MK2 = (self._start(t, recv[1], send[1], g, tr) for t, tr in zip(rows[1], travels))
+            y0_MD = in_node(x0_MD, route0_MK2)
+            x1_MD, route1_MK2 = (self._wait(t, recv[1], send[1], g, tr)
+                                 for t, tr in zip((x1_MD, route1_MK2), travels))
+            back = _Travel()
+            y0_SD = self._start(y0_MD, send[0], recv[0], g, back)
+            y1_MD = in_node(x1_MD, route1_MK2)
+            y_SD = [self._wait(y0_SD, send[0], recv[0], g, back), all_to_all(y1_MD, send[1], recv[1], g)]
+        # 4. each node's part back at the token's rank, summed there
+        token_S = torch.cat([p[0] for p in pairs])
+        y_SD = torch.cat(y_SD)
+        return y_SD.new_zeros(T, y_SD.shape[-1]).index_add(0, token_S, y_SD)
+
+    def _pairs(self, experts_TK, keep_TK, X: int, offset: int):
+        """(token_S: the token of each (token, node) pair, node-major, send_N: pairs per node, reached: tokens
+        reaching 0..N nodes) for a chunk of tokens starting at `offset`; dropped assignments reach no node."""
+        N, T = self.num_nodes, experts_TK.shape[0]
+        node_TK = self.node_of_R.to(experts_TK.device)[experts_TK // X]
         if keep_TK is not None:
             node_TK = torch.where(keep_TK, node_TK, N)
-        hit_NT = torch.zeros(N + 1, T, dtype=torch.bool, device=dev).scatter_(0, node_TK.t(), True)[:N]
-        node_S, token_S = hit_NT.nonzero(as_tuple=True)
-        send_N = hit_NT.sum(1)
-        recv_N = torch.empty_like(send_N)
-        dist.all_to_all_single(recv_N, send_N, group=self.inter)
-        reached = torch.bincount(hit_NT.sum(0), minlength=N + 1)
-        host = torch.cat([send_N, recv_N, reached]).tolist()  # the first device-to-host copy of this layer
-        send, recv = host[:N], host[N:2 * N]
-        # 2. the rows and their routing (ids, -1 where dropped, and weights: fp32, the weights differentiable)
-        ids_SK = experts_TK[token_S] if keep_TK is None else torch.where(keep_TK[token_S], experts_TK[token_S], -1)
-        route_SK2 = torch.cat([weights_TK[token_S].float(), ids_SK.float()], 1)
-        self.counts.add(send, self.node, x_TD.shape[-1] * x_TD.element_size() + route_SK2.shape[1] * 4,
-                        host[2 * N:])
-        x_MD = all_to_all(x_TD[token_S], recv, send, self.inter)
-        route_MK2 = all_to_all(route_SK2, recv, send, self.inter)
-        w_MK, ids_MK = route_MK2[:, :K].to(weights_TK.dtype), route_MK2[:, K:].detach().long()
-        # 3. this node's experts among them, numbered within the node, through the node-local all-to-all
+        hit_NT = torch.zeros(N + 1, T, dtype=torch.bool, device=experts_TK.device).scatter_(0, node_TK.t(), True)[:N]
+        token_S = hit_NT.nonzero(as_tuple=True)[1] + offset
+        return token_S, hit_NT.sum(1), torch.bincount(hit_NT.sum(0), minlength=N + 1)
+
+    def _exchange_counts(self, pairs, row_bytes: int):
+        """One all-to-all of the chunks' [C, N] pair counts over `inter` and the layer's first device-to-host
+        copy: the host split sizes [C][N] to send and to receive (and this dispatch added to ``self.counts``)."""
+        C, N = len(pairs), self.num_nodes
+        send_NC = torch.stack([p[1] for p in pairs], 1).contiguous()  # grouped by destination: even splits
+        recv_NC = torch.empty_like(send_NC)
+        dist.all_to_all_single(recv_NC, send_NC, group=self.inter)
+        reached = sum(p[2] for p in pairs)
+        host = torch.cat([send_NC.t().reshape(-1), recv_NC.t().reshape(-1), reached]).tolist()
+        send = [host[c * N:(c + 1) * N] for c in range(C)]
+        recv = [host[(C + c) * N:(C + c + 1) * N] for c in range(C)]
+        self.counts.add([sum(s) for s in zip(*send)], self.node, row_bytes, host[2 * C * N:])
+        return send, recv
+
+    def _in_node(self, experts, X: int, dtype, x_MD, route_MK2):
+        """3. The received rows' assignments to this node's experts (numbered within the node) through the
+        node-local all-to-all; each row comes back as its experts' outputs summed with the travelled weights."""
+        K = route_MK2.shape[1] // 2
+        node_of_R, local_of_R = self.node_of_R.to(x_MD.device), self.local_of_R.to(x_MD.device)
+        w_MK, ids_MK = route_MK2[:, :K].to(dtype), route_MK2[:, K:].detach().long()
         rank_MK = torch.where(ids_MK >= 0, ids_MK // X, 0)
         here_MK = (ids_MK >= 0) & (node_of_R[rank_MK] == self.node)
         local_MK = torch.where(here_MK, local_of_R[rank_MK] * X + ids_MK % X, 0)
-        y_MD = self.intra.route(experts, x_MD, w_MK * here_MK, local_MK, here_MK, self.per_node * X)
-        # 4. each node's part back to the token's rank, summed there
-        y_SD = all_to_all(y_MD, send, recv, self.inter)
-        return y_SD.new_zeros(T, y_SD.shape[-1]).index_add(0, token_S, y_SD)
+        return self.intra.route(experts, x_MD, w_MK * here_MK, local_MK, here_MK, self.per_node * X)

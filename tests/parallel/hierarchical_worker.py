@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moelab.launch.entry import end_process
 from moelab.model.experts import GroupedExperts
+from moelab.parallel import expert_parallel
 from moelab.parallel.ep_hierarchical import HierarchicalDispatcher, NodeGroups
 from moelab.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 
@@ -44,11 +45,23 @@ def run(dispatcher, experts, x_TD, w_TK, experts_TK, keep_TK, E):
     for p in experts.parameters():
         p.grad = None
     weights_TK = w_TK if keep_TK is None else w_TK * keep_TK
-    y_TD = dispatcher.route(experts, x_TD, weights_TK, experts_TK, keep_TK, E)
+    events = []
+
+    def logged(*args):
+        events.append("experts")
+        return experts(*args)
+
+    start, wait = expert_parallel._Travel.start, expert_parallel._Travel.wait
+    expert_parallel._Travel.start = lambda self, *a: (events.append("start"), start(self, *a))[1]
+    expert_parallel._Travel.wait = lambda self: (events.append("wait"), wait(self))[1]
+    try:
+        y_TD = dispatcher.route(logged, x_TD, weights_TK, experts_TK, keep_TK, E)
+    finally:
+        expert_parallel._Travel.start, expert_parallel._Travel.wait = start, wait
     (y_TD * torch.linspace(-1, 1, D)).square().sum().backward()
     return {"y": y_TD.reshape(-1).tolist(), "x_grad": x_TD.grad.reshape(-1).tolist(),
             "w_grad": w_TK.grad.reshape(-1).tolist(),
-            "expert_grads": [p.grad.reshape(-1).tolist() for p in experts.parameters()]}
+            "expert_grads": [p.grad.reshape(-1).tolist() for p in experts.parameters()], "events": events}
 
 
 def other_node_pairs(experts_TK, keep_TK, X, rpn, rank):

@@ -48,6 +48,11 @@ def test_hierarchical_dispatch_equals_the_flat_all_to_all(world, rpn, tmp_path):
                 if case == "node_limited":  # every token's experts on one node: one copy, if any, crosses
                     assert sum(reached[2:]) == 0 and pairs <= 12
             assert got[f"{case}"]["counts"]["intra_node_rows"][0] > 0
+            # ep_overlap: chunk 1's rows and routing cross while chunk 0's experts compute, chunk 0's sums return
+            # while chunk 1's compute (forward; no overlapped exchange without it)
+            assert got[f"{case}_overlap"]["events"] == ["start", "start", "experts", "wait", "wait", "start",
+                                                        "experts", "wait"]
+            assert got[case]["events"] == ["experts"]
     # without the limit some token reaches both nodes (so the bound above is not vacuous)
     assert any(sum(got["random"]["counts"]["tokens_by_nodes_reached"][2:]) > 0 for got in res)
 
