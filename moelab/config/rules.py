@@ -228,6 +228,7 @@ def _check_parallel(cfg: "Config") -> None:
         _check_tensor_parallel(cfg)
     _check_replication(p, t)
     _check_ep_overlap(p, cfg.backend)
+    _check_ep_dispatch(p, cfg.backend)
     _check_grad_sync(p)
 
 
@@ -404,6 +405,23 @@ def _check_ep_overlap(p: ParallelConfig, b: BackendConfig) -> None:
         _fail("parallel.ep_overlap", True, f"splits backend.dispatcher='all_to_all''s exchanges, not "
               f"backend.dispatcher={b.dispatcher!r}'s kernels; set backend.dispatcher=all_to_all or "
               f"parallel.ep_overlap=false")
+
+
+def _check_ep_dispatch(p: ParallelConfig, b: BackendConfig) -> None:
+    """parallel.ep_dispatch / ranks_per_node: the node-aware dispatcher (moelab.parallel.ep_hierarchical) is
+    built on the all-to-all path; how nodes split the ranks is checked against a world size by
+    moelab.layout.dims.ParallelDims."""
+    if p.ranks_per_node < 0:
+        _fail("parallel.ranks_per_node", p.ranks_per_node, "must be >= 1, or 0 to take the launcher's count")
+    if p.ep_dispatch != "hierarchical":
+        return
+    if p.ep == 1:
+        _fail("parallel.ep_dispatch", p.ep_dispatch, "routes tokens between expert-parallel ranks, which needs "
+              "parallel.ep > 1; set parallel.ep or parallel.ep_dispatch=auto")
+    if b.dispatcher != "all_to_all":
+        _fail("parallel.ep_dispatch", p.ep_dispatch, f"is built from torch all-to-alls, not "
+              f"backend.dispatcher={b.dispatcher!r}'s kernels; set backend.dispatcher=all_to_all or "
+              f"parallel.ep_dispatch=flat")
 
 
 def _check_replication(p: ParallelConfig, t: TrainConfig) -> None:

@@ -169,6 +169,14 @@ class ParallelConfig:
     expert_dp: Literal["fsdp", "replicate"] = "fsdp"
     # Two token chunks per micro batch after routing, one's all-to-all overlapping the other's experts (same math).
     ep_overlap: bool = False
+    # How tokens reach the experts when the EP group spans nodes (moelab.parallel.ep_hierarchical). flat: one
+    # all-to-all over the EP group, one row per routed expert. hierarchical: each token crosses to another node
+    # once per destination node, fans out to its experts inside the node, and the node's weighted sum crosses
+    # back once. auto: hierarchical when the EP group spans nodes, else flat.
+    ep_dispatch: Literal["auto", "flat", "hierarchical"] = "auto"
+    # Ranks per node (GPUs per host); 0 = the launcher's (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE). Set it to
+    # simulate nodes on one machine: ranks r and s share a node when r // ranks_per_node == s // ranks_per_node.
+    ranks_per_node: int = 0
     # FSDP2 placement (moelab.parallel.fsdp; no value changes). Reshard after forward: default = torchtitan's rule
     # (every block but the last; none under pp > 1), for the dense blocks and the experts' own units.
     reshard_after_forward: Literal["default", "always", "never"] = "default"

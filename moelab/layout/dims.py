@@ -110,6 +110,7 @@ class ParallelDims:
         if p.cp > 1 and p.pp > 1:
             raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp}: context parallelism does not "
                               f"compose with pipeline stages yet; use one of them")
+        check_nodes(p, world_size)
         return cls(dataclasses.replace(p, fsdp=fsdp), world_size, n_micro)
 
     # ------------------------------------------------------------------ sizes
@@ -201,3 +202,52 @@ def grad_sync(p: ParallelConfig) -> str:
     if p.fsdp_grad_sync != "auto":
         return p.fsdp_grad_sync
     return "step" if p.pp > 1 else "micro_batch"
+
+
+# ------------------------------------------------------------------ nodes (parallel.ranks_per_node, ep_dispatch)
+def check_nodes(p: ParallelConfig, world_size: int, ranks_per_node: int | None = None) -> None:
+    """How nodes split the ranks: `ranks_per_node` (default parallel.ranks_per_node; 0 = not known here, so
+    nothing to check) must divide the world size, and an EP group must lie within one node or span whole
+    nodes (every node of the group holding as many of its ranks), which the node-aware dispatcher needs."""
+    rpn = p.ranks_per_node if ranks_per_node is None else ranks_per_node
+    if rpn == 0:
+        return
+    field = "parallel.ranks_per_node"
+    if world_size % rpn:
+        _fail(field, rpn, f"must divide the world size {world_size} (every node runs as many ranks); try one of "
+              f"{_divisors(world_size)}")
+    if p.ep > rpn and p.ep % rpn:
+        _fail(field, rpn, f"parallel.ep={p.ep} spans nodes of {rpn} ranks unevenly; ep must be a multiple of "
+              f"ranks_per_node, or divide it")
+    if p.ep < rpn and rpn % p.ep:
+        _fail(field, rpn, f"an EP group of parallel.ep={p.ep} ranks would straddle two nodes of {rpn} ranks; "
+              f"choose ep dividing {rpn} or a multiple of it")
+
+
+def resolve_ranks_per_node(p: ParallelConfig, world_size: int, environ: dict) -> int:
+    """Ranks per node: parallel.ranks_per_node, else the launcher's LOCAL_WORLD_SIZE (torchrun, moelab's local
+    launcher), else SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE ("4" or "4(x2)"), else all ranks on one node.
+
+        resolve_ranks_per_node(layout, 8, {"LOCAL_WORLD_SIZE": "4"})    # 4: two nodes of 4 ranks
+    """
+    if p.ranks_per_node:
+        rpn = p.ranks_per_node
+    else:
+        raw = (environ.get("LOCAL_WORLD_SIZE") or environ.get("SLURM_NTASKS_PER_NODE")
+               or environ.get("SLURM_TASKS_PER_NODE") or str(world_size))
+        rpn = int(raw.split("(")[0].split(",")[0])
+    check_nodes(p, world_size, rpn)
+    return rpn
+
+
+def ep_nodes(p: ParallelConfig, ranks_per_node: int) -> int:
+    """How many nodes one EP group spans (1 when it lies within a node)."""
+    return max(p.ep // ranks_per_node, 1)
+
+
+def hierarchical_dispatch(p: ParallelConfig, ranks_per_node: int) -> bool:
+    """Whether the EP dispatcher is the node-aware one: parallel.ep_dispatch=hierarchical, or auto with an EP
+    group that spans nodes."""
+    if p.ep == 1 or p.ep_dispatch == "flat":
+        return False
+    return p.ep_dispatch == "hierarchical" or ep_nodes(p, ranks_per_node) > 1

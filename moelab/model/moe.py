@@ -8,6 +8,8 @@ parallelism (and the backend switchboard may swap in DeepEP) without touching th
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -17,6 +19,10 @@ from moelab.model.experts import GroupedExperts
 from moelab.model.layers import SwiGLU
 from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
 from moelab.model.router import Router, count_ids
+
+
+def _call(module, *args):
+    return module(*args)
 
 
 class AttachLoss(torch.autograd.Function):
@@ -52,7 +58,12 @@ class Dispatcher:
     weights stay on theirs) weights the returned rows at combine.
 
         y_TD = LocalDispatcher().route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
+
+    ``exchanges``: whether the dispatch communicates (expert parallelism), so that selective recompute keeps
+    what it delivered instead of running it again (moelab.model.recompute).
     """
+
+    exchanges = False
 
     def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
         x_ND, counts, ctx = self.dispatch(x_TD, experts_TK, keep_TK, num_experts)
@@ -135,17 +146,21 @@ class MoE(nn.Module):
         """`record`: a dict that takes the router's statistics instead of its buffers (Router.forward)."""
         return self.routed(x_BLD, *self.router(x_BLD, ctx.token_mask_BL, record), loss_scale=ctx.loss_scale)
 
-    def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss, loss_scale: float = 1.0) -> torch.Tensor:
+    def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss, loss_scale: float = 1.0,
+               run=None) -> torch.Tensor:
         """Everything after the router: dispatch, experts, combine, shared experts (selective recompute reruns
-        this part in backward with the router's outputs kept: moelab.model.recompute). `loss_scale`: the weight
-        of this micro batch's router losses in the step's loss (BatchContext.loss_scale)."""
+        this part, or only its experts, in backward with the router's outputs kept: moelab.model.recompute).
+        `loss_scale`: the weight of this micro batch's router losses in the step's loss
+        (BatchContext.loss_scale). `run(module, *args)` calls the routed and shared experts (default: plainly)."""
+        run = run or _call
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
-        y_TD = self.dispatcher.route(self.experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)
+        experts = functools.partial(run, self.experts)
+        y_TD = self.dispatcher.route(experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + run(self.shared_experts, x_TD)
         y_BLD = y_TD.view(B, L, D)
         if router_loss.requires_grad:
             y_BLD = AttachLoss.apply(y_BLD, router_loss, loss_scale)

@@ -16,12 +16,18 @@ A block runs as three checkpointed pieces and the router between them:
     xn = ffn_norm(h)                         checkpointed: the norm recomputed from h
     route = router(xn)                       run once: its top-k indices and weights are kept, so the
                                              recompute cannot route differently (NeMo's ignore_router_for_ac)
-    y = moe.routed(xn, *route)               checkpointed: dispatch, SwiGLU, combine recomputed
+    y = moe.routed(xn, *route)               checkpointed: dispatch, SwiGLU, combine recomputed (one process)
+    y = moe.routed(xn, *route, run=_piece)   under expert parallelism: only the routed experts and the shared
+                                             experts are checkpointed pieces; the dispatch and the combine run
+                                             once, so their all-to-alls never run again in backward
 
 Inside each piece, torch's selective checkpoint policy keeps the outputs of the matmuls and of the attention
-kernel (SAVED_OPS) and recomputes everything else. Under expert parallelism the dispatcher's all-to-all is part
-of the recomputed piece and runs again in backward, as with full checkpointing. moelab.planner.recompute counts
-what it keeps.
+kernel (SAVED_OPS) and recomputes everything else. Under expert parallelism (a dispatcher that ``exchanges``) a
+MoE layer therefore does its 4 row exchanges per micro batch (dispatch and combine, forward and backward) as
+without recompute; the price is what the dispatch and combine keep for backward: the rows the experts received
+([W, D], the experts piece's input) and the returned rows the combine weights ([T*K, D] at most, for the
+weights' gradient). Without EP the whole routed part stays one piece (nothing to exchange, less kept).
+moelab.planner.recompute counts what it keeps.
 
     block.recompute = "selective"            # moelab.parallel.place.apply_activation_checkpointing sets it
     y_BLD = block(x_BLD, cos_LD, sin_LD, ctx)   # same values and gradients as without recompute
@@ -60,6 +66,8 @@ def selective_forward(block, x_BLD, cos_LD, sin_LD, ctx):
         return h_BLD + _piece(lambda h: block.ffn(block.ffn_norm(h)), h_BLD)
     xn_BLD = _piece(block.ffn_norm, h_BLD)
     route = block.ffn.router(xn_BLD, ctx.token_mask_BL)  # outside any checkpoint: kept, never recomputed
+    if block.ffn.dispatcher.exchanges:  # keep what the dispatch delivered; recompute inside the experts only
+        return h_BLD + block.ffn.routed(xn_BLD, *route, loss_scale=ctx.loss_scale, run=_piece)
     return h_BLD + _piece(functools.partial(block.ffn.routed, loss_scale=ctx.loss_scale), xn_BLD, *route)
 
 

@@ -112,6 +112,8 @@ class DeepEPDispatcher(Dispatcher):
         moe.dispatcher = DeepEPDispatcher(ep_group, hidden=cfg.model.hidden_size)   # backend.dispatcher=deepep
     """
 
+    exchanges = True
+
     def __init__(self, group, hidden: int):
         deep_ep = import_package("deep_ep")
         check_one_node(group)

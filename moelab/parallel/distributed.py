@@ -18,6 +18,8 @@ add up over all ranks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,7 +33,7 @@ from moelab.parallel.context import ContextParallel
 from moelab.parallel.expert_parallel import (AllToAllDispatcher, OverlappedAllToAllDispatcher,
                                              scale_expert_gradients, shard_experts)
 from moelab.parallel.fsdp import apply_fsdp, set_micro_batch
-from moelab.layout.dims import ParallelDims, grad_sync
+from moelab.layout.dims import ParallelDims, grad_sync, hierarchical_dispatch, resolve_ranks_per_node
 from moelab.parallel.mesh import Meshes, build_meshes
 from moelab.parallel.replicate import REPLICAS
 
@@ -146,6 +148,12 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     # One dispatcher for every layer: it keeps no state between calls, and DeepEP's communication buffer
     # (about a gigabyte) is needed once per process, not once per layer.
     dispatcher = build_dispatcher(kind, meshes.ep_group, cfg.model.hidden_size, cfg.parallel.ep_overlap)
+    ranks_per_node = resolve_ranks_per_node(meshes.layout, dist.get_world_size(), os.environ)
+    if hierarchical_dispatch(meshes.layout, ranks_per_node):  # parallel.ep_dispatch (moelab.parallel.ep_hierarchical)
+        from moelab.parallel.ep_hierarchical import HierarchicalDispatcher, NodeGroups
+
+        nodes = NodeGroups.build(meshes.ep_group, ranks_per_node)
+        dispatcher = HierarchicalDispatcher(meshes.ep_group, nodes, cfg.parallel.ep_overlap)
     for moe in model.moe_layers():
         shard_experts(moe.experts, meshes.coords.ep, ep)
         scale_expert_gradients(moe.experts, ep)

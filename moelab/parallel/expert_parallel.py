@@ -90,6 +90,8 @@ class AllToAllDispatcher(Dispatcher):
         moe.dispatcher = AllToAllDispatcher(meshes.ep_group)
     """
 
+    exchanges = True
+
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -112,7 +114,7 @@ class AllToAllDispatcher(Dispatcher):
         recv_CRX = recv_RCX.transpose(0, 1)
         # The one device-to-host copy of this layer (see the module docstring), with the ranks each token reaches.
         host = torch.cat([send_CRX.sum(2).reshape(-1), recv_CRX.sum(2).reshape(-1),
-                          ranks_per_token(flat_TK.view(x_TD.shape[0], -1), X, R)]).tolist()
+                          ranks_per_token(flat_TK.view(x_TD.shape[0], -1 if len(x_TD) else 0), X, R)]).tolist()
         send, recv = host[:C * R], host[C * R:2 * C * R]
         send_splits, recv_splits = ([part[c * R:(c + 1) * R] for c in range(C)] for part in (send, recv))
         self.counts.add([sum(s) for s in zip(*send_splits)], host[2 * C * R:], self.me,
@@ -269,7 +271,7 @@ def weighted_sum(rows: list[ChunkRows], y_back: list[torch.Tensor], weights_TK) 
     slot_N = rows[0].slot_N if len(rows) == 1 else torch.cat([r.slot_N for r in rows])
     y_ND = y_back[0] if len(y_back) == 1 else torch.cat(y_back)
     y_TKD = y_ND.new_zeros(T * K, y_ND.shape[-1]).index_copy(0, slot_N, y_ND)
-    return (y_TKD.view(T, K, -1) * weights_TK[..., None]).sum(1)
+    return (y_TKD.view(T, K, y_ND.shape[-1]) * weights_TK[..., None]).sum(1)  # T may be 0 (hierarchical)
 
 
 def ranks_per_token(experts_TK: torch.Tensor, X: int, R: int) -> torch.Tensor:

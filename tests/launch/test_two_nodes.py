@@ -111,6 +111,18 @@ def test_two_nodes_two_tasks_each_reproduce_one_process(on_two_nodes, reference,
     assert _sacct_attempts(run.job_id) == ["COMPLETED"]
 
 
+def test_an_ep_group_over_both_nodes_crosses_between_them_once_per_token_and_node(on_two_nodes, reference, tmp_path):
+    """EP over all 4 ranks spans both nodes: parallel.ep_dispatch=auto takes the node-aware dispatcher
+    (moelab.parallel.ep_hierarchical), its nodes from SLURM's tasks per node, and gives the losses of one process."""
+    run = tiny(ep=4).submit("slurm", folder=tmp_path / "run", nodes=2, tasks_per_node=2, time=15)
+    run.wait(WAIT_S)
+    assert run.status == "COMPLETED", (run.status, run.error)
+    assert _hosts(run) == {0: "moelab-n1", 1: "moelab-n1", 2: "moelab-n2", 3: "moelab-n2"}
+    np.testing.assert_allclose(run.metrics["loss"], reference, rtol=1e-5, atol=1e-5)
+    comm = [e["comm"] for e in run.events if e["event"] == "step"]
+    assert all(c["inter_node_rows"] > 0 and "dispatch_rows" not in c for c in comm), comm[0]
+
+
 def test_a_node_killed_mid_run_requeues_the_job_which_resumes_exactly(on_two_nodes, reference, tmp_path):
     run = tiny(ep=2).submit("slurm", folder=tmp_path / "run", nodes=2, tasks_per_node=2, time=15)
     job_id = run.job_id

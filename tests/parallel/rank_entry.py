@@ -81,12 +81,14 @@ COLLECTIVES: list[dict] = []  # per training step: FSDP2's all-gathers and reduc
 def count_collectives(trainer) -> None:
     """Count, per training step, the calls FSDP2 makes to torch.distributed.all_gather_single and
     reduce_scatter_single (its collectives) on groups of two or more ranks, and the bytes each sends ((n - 1) / n
-    of the whole tensor), so a test can hold the planner's schedule (moelab.planner.gathered) to them."""
+    of the whole tensor), so a test can hold the planner's schedule (moelab.planner.gathered) to them; and the
+    all_to_all_single calls that move floating-point rows (the EP dispatchers' exchanges)."""
     import inspect
 
     import torch.distributed as dist
 
-    now = {"all_gathers": 0, "reduce_scatters": 0, "all_gather_bytes": 0, "reduce_scatter_bytes": 0}
+    now = {"all_gathers": 0, "reduce_scatters": 0, "all_gather_bytes": 0, "reduce_scatter_bytes": 0,
+           "row_all_to_alls": 0}
 
     def spy(name, whole):
         inner = getattr(dist, name)
@@ -106,6 +108,14 @@ def count_collectives(trainer) -> None:
 
     spy("all_gather_single", "output_tensor")
     spy("reduce_scatter_single", "input")
+    inner_a2a = dist.all_to_all_single
+
+    def counted_a2a(output, input, *args, **kwargs):
+        # the EP dispatchers' exchanges of rows (floating point), not their split sizes (integers)
+        now["row_all_to_alls"] += int(input.is_floating_point())
+        return inner_a2a(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counted_a2a
     step_fn = trainer.train_step
 
     def counted_step(step, *args, **kwargs):

@@ -35,10 +35,13 @@ LAYOUTS = {  # name: (processes, overrides of the layout, overrides shared with 
     "ep2-chunks": (2, ["parallel.ep=2"], (CHUNKS,)),
     "pp2-chunks": (2, ["parallel.pp=2"], (CHUNKS,)),
     "cp2xep2-chunks": (2, ["parallel.cp=2", "parallel.ep=2"], (NO_CAPACITY, "backend.attention=eager", CHUNKS)),
-    # selective recompute (moelab.model.recompute) against the one process without recompute: the all-to-all
-    # reruns in backward with the router's kept choices; pipeline stages recompute inside the schedule
+    # selective recompute (moelab.model.recompute) against the one process without recompute: the experts rerun
+    # in backward on the rows the dispatch delivered (no second all-to-all: tests/parallel/test_recompute_exchanges)
+    # with the router's kept choices; pipeline stages recompute inside the schedule
     "ep2-selective": (2, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
     "pp2xep2-selective": (4, ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=selective"], ()),
+    # the experts' checkpointed piece is their FSDP2 unit (expert-FSDP over 2 ranks): gathered again to recompute
+    "ep2xfsdp2-selective": (4, ["parallel.ep=2", "train.activation_checkpointing=selective"], ()),
 }
 OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlapped layout: the same without it
 # One-rank meshes skip FSDP2 (moelab.parallel.fsdp): EP over all dp*cp ranks leaves the experts plain (one rank
