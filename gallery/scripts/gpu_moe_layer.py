@@ -201,6 +201,23 @@ def main() -> int:
             except Exception as exc:
                 rec["errors"][f"{kind} {name}"] = "".join(traceback.format_exception(exc))[-3000:]
                 print(f"moe-layer {kind} {name}: ERROR {exc!r}", flush=True)
+        if dev == "cuda" and kind == "skewed" and "moelab-triton_fused-eager" in fns:  # block sizes, eager
+            sweep = res["fused_block_sweep (BM,BN,BK,warps,stages): fwd_bwd_ms"] = {}
+            for blocks in ("128,128,64,8,3", "128,128,64,4,4", "64,128,64,4,4", "128,64,64,4,4", "128,256,64,8,3",
+                           "128,128,32,4,5", "64,64,64,4,4"):
+                os.environ["MOELAB_FUSED_BLOCKS"] = blocks
+
+                def fused_step(_=0, f=fns["moelab-triton_fused-eager"]):
+                    for t in (x_TD, wts, *params):
+                        t.grad = None
+                    f(x_TD, wts, experts_TK).backward(g_TD)
+                try:
+                    fused_step()
+                    sweep[blocks] = statistics.median(timer.time(fused_step, reps))
+                except Exception as exc:
+                    sweep[blocks] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                print(f"moe-layer sweep {blocks}: {sweep[blocks]}", flush=True)
+            del os.environ["MOELAB_FUSED_BLOCKS"]
         base = res.get("moelab-grouped_mm-eager", {}).get("rel_err_vs_fp32")
         for name, r in res.items():
             if name.startswith("moelab-triton_fused") and base:
@@ -216,7 +233,7 @@ def main() -> int:
     (Path(args.out) / "moe-layer.json").write_text(json.dumps(rec, indent=1) + "\n")
     for kind, res in rec["results"].items():
         for name, r in res.items():
-            if "fwd_bwd_ms" in r:
+            if isinstance(r, dict) and "fwd_bwd_ms" in r:
                 print(f"moe-layer {kind:8s} {name:30s} {r['fwd_bwd_ms']:7.3f} ms {r['tflops']:6.1f} TFLOP/s saved "
                       f"{r['saved_bytes_hooks_activations'] / 2**20:7.1f} MiB x{r.get('speedup_vs_today', 0):.2f}")
     return 0

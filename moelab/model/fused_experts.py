@@ -54,7 +54,7 @@ if triton is not None:
     def _up_kernel(x_ptr, tok_ptr, w1_ptr, scale_ptr, h_ptr, a_ptr, blk_e_ptr, blk_start_ptr, ends_ptr,
                    D, F, s_x, s_we, s_wd, s_wf, s_h, s_a,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)  # N fastest: an M block's rows stay in L2
         e = tl.load(blk_e_ptr + pid_m)
         if e >= 0:
             rows = tl.load(blk_start_ptr + pid_m) + tl.arange(0, BM)
@@ -93,7 +93,7 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """out[dst[r]] = A[src[r]] @ B[e] for the rows r of M block pid_m (src / dst: identity unless GATHER /
         SCATTER)."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)  # N fastest: an M block's rows stay in L2
         e = tl.load(blk_e_ptr + pid_m)
         if e >= 0:
             rows = tl.load(blk_start_ptr + pid_m) + tl.arange(0, BM)
@@ -124,7 +124,7 @@ if triton is not None:
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """da = g_TD[tok] @ W2[e]^T over F columns; epilogue: dSwiGLU into dh_NF2, a_NF = w * silu(g) * u, and
         <da, silu(g) * u> added into dscale_N (the routing weights' gradient)."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)  # N fastest: an M block's rows stay in L2
         e = tl.load(blk_e_ptr + pid_m)
         if e >= 0:
             rows = tl.load(blk_start_ptr + pid_m) + tl.arange(0, BM)
@@ -165,8 +165,7 @@ if triton is not None:
                       BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
         """out[e] = A[rows of e]^T @ B[rows of e] ([I, J]), A's / B's rows read through a_idx / b_idx when
         GATHER_A / GATHER_B; rows of no expert leave zeros."""
-        e = tl.program_id(0)
-        pid = tl.program_id(1)
+        pid, e = tl.program_id(0), tl.program_id(1)  # an expert's tiles together: its rows stay in L2
         n_j = tl.cdiv(J, BJ)
         ci = (pid // n_j) * BI + tl.arange(0, BI)
         cj = (pid % n_j) * BJ + tl.arange(0, BJ)
@@ -207,9 +206,12 @@ def _blocks(counts_E: torch.Tensor, n_rows: int, bm: int):
 
 
 def _config(n_cols: int):
-    """Block sizes: (BM, BN, BK, warps, stages). Small under the interpreter (tests), Hopper-sized on a GPU."""
+    """Block sizes: (BM, BN, BK, warps, stages). Small under the interpreter (tests), Hopper-sized on a GPU;
+    $MOELAB_FUSED_BLOCKS="BM,BN,BK,warps,stages" overrides them (gallery/scripts/gpu_moe_layer.py's sweep)."""
     if interpreted():
         return 16, 16, 16, 1, 1
+    if os.environ.get("MOELAB_FUSED_BLOCKS"):
+        return tuple(int(v) for v in os.environ["MOELAB_FUSED_BLOCKS"].split(","))
     return 128, 128 if n_cols >= 128 else 64, 64, 8, 3
 
 
@@ -223,12 +225,12 @@ def _fwd(x_TD: torch.Tensor, scale_N: torch.Tensor, w1: torch.Tensor, w2: torch.
     h_NF2 = torch.empty(N, 2 * F, dtype=x_TD.dtype, device=x_TD.device)
     a_NF = torch.empty(N, F, dtype=x_TD.dtype, device=x_TD.device)
     BNu = min(BN, 64) if not interpreted() else BN  # two accumulators: half the width each
-    _up_kernel[(blk_e.shape[0], triton.cdiv(F, BNu))](
+    _up_kernel[(triton.cdiv(F, BNu), blk_e.shape[0])](
         x_TD, tok_N, w1, scale_N, h_NF2, a_NF, blk_e, blk_start, ends_E, D, F, x_TD.stride(0), w1.stride(0),
         w1.stride(1), w1.stride(2), h_NF2.stride(0), a_NF.stride(0), BM=BM, BN=BNu, BK=BK, num_warps=warps,
         num_stages=stages)
-    y_ND = torch.zeros(N, D, dtype=x_TD.dtype, device=x_TD.device)  # rows of no expert (none here) stay 0
-    _rows_kernel[(blk_e.shape[0], triton.cdiv(D, BN))](
+    y_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)  # every row written (all assignments kept)
+    _rows_kernel[(triton.cdiv(D, BN), blk_e.shape[0])](
         a_NF, tok_N, w2, y_ND, order_N, blk_e, blk_start, ends_E, F, D, a_NF.stride(0), w2.stride(0),
         w2.stride(1), w2.stride(2), y_ND.stride(0), GATHER=False, SCATTER=True, BM=BM, BN=BN, BK=BK,
         num_warps=warps, num_stages=stages)
@@ -255,22 +257,22 @@ def _bwd(g_TD: torch.Tensor, x_TD: torch.Tensor, h_NF2: torch.Tensor, scale_N: t
     dh_NF2 = torch.empty_like(h_NF2)
     a_NF = torch.empty(N, F, dtype=x_TD.dtype, device=x_TD.device)
     dscale_N = torch.zeros(N, dtype=torch.float32, device=x_TD.device)
-    _da_kernel[(blk_e.shape[0], triton.cdiv(F, BN))](
+    _da_kernel[(triton.cdiv(F, BN), blk_e.shape[0])](
         g_TD, tok_N, w2, h_NF2, scale_N, dh_NF2, a_NF, dscale_N, blk_e, blk_start, ends_E, D, F, g_TD.stride(0),
         w2.stride(0), w2.stride(1), w2.stride(2), h_NF2.stride(0), a_NF.stride(0), BM=BM, BN=BN, BK=BK,
         num_warps=warps, num_stages=stages)
-    dx_ND = torch.zeros(N, D, dtype=x_TD.dtype, device=x_TD.device)
-    _rows_kernel[(blk_e.shape[0], triton.cdiv(D, BN))](
+    dx_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
+    _rows_kernel[(triton.cdiv(D, BN), blk_e.shape[0])](
         dh_NF2, tok_N, w1, dx_ND, order_N, blk_e, blk_start, ends_E, 2 * F, D, dh_NF2.stride(0), w1.stride(0),
         w1.stride(2), w1.stride(1), dx_ND.stride(0), GATHER=False, SCATTER=True, BM=BM, BN=BN, BK=BK,
         num_warps=warps, num_stages=stages)  # W1[e]^T: [2F, D]
     dw2 = torch.empty_like(w2)
-    BI, BJ = (BN, BN) if not interpreted() else (16, 16)
-    _wgrad_kernel[(E, triton.cdiv(F, BI) * triton.cdiv(D, BJ))](
+    BI = BJ = min(BN, 128)
+    _wgrad_kernel[(triton.cdiv(F, BI) * triton.cdiv(D, BJ), E)](
         a_NF, tok_N, g_TD, tok_N, dw2, starts_E, ends_E, F, D, a_NF.stride(0), g_TD.stride(0), dw2.stride(0),
         dw2.stride(1), GATHER_A=False, GATHER_B=True, BI=BI, BJ=BJ, BK=BK, num_warps=warps, num_stages=stages)
     dw1 = torch.empty_like(w1)
-    _wgrad_kernel[(E, triton.cdiv(D, BI) * triton.cdiv(2 * F, BJ))](
+    _wgrad_kernel[(triton.cdiv(D, BI) * triton.cdiv(2 * F, BJ), E)](
         x_TD, tok_N, dh_NF2, tok_N, dw1, starts_E, ends_E, D, 2 * F, x_TD.stride(0), dh_NF2.stride(0),
         dw1.stride(0), dw1.stride(1), GATHER_A=True, GATHER_B=False, BI=BI, BJ=BJ, BK=BK, num_warps=warps,
         num_stages=stages)
