@@ -90,6 +90,25 @@ def sonic_route(w1_s, w2_s, E):
     return f
 
 
+def kernel_profile(f, inputs, g_TD, steps: int = 3) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                f(*inputs).backward(g_TD)
+            torch.cuda.synchronize()
+        by = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                by[ev.name[:90]] = by.get(ev.name[:90], 0.0) + ev.device_time_total / 1e3 / steps
+        top = dict(sorted(by.items(), key=lambda kv: -kv[1])[:14])
+        top["(all kernels)"] = sum(by.values())
+        return top
+    except Exception as exc:
+        return {"error": repr(exc)[:300]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -126,7 +145,8 @@ def main() -> int:
                          "moelab-triton_fused-compiled": ("triton_fused", True)})
     sonic = None
     if dev == "cuda" and os.environ.get("SONIC_SITE"):
-        sys.path.insert(0, os.environ["SONIC_SITE"])
+        import site
+        site.addsitedir(os.environ["SONIC_SITE"])  # with its .pth files (nvidia_cutlass_dsl's python_packages)
         try:
             import sonicmoe
             rec["sonicmoe_version"] = sonicmoe.__version__
@@ -201,10 +221,12 @@ def main() -> int:
             except Exception as exc:
                 rec["errors"][f"{kind} {name}"] = "".join(traceback.format_exception(exc))[-3000:]
                 print(f"moe-layer {kind} {name}: ERROR {exc!r}", flush=True)
+        if dev == "cuda" and kind == "skewed":  # where the time goes: CUDA kernel time per kernel name, one step
+            res["profile: kernel ms per step (top 14)"] = {name: kernel_profile(fns[name], (x_TD, wts, experts_TK),
+                                                                                 g_TD) for name in fns}
         if dev == "cuda" and kind == "skewed" and "moelab-triton_fused-eager" in fns:  # block sizes, eager
             sweep = res["fused_block_sweep (BM,BN,BK,warps,stages): fwd_bwd_ms"] = {}
-            for blocks in ("128,128,64,8,3", "128,128,64,4,4", "64,128,64,4,4", "128,64,64,4,4", "128,256,64,8,3",
-                           "128,128,32,4,5", "64,64,64,4,4"):
+            for blocks in ("128,128,64,8,3", "128,128,64,8,4", "128,128,32,8,4", "64,128,64,4,3"):
                 os.environ["MOELAB_FUSED_BLOCKS"] = blocks
 
                 def fused_step(_=0, f=fns["moelab-triton_fused-eager"]):
