@@ -1,6 +1,7 @@
 """Issue 41: one MoE layer's experts, forward + backward, at the Qwen3-30B-A3B proxy's shapes, checked and timed:
 moelab's compiled path as it is today (LocalDispatcher + torch._grouped_mm experts, compiled), moelab's fused
-Triton path (backend.experts=triton_fused: moelab.model.fused_experts), eager and compiled, and SonicMoE when it
+Triton path (backend.experts=triton_fused: moelab.model.fused_experts), eager and compiled, the same saved tensors
+with torch._grouped_mm (fused_experts.lean_grouped_experts), and SonicMoE when it
 imports (its `moe_general_routing_inputs` on the same routing; set SONIC_SITE to the folder its wheels were
 unpacked into).
 
@@ -75,6 +76,17 @@ def moelab_route(experts):
     return f
 
 
+def lean_route(w1, w2, E):
+    """moelab.model.fused_experts.lean_grouped_experts: torch._grouped_mm, saving what the fused kernels save."""
+    from moelab.model.fused_experts import lean_grouped_experts
+
+    def f(x_TD, weights_TK, experts_TK):
+        order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+        counts_E = torch.bincount(experts_TK.reshape(-1), minlength=E)
+        return lean_grouped_experts(x_TD, weights_TK, w1, w2, order_N, counts_E)
+    return f
+
+
 def sonic_route(w1_s, w2_s, E):
     from sonicmoe import moe_general_routing_inputs
     from sonicmoe.enums import ActivationType
@@ -142,7 +154,9 @@ def main() -> int:
     variants = {"moelab-grouped_mm-eager": ("auto", False), "moelab-grouped_mm-compiled": ("auto", True)}
     if dev == "cuda":
         variants.update({"moelab-triton_fused-eager": ("triton_fused", False),
-                         "moelab-triton_fused-compiled": ("triton_fused", True)})
+                         "moelab-triton_fused-compiled": ("triton_fused", True),
+                         "moelab-lean_grouped_mm-eager": ("lean", False),
+                         "moelab-lean_grouped_mm-compiled": ("lean", True)})
     sonic = None
     if dev == "cuda" and os.environ.get("SONIC_SITE"):
         import site
@@ -161,9 +175,13 @@ def main() -> int:
         if impl == "sonic":
             fns[name] = sonic_route(*sonic, E)
             continue
-        by_impl = GroupedExperts(E, D, F, impl=impl)  # sharing the weights
-        by_impl.w_gate_up_EDF2, by_impl.w_down_EFD = w1, w2
-        fns[name] = torch.compile(moelab_route(by_impl)) if compiled else moelab_route(by_impl)
+        if impl == "lean":
+            fn = lean_route(w1, w2, E)
+        else:
+            by_impl = GroupedExperts(E, D, F, impl=impl)  # sharing the weights
+            by_impl.w_gate_up_EDF2, by_impl.w_down_EFD = w1, w2
+            fn = moelab_route(by_impl)
+        fns[name] = torch.compile(fn) if compiled else fn
     timer = StepTimer(dev)
     for kind in ("skewed", "balanced"):
         weights_TK, experts_TK = routing(kind, T, K, E, gen)

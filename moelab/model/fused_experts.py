@@ -312,3 +312,53 @@ def fused_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_EDF2: 
     y_TD, _ = _fwd(x_TD.contiguous(), scale_N, w_gate_up_EDF2.contiguous(), w_down_EFD.contiguous(), tok_N,
                    order_N.to(torch.int32), counts_E, K)
     return y_TD
+
+
+class _LeanGroupedExperts(torch.autograd.Function):
+    """The same experts with torch._grouped_mm and torch ops (no Triton), keeping what the kernels keep (x_TD,
+    h_NF2, the weights): the gathered rows and the activation are made again in backward instead of saved. A
+    traceable Function: compiled, inductor fuses the gathers and SwiGLU's passes around the grouped GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x_TD, scale_N, w1, w2, tok_N, order_N, inverse_N, offs_E, K: int, out_dtype: torch.dtype):
+        T, D = x_TD.shape
+        h_NF2 = torch._grouped_mm(x_TD[tok_N], w1, offs=offs_E)
+        gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
+        a_NF = (torch.nn.functional.silu(gate_NF) * up_NF * scale_N[:, None]).to(x_TD.dtype)
+        y_ND = torch._grouped_mm(a_NF, w2, offs=offs_E)
+        ctx.save_for_backward(x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, inverse_N, offs_E)
+        ctx.K = K
+        return y_ND[inverse_N].view(T, K, D).sum(1, dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, inverse_N, offs_E = ctx.saved_tensors
+        T, D = x_TD.shape
+        g_ND = g_TD.to(x_TD.dtype)[tok_N]  # the combine's gradient: every row its token's
+        da_NF = torch._grouped_mm(g_ND, w2.transpose(-2, -1), offs=offs_E).float()
+        gate_NF, up_NF = h_NF2.float().chunk(2, dim=-1)
+        sig_NF = torch.sigmoid(gate_NF)
+        silu_NF = gate_NF * sig_NF
+        dscale_N = (da_NF * silu_NF * up_NF).sum(-1).to(scale_N.dtype)
+        da_NF = da_NF * scale_N[:, None]
+        dh_NF2 = torch.cat([da_NF * up_NF * sig_NF * (1 + gate_NF * (1 - sig_NF)), da_NF * silu_NF], -1)
+        dh_NF2 = dh_NF2.to(x_TD.dtype)
+        a_NF = (silu_NF * up_NF * scale_N[:, None]).to(x_TD.dtype)
+        dw2 = torch._grouped_mm(a_NF.transpose(0, 1), g_ND, offs=offs_E)
+        dw1 = torch._grouped_mm(x_TD[tok_N].transpose(0, 1), dh_NF2, offs=offs_E)
+        dx_ND = torch._grouped_mm(dh_NF2, w1.transpose(-2, -1), offs=offs_E)
+        dx_TD = dx_ND[inverse_N].view(T, ctx.K, D).sum(1, dtype=x_TD.dtype)
+        return dx_TD, dscale_N, dw1, dw2, None, None, None, None, None, None
+
+
+def lean_grouped_experts(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_gate_up_EDF2: torch.Tensor,
+                         w_down_EFD: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """fused_experts' result and saved tensors with torch._grouped_mm instead of the Triton kernels."""
+    K = weights_TK.shape[1]
+    tok_N = torch.div(order_N, K, rounding_mode="floor")
+    positions = torch.arange(order_N.shape[0], device=order_N.device, dtype=order_N.dtype)
+    inverse_N = torch.empty_like(order_N).scatter_(0, order_N, positions)
+    scale_N = weights_TK.reshape(-1)[order_N]
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    return _LeanGroupedExperts.apply(x_TD, scale_N, w_gate_up_EDF2, w_down_EFD, tok_N, order_N, inverse_N, offs_E, K,
+                                     torch.promote_types(x_TD.dtype, weights_TK.dtype))
