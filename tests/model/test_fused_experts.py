@@ -33,7 +33,7 @@ def test_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                        capture_output=True, text=True, timeout=900)
-    n_run = 3 + 1 + 1 + 1  # the inner tests and test_not_applied_on_cpu_without_the_interpreter
+    n_run = 3 + 1 + 1 + 1 + 1  # the inner tests, test_not_applied_on_cpu_without_the_interpreter, the lean ones
     assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -130,3 +130,21 @@ def test_compiled_matches_eager():
     compiled = value_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), x_TD, weights_TK, w1, w2)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm")
+def test_lean_grouped_experts_match_the_reference():
+    # the same saved tensors through torch._grouped_mm (fp32 eager on CPU, 16-byte aligned widths; traced, its meta
+    # function takes bf16 only: compiled, it is checked on the GPU by gallery/scripts/gpu_moe_layer.py)
+    from moelab.model.fused_experts import lean_grouped_experts
+
+    x_TD, weights_TK, experts_TK, w1, w2 = problem(37, 2, 6, 48, 40, 3)
+    order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=6)
+
+    def fn(x, w, a, b):
+        return lean_grouped_experts(x, w, a, b, order_N, counts_E)
+    got = value_and_grads(fn, x_TD, weights_TK, w1, w2)
+    want = value_and_grads(lambda x, w, a, b: reference(x, w, experts_TK, a, b), x_TD, weights_TK, w1, w2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
