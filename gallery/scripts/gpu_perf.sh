@@ -16,6 +16,9 @@
 #     moelab-loss the LM-head losses side by side (LOSSES, default chunked,full,liger,cce: backend.loss; liger and
 #                 cce from the carried wheels) at micro batch 2 and 4 (LOSS_MBS) and global batch 2 and 16,
 #                 compiled, train.optimizer=auto, learned router, peak memory in each record
+#     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
+#                 triton_fused vs SonicMoE (its unpacked wheels in SONIC_SITE, if set), checked against fp32,
+#                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
 #     blockwise   issue 31's blockwise FP8 trial at the experts' GEMMs (gpu_fp8_blockwise.py, about 60 s): bf16,
 #                 rowwise and 1x128/128x128 blockwise (torch's grouped op, cuBLAS dense, a Triton grouped kernel),
 #                 the quantisation passes and a per-layer projection; not run by default (PARTS=blockwise)
@@ -60,7 +63,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -72,6 +75,7 @@ fi
 part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
+part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R
 part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} $TRITON $DRY
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \

@@ -444,6 +444,28 @@ def rows_check() -> list[str]:
     return out
 
 
+def moe_layer() -> list[str]:
+    """gpu_moe_layer.py's records (issue 41): one MoE layer's experts forward + backward, per variant."""
+    out = []
+    for name in sorted(p.stem for p in R.glob("*--moelab--moe-layer*.json")):
+        c = _load(name)
+        sh = c["shapes"]
+        out += ["", f"### One MoE layer's experts, forward + backward (`{name}.json`, {c['device_call']}; T "
+                f"{sh['tokens']}, top-{sh['top_k']} of {sh['experts']}, D {sh['hidden']}, F {sh['expert_ffn']}, "
+                f"bf16)" + (f": {c['note']}" if c.get("note") else ""), "",
+                "| routing | variant | ms | TFLOP/s | vs today's compiled | saved activations MiB (vs today) | "
+                "largest rel. error vs fp32 (y and all gradients) |", "|---|---|---:|---:|---:|---:|---:|"]
+        for kind, res in c["results"].items():
+            for v, r in res.items():
+                if isinstance(r, dict) and "fwd_bwd_ms" in r:
+                    out.append(f"| {kind} | {v} | {r['fwd_bwd_ms']:.3f} | {r['tflops']:.0f} | "
+                               f"{r['speedup_vs_today']:.2f}x | {r['saved_bytes_hooks_activations'] / 2**20:.0f} "
+                               f"({r['saved_activations_vs_today']:.2f}) | {max(r['rel_err_vs_fp32'].values()):.2e} |")
+        for what, err in c.get("errors", {}).items():
+            out.append(f"\n{what}: {err.strip().splitlines()[-1][:200]}")
+    return out
+
+
 # ---------------------------------------------------------------------- the two documents
 def tables(results: list | None = None) -> str:
     """perf-notes.md's text between the markers."""
@@ -451,6 +473,7 @@ def tables(results: list | None = None) -> str:
     out = current_table(cur) + ["", "### Issue 31's targets, from the records above", ""] + targets(results, cur)
     out += profiles(results) + micro_batch_breakdown(results) + gallery_entries(results)
     out += history_table(results, entries, cur) + earlier_issues() + checks() + fp8_trials() + rows_check()
+    out += moe_layer()
     return "\n".join(out)
 
 

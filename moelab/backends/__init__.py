@@ -12,6 +12,9 @@ instead and a warning says so. Nothing falls back silently.
 What each backend replaces (the rest of the model is untouched):
     backend.experts=grouped_gemm   GroupedExperts computes with grouped_gemm.ops.gmm (moelab.backends.gmm)
     backend.experts=te             experts become TE GroupedLinear layers (moelab.backends.te)
+    backend.experts=triton_fused   moelab's own Triton kernels read the routed rows from the tokens and write them
+                                   back weighted, SwiGLU in the GEMMs (moelab.model.fused_experts); one GPU's
+                                   local experts without capacity drops, LoRA or FP8
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
     backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
     backend.loss=liger | cce       the LM head + loss as Liger Kernel's / cut-cross-entropy's fused kernel
@@ -27,6 +30,7 @@ from moelab.config import Config
 
 # Which config value asks for which package: (config field, value) -> package key.
 REQUESTS = {("experts", "grouped_gemm"): "grouped_gemm", ("experts", "te"): "te", ("attention", "te"): "te",
+            ("experts", "triton_fused"): "triton",
             ("dispatcher", "deepep"): "deep_ep", ("loss", "liger"): "liger", ("loss", "cce"): "cce"}
 TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all", "loss": "chunked"}
 
@@ -37,19 +41,24 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
 
     p = PACKAGES[key]
     moe = cfg.model.moe
-    grouped_experts = key == "grouped_gemm" or (key == "te" and cfg.backend.experts == "te")
+    grouped_experts = key in ("grouped_gemm", "triton") or (key == "te" and cfg.backend.experts == "te")
     act = cfg.model.hidden_act
     if grouped_experts and (moe.expert_proj_bias or moe.activation != "swiglu" or act not in ("silu", "swish")):
         # Their grouped GEMMs compute plain SwiGLU experts: biases or GPT-OSS's clamped SwiGLU would be dropped.
         return ("its grouped GEMM computes plain SwiGLU experts without biases, and this model has "
                 f"model.moe.expert_proj_bias={moe.expert_proj_bias}, model.moe.activation={moe.activation!r}, "
                 f"model.hidden_act={act!r}; use backend.experts=auto")
+    if key == "triton":  # the fused kernels gather from and scatter to this rank's own tokens, every row kept
+        if cfg.parallel.ep > 1 or moe.capacity_factor or moe.dynamic_capacity:
+            return ("its kernels read each routed row from its token on this rank, every assignment kept, and this "
+                    f"run has parallel.ep={cfg.parallel.ep}, model.moe.capacity_factor={moe.capacity_factor}, "
+                    f"dynamic_capacity={moe.dynamic_capacity}; use backend.experts=auto")
     if not device.startswith("cuda"):
         return f"it needs {p.needs}, and this run is on {device!r}"
     major, minor = torch.cuda.get_device_capability(device)
-    if key in ("grouped_gemm", "te") and major < 8:
+    if key in ("grouped_gemm", "te", "triton") and major < 8:
         return f"it needs {p.needs}; this GPU is sm{major}{minor}"
-    if key in ("grouped_gemm", "te") and cfg.train.dtype != "bfloat16":
+    if key in ("grouped_gemm", "te", "triton") and cfg.train.dtype != "bfloat16":
         return "its kernels run in bf16; set train.dtype=bfloat16"
     if key == "deep_ep":
         if major != 9:
@@ -147,4 +156,4 @@ def experts_kernel(impl: str, experts=None):
         import_package("grouped_gemm")
         return gmm_swiglu
     raise BackendUnavailable(f"backend.experts={impl!r} has no stacked-weight kernel; choose one of "
-                             f"auto, grouped_mm, loop, grouped_gemm, te")
+                             f"auto, grouped_mm, loop, grouped_gemm, te, triton_fused")

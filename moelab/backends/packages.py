@@ -57,6 +57,10 @@ PACKAGES = {
     "cce": Package(
         "cce", "cut_cross_entropy", "cut-cross-entropy",
         "pip install cut-cross-entropy (or pip install 'moelab[loss]'; Triton kernels)", "a CUDA GPU"),
+    "triton": Package(
+        "triton", "triton", "triton",
+        "pip install triton (torch's Linux CUDA wheels bring it); moelab's fused experts kernels are its own "
+        "(moelab.model.fused_experts)", "a CUDA GPU (sm80+)"),
 }
 
 def _find(module: str) -> bool:

@@ -65,7 +65,7 @@ class GroupedExperts(nn.Module):
                  activation: str = "swiglu"):
         super().__init__()
         self.num_experts, self.dim, self.ffn = num_experts, dim, ffn
-        self.impl = impl  # auto | grouped_mm | loop; other backends replace forward_impl (moelab.backends)
+        self.impl = impl  # auto | grouped_mm | loop | triton_fused (on_tokens); others: moelab.backends
         self.activation = activation
         # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
         # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
@@ -77,17 +77,33 @@ class GroupedExperts(nn.Module):
         self.b_gate_up_EF2 = nn.Parameter(torch.empty(num_experts, 2 * ffn)) if bias else None
         self.b_down_ED = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
 
+    def compute_weights(self, x: torch.Tensor):
+        """x in the compute dtype (autocast's on CUDA: torch._grouped_mm is not covered by it) and the weights and
+        biases cast to it (fp32 master weights with a bf16 compute dtype)."""
+        w = (self.w_gate_up_EDF2, self.w_down_EFD, self.b_gate_up_EF2, self.b_down_ED)
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            # compute in autocast's dtype, not in the fp32 residual stream's (fp32 rows would fall back to the
+            # per-expert loop, ~8x slower on an H200)
+            x = x.to(torch.get_autocast_dtype("cuda"))
+        return x, *(t.to(x.dtype) if t is not None and t.dtype != x.dtype else t for t in w)
+
+    def on_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor,
+                  counts_E: torch.Tensor) -> torch.Tensor:
+        """backend.experts=triton_fused: y_TD = each token's K expert outputs, weighted and summed, computed by
+        moelab.model.fused_experts' kernels straight from the tokens (order_N: the T*K assignments sorted by
+        expert; counts_E: rows per expert; every assignment kept)."""
+        if self.fp8 or getattr(self, "lora_rank", 0) or self.b_gate_up_EF2 is not None or self.activation != "swiglu":
+            raise ValueError("backend.experts='triton_fused' computes plain SwiGLU experts without biases, FP8 or "
+                             "LoRA (refused by moelab.backends before a run); use backend.experts=auto")
+        from moelab.model.fused_experts import fused_experts
+
+        x_TD, w1, w2, _, _ = self.compute_weights(x_TD)
+        return fused_experts(x_TD, weights_TK, w1, w2, order_N, counts_E)
+
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
         """x_ND: rows sorted by expert; counts_E: rows per expert (rows past their sum are ignored); scale_N:
         each row's routing weight, applied before the down projection (None: unweighted rows)."""
-        w1, w2, b1, b2 = self.w_gate_up_EDF2, self.w_down_EFD, self.b_gate_up_EF2, self.b_down_ED
-        if x_ND.is_cuda and torch.is_autocast_enabled("cuda"):
-            # autocast does not cover torch._grouped_mm: compute in its dtype, not in the fp32 residual stream's
-            # (fp32 rows would fall back to the per-expert loop, ~8x slower on an H200)
-            x_ND = x_ND.to(torch.get_autocast_dtype("cuda"))
-        if w1.dtype != x_ND.dtype:  # fp32 master weights with a bf16 compute dtype
-            w1, w2 = w1.to(x_ND.dtype), w2.to(x_ND.dtype)
-            b1, b2 = (b.to(x_ND.dtype) if b is not None else None for b in (b1, b2))
+        x_ND, w1, w2, b1, b2 = self.compute_weights(x_ND)
         lora = None
         if getattr(self, "lora_rank", 0):  # grouped LoRA (moelab.model.lora), on the torch paths only
             lora = expert_adapters(self, x_ND.dtype)
@@ -98,7 +114,7 @@ class GroupedExperts(nn.Module):
 
             return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation], scale_N)
         impl = self.impl
-        if impl == "auto":
+        if impl in ("auto", "triton_fused"):  # triton_fused's kernels take tokens (on_tokens); sorted rows: torch's
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"
         if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
             from moelab.backends import experts_kernel

@@ -137,6 +137,39 @@ def test_gmm_path_matches_torch_reference_on_cpu(monkeypatch):
     assert torch.allclose(y[:36], ref[:36], atol=1e-5) and (y[36:] == 0).all()
 
 
+@pytest.mark.parametrize("over,match", [
+    ({}, "needs a CUDA GPU.*this run is on 'cpu'"),
+    ({"model.moe.capacity_factor": 1.25}, "every assignment kept.*capacity_factor=1.25"),
+    ({"model.moe.expert_proj_bias": True}, "plain SwiGLU experts"),
+])
+def test_triton_fused_is_refused_where_its_kernels_do_not_apply(monkeypatch, over, match):
+    # the fused kernels read each routed row from a token on this rank and keep every assignment
+    monkeypatch.setitem(backends._DETECTED, "triton", True)
+    with pytest.raises(BackendUnavailable, match=match):
+        check_backends(cfg(**{"backend.experts": "triton_fused", **over}), device="cpu")
+    with pytest.warns(RuntimeWarning, match="falling back to backend.experts='auto'"):
+        chosen = check_backends(cfg(**{"backend.experts": "triton_fused", "backend.fallback": True, **over}),
+                                device="cpu")
+    assert chosen["experts"] == "auto"
+
+
+def test_triton_fused_experts_keep_the_torch_path_on_sorted_rows():
+    # expert parallelism's rows arrive sorted from other ranks (GroupedExperts.forward, not on_tokens): torch's path
+    from moelab.model.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 8, 16)
+    torch.nn.init.normal_(experts.w_gate_up_EDF2)
+    torch.nn.init.normal_(experts.w_down_EFD)
+    x_ND, counts_E = torch.randn(10, 8), torch.tensor([3, 0, 4, 3])
+    want = experts(x_ND, counts_E)
+    experts.impl = "triton_fused"
+    assert torch.equal(experts(x_ND, counts_E), want)
+    experts.lora_rank = 2
+    with pytest.raises(ValueError, match="triton_fused.*use backend.experts=auto"):
+        experts.on_tokens(torch.randn(5, 8), torch.ones(5, 2), torch.arange(10), counts_E)
+
+
 @pytest.mark.parametrize("experts", ["grouped_gemm", "te"])
 def test_grouped_backends_refuse_experts_they_would_compute_wrongly(monkeypatch, experts):
     # GPT-OSS experts have biases and a clamped SwiGLU that these kernels do not compute: refuse, never drop them

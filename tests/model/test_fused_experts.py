@@ -1,0 +1,150 @@
+"""moelab.model.fused_experts (backend.experts=triton_fused) under Triton's CPU interpreter: the forward and every
+gradient (tokens, routing weights, both expert weights) against the reference experts (moelab.model.experts'
+per-expert loop between dispatch_rows and combine_rows), at shapes off the kernels' 16-row blocks, with experts that
+get no rows, through the MoE layer's LocalDispatcher, and traced by torch.compile (aot_eager: the custom ops' fake
+and autograd registrations; inductor keeps the ops whole).
+
+fp32 throughout: the interpreter's tl.dot is a numpy fp32 matmul, so the kernels and the reference differ only in
+summation order (sums of at most 2F = 80 terms, fp32: a few ulp of the largest partial sum), hence rtol/atol 1e-5
+on values of order 1. bf16 is checked on the GPU (gallery/scripts/gpu_moe_layer.py).
+
+The interpreter has to be on before triton is imported, so test_under_the_interpreter runs this file's other
+tests in a subprocess with TRITON_INTERPRET=1 (as tests/model/test_fp8_kernel.py does)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moelab.model.experts import GroupedExperts, loop_swiglu, swiglu
+from moelab.model.moe import LocalDispatcher
+from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+inner = pytest.mark.skipif(not INTERPRETED, reason="run by test_under_the_interpreter (TRITON_INTERPRET=1)")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def test_under_the_interpreter():
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is the subprocess")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, timeout=900)
+    n_run = 3 + 1 + 1 + 1 + 1  # the inner tests, test_not_applied_on_cpu_without_the_interpreter, the lean ones
+    assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def test_not_applied_on_cpu_without_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    from moelab.model.fused_experts import fused_applies
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fused_applies(torch.zeros(2, 4))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused_applies(torch.zeros(2, 4))
+
+
+def problem(T, K, E, D, F, used, seed=0):
+    """Tokens, routing weights, experts drawn from the first `used` of E (the rest get no rows), weights."""
+    g = torch.Generator().manual_seed(seed)
+    x_TD = torch.randn(T, D, generator=g)
+    weights_TK = torch.softmax(torch.randn(T, K, generator=g), -1)
+    experts_TK = torch.rand(T, used, generator=g).topk(K, dim=1).indices
+    w1 = torch.randn(E, D, 2 * F, generator=g) / D ** 0.5
+    w2 = torch.randn(E, F, D, generator=g) / F ** 0.5
+    return x_TD, weights_TK, experts_TK, w1, w2
+
+
+def reference(x_TD, weights_TK, experts_TK, w1, w2):
+    E, K = w1.shape[0], experts_TK.shape[1]
+    order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+    inverse_N = inverse_permutation(order_N)
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=E)
+    y_ND = loop_swiglu(dispatch_rows(x_TD, order_N, inverse_N, K), w1, w2, counts_E, act=swiglu,
+                       scale_N=weights_TK.reshape(-1)[order_N])
+    return combine_rows(y_ND, order_N, inverse_N, K)
+
+
+def value_and_grads(fn, *inputs, seed=1):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    y = fn(*leaves)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)))
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@inner
+@pytest.mark.parametrize("shape", [(37, 2, 6, 48, 40, 3), (16, 4, 4, 32, 16, 4), (50, 1, 5, 16, 24, 5)],
+                         ids=["off-blocks-empty-experts", "one-block", "top1"])
+def test_matches_the_reference_experts(shape):
+    from moelab.model.fused_experts import fused_experts
+
+    T, K, E, D, F, used = shape
+    x_TD, weights_TK, experts_TK, w1, w2 = problem(T, K, E, D, F, used)
+    order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=E)
+    got = value_and_grads(lambda x, w, a, b: fused_experts(x, w, a, b, order_N, counts_E), x_TD, weights_TK, w1, w2)
+    want = value_and_grads(lambda x, w, a, b: reference(x, w, experts_TK, a, b), x_TD, weights_TK, w1, w2)
+    for name, a, b in zip(["y", "dx", "dweights", "dw_gate_up", "dw_down"], got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    assert not got[3][used:].any() and not got[4][used:].any()  # experts without rows: zero gradients
+
+
+def route(impl, compile_backend=None):
+    """The MoE layer's experts step (LocalDispatcher.route) with GroupedExperts.impl = impl."""
+    E, D, F = 6, 32, 24
+
+    def fn(x_TD, weights_TK, w1, w2, experts_TK):
+        experts = GroupedExperts(E, D, F, impl=impl)
+        experts.w_gate_up_EDF2, experts.w_down_EFD = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+        return LocalDispatcher().route(experts, x_TD, weights_TK, experts_TK, None, E), experts
+    return fn
+
+
+@inner
+def test_the_layer_routes_tokens_through_the_kernels_when_asked():
+    x_TD, weights_TK, experts_TK, w1, w2 = problem(29, 2, 6, 32, 24, 4)
+    outs = {}
+    for impl in ("loop", "triton_fused"):
+        leaves = [t.clone().requires_grad_() for t in (x_TD, weights_TK)]
+        y, experts = route(impl)(*leaves, w1.clone(), w2.clone(), experts_TK)
+        y.backward(torch.ones_like(y))
+        outs[impl] = [y.detach(), *(t.grad for t in leaves), experts.w_gate_up_EDF2.grad, experts.w_down_EFD.grad]
+    for a, b in zip(outs["triton_fused"], outs["loop"]):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@inner
+def test_compiled_matches_eager():
+    from moelab.model.fused_experts import fused_experts
+
+    x_TD, weights_TK, experts_TK, w1, w2 = problem(33, 2, 4, 32, 16, 4)
+
+    def fn(x, w, a, b):
+        order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+        return fused_experts(x, w, a, b, order_N, torch.bincount(experts_TK.reshape(-1), minlength=4))
+    eager = value_and_grads(fn, x_TD, weights_TK, w1, w2)
+    torch._dynamo.reset()
+    compiled = value_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), x_TD, weights_TK, w1, w2)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm")
+def test_lean_grouped_experts_match_the_reference():
+    # the same saved tensors through torch._grouped_mm (fp32 eager on CPU, 16-byte aligned widths; traced, its meta
+    # function takes bf16 only: compiled, it is checked on the GPU by gallery/scripts/gpu_moe_layer.py)
+    from moelab.model.fused_experts import lean_grouped_experts
+
+    x_TD, weights_TK, experts_TK, w1, w2 = problem(37, 2, 6, 48, 40, 3)
+    order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=6)
+
+    def fn(x, w, a, b):
+        return lean_grouped_experts(x, w, a, b, order_N, counts_E)
+    got = value_and_grads(fn, x_TD, weights_TK, w1, w2)
+    want = value_and_grads(lambda x, w, a, b: reference(x, w, experts_TK, a, b), x_TD, weights_TK, w1, w2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
