@@ -38,7 +38,7 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from moelab.launch.resume import resume
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.contract.checkpoints import CheckpointError
     from moelab.contract.stream import MetricsError
 
     options = dict(parse_override(item) for item in args.cluster)

@@ -8,6 +8,7 @@ here, and every write of a JSON file goes through `write_json` (atomic: a reader
     folder = RunFolder("runs/tiny-20261130-101500")
     folder.config, folder.metrics, folder.summary        # Path objects: config.yaml, metrics.jsonl, summary.json
     folder.read_info()                                   # run.json as a dict ({} when there is none)
+    folder.read_summary(), folder.read_fork()            # summary.json, fork.json (None when there is none)
     folder.update_info(status="CANCELLED")               # read, change, write back atomically
     folder.rank_log(0, "err")                            # logs/rank0.err
 
@@ -29,12 +30,22 @@ from moelab.contract.writes import write_atomic, write_if_possible, writing
 
 CONFIG = "config.yaml"       # the config the run trains (written before any rank starts)
 METRICS = "metrics.jsonl"    # the event stream (moelab.contract.stream)
-SUMMARY = "summary.json"     # written by rank 0 at the end
+SUMMARY = "summary.json"     # written by rank 0 at the end (moelab.contract.summary)
 INFO = "run.json"            # executor, job id, submitit folder, options, final status (written by launch)
 SWEEP = "sweep.json"         # a sweep folder's grid and runs
-CHECKPOINTS = "checkpoints"  # one folder per saved step
+CHECKPOINTS = "checkpoints"  # one folder per saved step (moelab.contract.checkpoints)
 LOGS = "logs"                # rank<r>.out / rank<r>.err (files, or links to the executor's files)
 SUBMITIT = "submitit"        # the submitit executor's folder of a Session run
+CONTROLS = "controls.jsonl"  # requests to change the running run and what the ranks did (moelab.contract.controls)
+FORK = "fork.json"           # a fork's parent, step and changes (moelab.run.fork)
+BENCH = "bench.json"         # `moelab bench`'s record, written by rank 0 (moelab.launch.entry)
+TOKENIZER = "tokenizer.json"  # the text tokenizer the run trained with (a copy, for decoding its token ids)
+EXPERT_TOKENS = "expert_tokens.jsonl"  # which token ids each expert received (moelab.contract.expert_tokens)
+TENSORBOARD = "tensorboard"  # the metrics mirror's TensorBoard folder (moelab.loggers.mirror)
+# inside a checkpoint folder checkpoints/step_<N>/ (moelab.contract.checkpoints; DCP's own files beside them)
+CHECKPOINT_METADATA = "metadata.json"  # written last: the checkpoint is complete
+CHECKPOINT_RNG = "rng"                 # rng/rank_<r>.json
+CHECKPOINT_RANK_STATE = "rank_state"   # rank_state/rank_<r>.pt
 
 
 def read_json(path: "str | Path") -> Any:
@@ -104,6 +115,26 @@ class RunFolder:
     def submitit(self) -> Path:
         return self.path / SUBMITIT
 
+    @property
+    def controls(self) -> Path:
+        return self.path / CONTROLS
+
+    @property
+    def fork_path(self) -> Path:
+        return self.path / FORK
+
+    @property
+    def bench(self) -> Path:
+        return self.path / BENCH
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / TOKENIZER
+
+    @property
+    def expert_tokens(self) -> Path:
+        return self.path / EXPERT_TOKENS
+
     def rank_log(self, rank: int, suffix: str) -> Path:
         """logs/rank<rank>.<suffix>, suffix "out" or "err"."""
         return self.logs / f"rank{rank}.{suffix}"
@@ -143,7 +174,17 @@ class RunFolder:
         return info
 
     def read_summary(self) -> dict | None:
+        """summary.json (moelab.contract.summary.summarize), or None before the run wrote it."""
         return read_json(self.summary)
+
+    def read_fork(self) -> dict | None:
+        """fork.json: {"parent": folder, "step": k, "changes": {...}, "created": time}, or None for a run that
+        is no fork (moelab.run.fork)."""
+        return read_json(self.fork_path)
+
+    def read_bench(self) -> dict | None:
+        """bench.json, the record `moelab bench` wrote (moelab.train.bench.bench), or None when there is none."""
+        return read_json(self.bench)
 
     def created(self) -> float:
         """When the run was created (run.json), else when its config was written; 0 if neither is known."""

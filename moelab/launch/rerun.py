@@ -28,7 +28,7 @@ def reached_step(folder: RunFolder) -> int:
 def checkpoint_step(folder: RunFolder) -> int:
     """The step of the folder's newest intact checkpoint: where a resume continues from (0 without one; the
     stream is rewound to it, so a run killed after step N with its last checkpoint at C < N trains C+1.. again)."""
-    from moelab.train.checkpoint import latest_checkpoint, read_metadata
+    from moelab.contract.checkpoints import latest_checkpoint, read_metadata
 
     path = latest_checkpoint(folder.path)
     return int(read_metadata(path)["step"]) if path is not None else 0

@@ -28,22 +28,16 @@ from moelab.config import ConfigError, load_config, save_config
 from moelab.config.live import check_changes
 from moelab.config.paths import RUN_FOLDER_FIX, check_path
 from moelab.contract.controls import append_request, who as who_is
-from moelab.contract.folder import RunFolder, lock_folder, read_json, write_json
+from moelab.contract.checkpoints import checkpoint_steps, step_dir_name
+from moelab.contract.folder import RunFolder, lock_folder, write_json
 from moelab.run.controls import live_config, resolve
 
-FORK = "fork.json"
 CONFIG_FIELDS = ("train.steps", "parallel.", "backend.")  # set in the fork's config.yaml, as a resume may
 
 
 def parent_of(folder: "str | Path") -> dict | None:
     """The fork record of a run folder ({"parent", "step", "changes"}), or None for a run that is no fork."""
-    return read_json(Path(folder) / FORK)
-
-
-def checkpoint_steps(folder: "str | Path") -> list[int]:
-    from moelab.train.checkpoint import list_checkpoints, read_metadata, verify
-
-    return [int(read_metadata(p)["step"]) for p in list_checkpoints(folder) if not verify(p)]
+    return RunFolder(folder).read_fork()
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -98,8 +92,6 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
     """Check everything, then write the fork's folder (see the module docstring); returns (folder, the
     config changes, the live changes). ConfigError, with nothing written, for a missing checkpoint, a field a
     fork cannot change, a bad value or a folder that already holds a run."""
-    from moelab.train.checkpoint import step_dir_name
-
     step, cfg, config_changes, checked = check_fork(parent, step, changes)
     dest = RunFolder(check_path("folder", folder, "folder to write", RUN_FOLDER_FIX))
     if dest.holds_run():
@@ -112,7 +104,7 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
         dest.metrics.write_bytes(_events_up_to(parent.run_folder.metrics, step))
         if checked:
             append_request(dest.path, checked, who=who_is("fork"), at=step)
-        write_json(dest.path / FORK, {"parent": str(parent.folder.resolve()), "step": step,
+        write_json(dest.fork_path, {"parent": str(parent.folder.resolve()), "step": step,
                                       "changes": {**config_changes, **checked}, "created": time.time()})
     return dest, config_changes, checked
 

@@ -128,8 +128,8 @@ class Trainer:
         self.evals = scan_events(self.folder.metrics, kinds=("eval",)) if self.start_step and env.rank == 0 else []
         if env.rank == 0:
             tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
-            if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)
-                write_atomic(self.folder.path / "tokenizer.json", Path(tok).read_bytes())
+            if tok is not None:  # readers decode token ids with it (moelab.live.expert_tokens)
+                write_atomic(self.folder.tokenizer, Path(tok).read_bytes())
             self.writer = MetricsWriter(self.folder.metrics)
             self.writer.emit(StartEvent(
                 config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,

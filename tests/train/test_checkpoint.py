@@ -18,8 +18,8 @@ import pytest
 from moelab.cli import main as cli_main
 from moelab.config import ConfigError, load_config
 from moelab.launch.resume import resume
-from moelab.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, read_metadata,
-                                     rewind_metrics, verify)
+from moelab.contract.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_metadata, verify
+from moelab.contract.stream import rewind_metrics
 from moelab.contract.stream import JsonlTail, read_events
 from moelab.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from moelab.config import ConfigError, load_config
 from moelab.run import Run
-from moelab.train.checkpoint import list_checkpoints
+from moelab.contract.checkpoints import list_checkpoints
 from moelab.contract.stream import JsonlTail, MetricsError, MetricsWriter, read_events
 from moelab.train.trainer import NonFiniteLoss, Trainer
 
@@ -159,7 +159,7 @@ def test_a_corrupt_line_in_the_middle_is_reported_with_its_number(tmp_path, line
 
 
 def test_a_tail_follows_a_rewound_stream_without_duplicates(tmp_path):
-    from moelab.train.checkpoint import rewind_metrics
+    from moelab.contract.stream import rewind_metrics
 
     data = _stream(tmp_path, 5)
     path = tmp_path / "m.jsonl"
