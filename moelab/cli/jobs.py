@@ -127,7 +127,7 @@ def _report(run: Run, failed_code: int = 1) -> int:
               file=sys.stderr)
         return 130
     if status == "COMPLETED" and run.summary:
-        from moelab.train.summary import format_summary
+        from moelab.contract.summary import format_summary
 
         print(format_summary(run.summary))
     elif run.error:

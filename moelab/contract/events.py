@@ -271,7 +271,7 @@ class CheckpointEvent(Event):
 @dc.dataclass(kw_only=True)
 class EndEvent(Event):
     """The attempt ended at `step`: COMPLETED (all steps), PREEMPTED (a stop signal: checkpointed, resumable) or
-    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.train.summary).
+    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.contract.summary).
 
         EndEvent(step=10, status="PREEMPTED", summary={"final_loss": 3.1})
     """

@@ -44,7 +44,7 @@ from moelab.contract.writes import FolderWriteError, write_atomic
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
-from moelab.train.summary import summarize
+from moelab.contract.summary import summarize
 
 
 class NonFiniteLoss(RuntimeError):

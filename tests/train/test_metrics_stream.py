@@ -103,7 +103,7 @@ def test_every_reader_skips_a_damaged_line_and_reports_it_once(tiny_run, tmp_pat
     from moelab import Run
     from moelab.live.state import load_state
     from moelab.contract.stream import MetricsWarning
-    from moelab.train.summary import summarize
+    from moelab.contract.summary import summarize
 
     import shutil
 
@@ -133,7 +133,7 @@ def test_every_reader_skips_a_damaged_line_and_reports_it_once(tiny_run, tmp_pat
 
 
 def test_the_summary_leaves_out_step_records_it_cannot_read(tiny_run):
-    from moelab.train.summary import summarize
+    from moelab.contract.summary import summarize
 
     cfg, out, summary = tiny_run
     steps = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "step"]
