@@ -241,13 +241,13 @@ class Run:
     def expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
         """Which tokens each expert of MoE layer `layer` receives most (train.expert_tokens_every): one row per
         expert and rank with token_id, token (decoded with the run's tokenizer), count and share; `step` None =
-        the latest record. ``.plot_expert_tokens(layer)`` draws it (moelab.train.expert_tokens)."""
-        from moelab.train.expert_tokens import expert_token_table
+        the latest record. ``.plot_expert_tokens(layer)`` draws it (moelab.live.expert_tokens)."""
+        from moelab.live.expert_tokens import expert_token_table
 
         return expert_token_table(self.folder, layer, step, top)
 
     def plot_expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
-        from moelab.train.expert_tokens import plot_expert_tokens
+        from moelab.live.expert_tokens import plot_expert_tokens
 
         return plot_expert_tokens(self.folder, layer, step, top)
 

@@ -37,6 +37,7 @@ RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),
 # sweep.compare()): the views read runs, and a Run offers them. These imports, and only these, point up.
 VIEW_HOOKS = {("moelab.run.run", "moelab.live"), ("moelab.run.run", "moelab.live.plots"),
+              ("moelab.run.run", "moelab.live.expert_tokens"),
               ("moelab.run.sweep", "moelab.live"), ("moelab.run.sweep", "moelab.live.compare")}
 # (the views import Run, never the other way round at module level; a hook is no cycle of module-level imports)
 
