@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import socket
 import time
 import uuid
 from pathlib import Path
 
-CONTROLS = "controls.jsonl"
+from moelab.contract.folder import RunFolder
+from moelab.contract.writes import append_line
+
 CHECKPOINT_NOW = "checkpoint"  # the one action a request may carry besides fields
 
 
 def controls_path(folder: "str | Path") -> Path:
-    return Path(folder) / CONTROLS
+    """RUN/controls.jsonl."""
+    return RunFolder(folder).controls
 
 
 def who(origin: str) -> str:
@@ -42,14 +44,10 @@ def who(origin: str) -> str:
     return f"{user}@{socket.gethostname()} {origin}"
 
 
-def append_line(folder: "str | Path", record: dict) -> None:
-    """One line, one O_APPEND write (atomic against the other writers of the file)."""
-    line = (json.dumps({"time": time.time(), **record}, allow_nan=False) + "\n").encode()
-    fd = os.open(controls_path(folder), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+def append_control(folder: "str | Path", record: dict) -> None:
+    """One line, stamped with the time, in one O_APPEND write (moelab.contract.writes.append_line: atomic
+    against the other writers of the file; a full or read-only disk raises FolderWriteError)."""
+    append_line(controls_path(folder), (json.dumps({"time": time.time(), **record}, allow_nan=False) + "\n").encode())
 
 
 def append_request(folder: "str | Path", changes: dict, who: str, at: int | None = None) -> str:
@@ -58,7 +56,7 @@ def append_request(folder: "str | Path", changes: dict, who: str, at: int | None
     record = {"kind": "request", "id": rid, "who": who, "changes": changes}
     if at is not None:
         record["at"] = int(at)
-    append_line(folder, record)
+    append_control(folder, record)
     return rid
 
 

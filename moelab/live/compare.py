@@ -201,7 +201,7 @@ class _RunData:
     """What the comparison reads from one run's step events, as arrays over steps."""
 
     def __init__(self, run):
-        metrics = Path(run.folder) / "metrics.jsonl"
+        metrics = RunFolder(run.folder).metrics
         steps = scan_events(metrics, kinds=("step",))
         self.steps = [e.step for e in steps]
         self.loss = [e.loss for e in steps]

@@ -23,6 +23,7 @@ import numpy as np
 
 from moelab.contract.events import (ControlEvent, EndEvent, ErrorEvent, EvalEvent, Event, Health, StartEvent,
                                     StepEvent, WarningEvent, parse_event)
+from moelab.contract.folder import RunFolder
 from moelab.contract.status import SLURM_ENDED, TERMINAL
 from moelab.contract.stream import JsonlTail
 from moelab.contract.summary import BALANCE_KEYS, balance, balance_M, demand_ME, mean_balance, step_balance, timed_steps
@@ -407,7 +408,7 @@ def run_folder(run) -> Path:
 def load_state(run) -> DashState:
     """Fold a run folder's metrics.jsonl as it is now (a half-written last line is left out, corrupt lines are
     listed in `corrupt`). `run`: a Run or a run folder."""
-    path = run_folder(run) / "metrics.jsonl"
+    path = RunFolder(run_folder(run)).metrics
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_folder(run)} a run folder?")
     st = DashState(name=str(getattr(run, "name", "") or ""))

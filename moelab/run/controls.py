@@ -20,6 +20,7 @@ from pathlib import Path
 from moelab.config import ConfigError, flatten, load_config
 from moelab.config.live import LIVE_FIELDS, check_changes, set_dotted
 from moelab.contract.controls import CHECKPOINT_NOW, append_request, read_controls, who as who_is
+from moelab.contract.folder import RunFolder
 
 
 def resolve(changes: dict, cfg) -> dict:
@@ -46,7 +47,7 @@ def resolve(changes: dict, cfg) -> dict:
 def live_config(folder: "str | Path", up_to: int | None = None, cfg=None):
     """The run's config as it trains: `cfg` (default its config.yaml; copied, never changed) with the changes
     applied so far, in the order applied (only those applied up to step `up_to` where given)."""
-    cfg = load_config(Path(folder) / "config.yaml") if cfg is None else copy.deepcopy(cfg)
+    cfg = load_config(RunFolder(folder).config) if cfg is None else copy.deepcopy(cfg)
     _, outcomes = read_controls(folder)
     applied = sorted((o for o in outcomes.values() if o["kind"] == "applied"), key=lambda o: o.get("time", 0))
     for o in applied:

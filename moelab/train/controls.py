@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from moelab.config import ConfigError
 from moelab.config.live import check_changes, get_dotted, set_dotted
-from moelab.contract.controls import CHECKPOINT_NOW, append_line, controls_path, parse
+from moelab.contract.controls import CHECKPOINT_NOW, append_control, controls_path, parse
+from moelab.contract.events import ControlEvent, WarningEvent
 
 REBUILT = {"model.moe.expert_lr_power", "model.moe.expert_lr_max_scale", "train.eval_every",
            "train.expert_tokens_every"}
@@ -128,9 +129,9 @@ class Controls:
                 cfg, changes = check_changes(cfg, r["changes"])  # each against the config the ones before left
             except ConfigError as e:
                 self.done.add(r["id"])
-                append_line(self.tr.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
+                append_control(self.tr.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
                 if self.tr.writer:
-                    self.tr.writer.write("warning", step=step, kind="control_rejected", message=str(e))
+                    self.tr.writer.emit(WarningEvent(step=step, kind="control_rejected", message=str(e)))
                 continue
             batch.append({"id": r["id"], "who": r.get("who", "?"), "changes": changes})
         self.due = []
@@ -149,8 +150,8 @@ class Controls:
         writer = self.tr.writer
         for key, new in item["changes"].items():
             if writer:
-                writer.write("control", step=step, field=key, old=old.get(key), new=new, who=item["who"])
-        append_line(self.tr.run_dir, {"kind": "applied", "id": item["id"], "step": step,
+                writer.emit(ControlEvent(step=step, field=key, old=old.get(key), new=new, who=item["who"]))
+        append_control(self.tr.run_dir, {"kind": "applied", "id": item["id"], "step": step,
                                       "changes": {k: [old.get(k), v] for k, v in item["changes"].items()}})
 
     # ------------------------------------------------------------------ where the values live
