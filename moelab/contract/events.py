@@ -1,6 +1,6 @@
 """The events of metrics.jsonl as code: one dataclass per kind, with to_json / from_json.
 
-The trainer writes these classes (moelab.contract.stream.MetricsWriter.emit, append_event) and every reader
+The trainer writes these classes (moelab.contract.stream.MetricsWriter.emit) and every reader
 turns a line back into one (`parse_event`), so the schema has one definition: the fields below, in the order a
 line holds them. Every line also carries ``event`` (the kind), ``schema`` (SCHEMA_VERSION) and ``time`` (unix s).
 

@@ -4,7 +4,7 @@ A run folder holds ``metrics.jsonl``: one JSON object per line, appended and flu
 
 The events and their fields are classes: moelab.contract.events (StartEvent, StepEvent, EvalEvent,
 WarningEvent, CheckpointEvent, EndEvent, ErrorEvent, ControlEvent; SCHEMA_VERSION). Writers hand those to
-``MetricsWriter.emit`` / ``append_event``; readers get them back with ``read_events(..., typed=True)`` or
+``MetricsWriter.emit`` (the one writer); readers get them back with ``read_events(..., typed=True)`` or
 ``JsonlTail(..., typed=True)`` (the plain JSON objects without ``typed``, for tools and tests), or only the
 stream's last events with ``tail_events`` (a reader of a long run reads a bounded amount from its end).
 
@@ -34,8 +34,7 @@ from pathlib import Path
 from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, parse_event
 from moelab.contract.writes import append_line, write_durably
 
-__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "append_event",
-           "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
+__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
 
 
 class MetricsWarning(UserWarning):
@@ -44,9 +43,11 @@ class MetricsWarning(UserWarning):
 
 
 class MetricsWriter:
-    """Appends events to metrics.jsonl; one write and one flush per event, so a crash loses nothing that
-    was written and a reader never sees a partial line except the very last one. A failed write (disk full,
-    read-only) raises FolderWriteError (moelab.contract.writes) naming the path and the bytes.
+    """The one writer of events: appends them to metrics.jsonl, each in one O_APPEND write of one line, so a
+    crash loses nothing that was written, a reader never sees a partial line except the very last one, and
+    lines of several processes do not interleave (rank 0 writes the run's events; any rank or the launcher may
+    append one, e.g. an error). A failed write (disk full, read-only) raises FolderWriteError
+    (moelab.contract.writes) naming the path and the bytes.
 
         w = MetricsWriter("runs/a/metrics.jsonl")
         w.emit(EvalEvent(step=10, loss=2.1, perplexity=8.2, batches=2, tokens=4096))
@@ -59,10 +60,6 @@ class MetricsWriter:
         append_line(self.path, encode(event))
         return event
 
-    def write(self, event: str, **fields) -> Event:
-        """emit() of the event of kind `event` built from its JSON fields (checked as a reader checks them)."""
-        return self.emit(parse_event({"event": event, **fields}))
-
     def close(self) -> None:
         pass
 
@@ -70,12 +67,6 @@ class MetricsWriter:
 def encode(event: Event) -> bytes:
     """One stream line: the event's JSON, non-finite numbers as null (a non-finite loss is also an error event)."""
     return (json.dumps(_finite(event.to_json()), allow_nan=False, default=_jsonable) + "\n").encode()
-
-
-def append_event(path: "str | Path", event: Event) -> None:
-    """Append one event from any process (an error on a rank that is not the writer): a single O_APPEND
-    write of one line, which does not interleave with the writer's lines."""
-    append_line(path, encode(event))
 
 
 def _finite(x):

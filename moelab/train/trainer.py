@@ -39,7 +39,7 @@ from moelab.backends.full_loss import loss_mask
 from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalEvent, RunEnv, StartEvent,
                                     WarningEvent, parse_event)
 from moelab.contract.folder import write_json
-from moelab.contract.stream import MetricsWriter, append_event, scan_events
+from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
 from moelab.train.optim import build_optimizer, lr_at, set_lr
 from moelab.train.signals import StopSignals
@@ -422,8 +422,8 @@ class Trainer:
         folder = isinstance(e, (FolderWriteError, DiskFullError))
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            append_event(self.folder.metrics, ErrorEvent(step=self.step, rank=self.env.rank,
-                                                         message=f"{type(e).__name__}: {e}",
-                                                         traceback="" if folder else traceback.format_exc()))
+            MetricsWriter(self.folder.metrics).emit(ErrorEvent(
+                step=self.step, rank=self.env.rank, message=f"{type(e).__name__}: {e}",
+                traceback="" if folder else traceback.format_exc()))
         except OSError:
             pass
