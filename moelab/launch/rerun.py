@@ -92,7 +92,7 @@ def extension_note(old, new, step: int) -> str | None:
     if new.train.steps < step:
         raise ConfigError(f"train.steps={new.train.steps}: the run already reached step {step} (its newest "
                           f"checkpoint); give steps >= {step} (or load the run as it is with moelab.Run.load)")
-    from moelab.train.optim import lr_at
+    from moelab.config.schedule import lr_at
 
     nxt = min(step + 1, new.train.steps)
     return (f"resuming from step {step} to {new.train.steps} (was {old.train.steps}): the learning-rate schedule "

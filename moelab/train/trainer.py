@@ -41,7 +41,8 @@ from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalE
 from moelab.contract.folder import write_json
 from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
-from moelab.train.optim import build_optimizer, lr_at, set_lr
+from moelab.config.schedule import lr_at
+from moelab.train.optim import build_optimizer, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
 from moelab.contract.summary import summarize
