@@ -34,7 +34,8 @@ from pathlib import Path
 from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, parse_event
 from moelab.contract.writes import append_line, write_durably
 
-__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
+__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "read_events",
+           "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
 
 
 class MetricsWarning(UserWarning):
