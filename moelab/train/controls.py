@@ -25,31 +25,42 @@ set again before training continues; the changes applied after the checkpoint ar
 ``applied`` lines name. A fork (moelab.run.fork) starts from a copied checkpoint with its changes as requests
 due at its first boundary.
 
-    controls = Controls(trainer); controls.restore(restored.rank_state, restored.step)
+    controls = Controls(cfg, run_dir, par.moe_layers, rebuild=trainer.rebuild_from_config, rank0=True, writer=w)
+    controls.restore(restored.rank_state, restored.step)
     flag = controls.poll(step)             # rank 0: 1.0 when a change is due after this step
     checkpoint_now = controls.apply(step)  # every rank, when the summed flag says so
 """
 from __future__ import annotations
 
-from moelab.config import ConfigError
+from pathlib import Path
+from typing import Callable
+
+from moelab.config import Config, ConfigError
 from moelab.config.live import check_changes, get_dotted, set_dotted
 from moelab.contract.controls import CHECKPOINT_NOW, append_control, controls_path, parse
 from moelab.contract.events import ControlEvent, WarningEvent
 
+# fields whose change needs the trainer to rebuild what it built from the config (Trainer.rebuild_from_config)
 REBUILT = {"model.moe.expert_lr_power", "model.moe.expert_lr_max_scale", "train.eval_every",
            "train.expert_tokens_every"}
 
 
 class Controls:
-    """This rank's side of the live controls (see the module docstring).
+    """This rank's side of the live controls (see the module docstring). It is handed what it changes and
+    writes: the live config `cfg` (the trainer's own object: a change is set in it), the run folder, this rank's
+    MoE layers (their routers' copies of the config and capacity buffer), `rebuild` (called after a change of a
+    REBUILT field: the trainer rebuilds what it built from the config), whether this is rank 0, and rank 0's
+    MetricsWriter (None elsewhere).
 
-        controls = Controls(trainer)
+        controls = Controls(cfg, run_dir, par.moe_layers, rebuild=trainer.rebuild_from_config, rank0=True,
+                            writer=MetricsWriter(run_dir / "metrics.jsonl"))
         if controls.apply(step): trainer.save_checkpoint(step)
     """
 
-    def __init__(self, trainer):
-        self.tr = trainer
-        self.rank0 = trainer.env.rank == 0
+    def __init__(self, cfg: Config, run_dir: "str | Path", moe_layers: list, rebuild: Callable[[], None],
+                 rank0: bool, writer=None):
+        self.cfg, self.run_dir, self.moe_layers = cfg, Path(run_dir), list(moe_layers)
+        self.rebuild, self.rank0, self.writer = rebuild, rank0, writer
         self.in_force: list[dict] = []    # [{"id", "step", "changes"}] applied in this timeline (checkpointed)
         self.done: set[str] = set()       # request ids applied or rejected in this timeline
         self.replay: dict[str, int] = {}  # request id -> the step an earlier attempt applied it at
@@ -82,7 +93,7 @@ class Controls:
 
     # ------------------------------------------------------------------ the request path
     def _read(self) -> None:
-        path = controls_path(self.tr.run_dir)
+        path = controls_path(self.run_dir)
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -123,15 +134,15 @@ class Controls:
 
     def _checked(self, step: int) -> list[dict]:
         """Rank 0: the due requests checked against the live config, in order; a refused one is recorded."""
-        batch, cfg = [], self.tr.cfg
+        batch, cfg = [], self.cfg
         for r in self.due:
             try:
                 cfg, changes = check_changes(cfg, r["changes"])  # each against the config the ones before left
             except ConfigError as e:
                 self.done.add(r["id"])
-                append_control(self.tr.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
-                if self.tr.writer:
-                    self.tr.writer.emit(WarningEvent(step=step, kind="control_rejected", message=str(e)))
+                append_control(self.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
+                if self.writer:
+                    self.writer.emit(WarningEvent(step=step, kind="control_rejected", message=str(e)))
                 continue
             batch.append({"id": r["id"], "who": r.get("who", "?"), "changes": changes})
         self.due = []
@@ -147,48 +158,29 @@ class Controls:
         return box[0]
 
     def _record(self, step: int, item: dict, old: dict) -> None:
-        writer = self.tr.writer
         for key, new in item["changes"].items():
-            if writer:
-                writer.emit(ControlEvent(step=step, field=key, old=old.get(key), new=new, who=item["who"]))
-        append_control(self.tr.run_dir, {"kind": "applied", "id": item["id"], "step": step,
+            if self.writer:
+                self.writer.emit(ControlEvent(step=step, field=key, old=old.get(key), new=new, who=item["who"]))
+        append_control(self.run_dir, {"kind": "applied", "id": item["id"], "step": step,
                                       "changes": {k: [old.get(k), v] for k, v in item["changes"].items()}})
 
     # ------------------------------------------------------------------ where the values live
     def _set(self, fields: dict, restoring: bool) -> dict:
         """Set `fields` in the trainer's config (and the routers' copies); returns the old values."""
-        tr, old = self.tr, {}
+        old = {}
         for key, value in fields.items():
-            old[key] = get_dotted(tr.cfg, key)
-            set_dotted(tr.cfg, key, value)
+            old[key] = get_dotted(self.cfg, key)
+            set_dotted(self.cfg, key, value)
             if key.startswith("model.moe."):
                 name = key.rsplit(".", 1)[1]
-                for moe in tr.par.moe_layers:  # a pipeline stage's copy of the model holds a copy of the config
-                    if moe.router.cfg is not tr.cfg.model.moe:
+                for moe in self.moe_layers:  # a pipeline stage's copy of the model holds a copy of the config
+                    if moe.router.cfg is not self.cfg.model.moe:
                         setattr(moe.router.cfg, name, value)
                     if name == "capacity_factor" and not restoring:  # a checkpoint restores the buffer itself
                         moe.router.capacity_factor.fill_(float(value))
         if REBUILT & set(fields):
-            self._rebuild()
+            self.rebuild()
         return old
-
-    def _rebuild(self) -> None:
-        """What the trainer built from the config at setup: the per-expert learning-rate hook, the
-        evaluator and the expert-token recorder."""
-        from moelab.train.expert_lr import ExpertLR
-
-        tr = self.tr
-        if tr.expert_lr is not None:
-            tr.expert_lr.remove()
-        tr.expert_lr = ExpertLR.attach(tr.optimizer, tr.par.moe_layers_all, tr.cfg)
-        if tr.cfg.train.eval_every and tr.evaluator is None:
-            from moelab.train.evaluate import Evaluator
-
-            tr.evaluator = Evaluator(tr)
-        if tr.cfg.train.expert_tokens_every and tr.expert_tokens is None:
-            from moelab.train.expert_tokens import ExpertTokenRecorder
-
-            tr.expert_tokens = ExpertTokenRecorder(tr)
 
 
 def drop_frozen_grads(moe_layers, cfg) -> None:

@@ -77,9 +77,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from moelab.model.assemble import assemble
-        from moelab.parallel.apply import parallelize
-
+        """Everything before the first step: the layout and its checks, the model and optimizer, the data, the
+        resume from the newest checkpoint with the live changes in force there, and rank 0's stream."""
         cfg, env = self.cfg, self.env
         env.init(cfg.train.collective_timeout_s)
         self.dims = preflight(cfg, env.world_size, "rank")  # the layout, the packages (moelab.train.preflight)
@@ -92,6 +91,24 @@ class Trainer:
         if env.rank == 0:
             save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        self._build()
+        t = cfg.train
+        self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
+        self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
+        self.writer = MetricsWriter(self.folder.metrics) if env.rank == 0 else None  # writes nothing yet
+        self._resume()
+        if env.rank == 0:
+            self._start_stream()
+
+    def _build(self) -> None:
+        """The model (its weights from train.init_from where given), the optimizer, the data and what the
+        trainer builds from the config (rebuild_from_config)."""
+        from moelab.model.assemble import assemble
+        from moelab.parallel.apply import parallelize
+
+        cfg, env = self.cfg, self.env
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
         load = None
         # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
@@ -107,44 +124,59 @@ class Trainer:
                             place=lambda model: parallelize(model, cfg, env, self.dims))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
-        self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
-        self.evaluator = Evaluator(self) if cfg.train.eval_every else None
-        self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
-        t = cfg.train
-        self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
-        params = count_params(cfg.model)
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
-        self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
-        # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
+        self.expert_lr = self.evaluator = self.expert_tokens = None
+        self.rebuild_from_config()
+
+    def rebuild_from_config(self) -> None:
+        """(Re)build what the trainer derives from its config: the per-expert learning-rate hook, the evaluator
+        and the expert-token recorder. At setup, and after a live change of one of their fields
+        (moelab.train.controls.REBUILT)."""
+        cfg = self.cfg
+        if self.expert_lr is not None:
+            self.expert_lr.remove()
+        self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
+        if cfg.train.eval_every and self.evaluator is None:
+            self.evaluator = Evaluator(self)
+        if cfg.train.expert_tokens_every and self.expert_tokens is None:
+            self.expert_tokens = ExpertTokenRecorder(self)
+
+    def _resume(self) -> None:
+        """Continue after the newest intact checkpoint, if any (metrics.jsonl is rewound to it), with the live
+        changes in force there; replays of those applied after it are scheduled."""
+        env = self.env
         self.restored = self.checkpointer.restore(self.model, self.optimizer, self.folder.metrics,
                                                   meshes=getattr(self.par, "meshes", None))
         self.par.load_rank_state(self.restored.rank_state)  # e.g. error-feedback residuals
-        self.controls = Controls(self)  # live changes: those in force at the checkpoint, replays after it
+        self.controls = Controls(self.cfg, self.run_dir, self.par.moe_layers, rebuild=self.rebuild_from_config,
+                                 rank0=env.rank == 0, writer=self.writer)
         self.controls.restore(self.restored.rank_state, self.restored.step)
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         # the eval events kept by the rewind above (steps <= start_step), for the summary
         self.evals = scan_events(self.folder.metrics, kinds=("eval",)) if self.start_step and env.rank == 0 else []
-        if env.rank == 0:
-            tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
-            if tok is not None:  # readers decode token ids with it (moelab.live.expert_tokens)
-                write_atomic(self.folder.tokenizer, Path(tok).read_bytes())
-            self.writer = MetricsWriter(self.folder.metrics)
-            self.writer.emit(StartEvent(
-                config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
-                resumed_from=str(self.restored.path) if self.restored.path else None,
-                flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
-                total_params=params.total, activated_params=params.activated,
-                env=RunEnv(torch=torch.__version__, python=platform.python_version(), host=socket.gethostname(),
-                           device=env.device, gpu_name=self.gpu_name, world_size=env.world_size,
-                           layout={k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
-                           pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"))))
-            for w in self.restored.warnings:
-                self.writer.emit(WarningEvent(**w))
-            if cfg.train.tensorboard or cfg.train.wandb != "off":
-                self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
+
+    def _start_stream(self) -> None:
+        """Rank 0: the tokenizer's copy, the start event (the config as it trains, with the changes in force),
+        the resume's warnings, and the TensorBoard / W&B mirror."""
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
+        if tok is not None:  # readers decode token ids with it (moelab.live.expert_tokens)
+            write_atomic(self.folder.tokenizer, Path(tok).read_bytes())
+        params = count_params(cfg.model)
+        self.writer.emit(StartEvent(
+            config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
+            resumed_from=str(self.restored.path) if self.restored.path else None,
+            flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
+            total_params=params.total, activated_params=params.activated,
+            env=RunEnv(torch=torch.__version__, python=platform.python_version(), host=socket.gethostname(),
+                       device=env.device, gpu_name=self.gpu_name, world_size=env.world_size,
+                       layout={k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                       pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"))))
+        for w in self.restored.warnings:
+            self.writer.emit(WarningEvent(**w))
+        if cfg.train.tensorboard or cfg.train.wandb != "off":
+            self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
