@@ -22,6 +22,7 @@ import torch
 
 from moelab.config import Config, ConfigError, save_config
 from moelab.model.batch_context import BatchContext
+from moelab.model.router import PER_EXPERT_STATS, ROUTER_STATS, SUMMED_STATS
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
 from moelab.train.preflight import preflight
@@ -46,6 +47,9 @@ from moelab.train.optim import build_optimizer, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
 from moelab.contract.summary import summarize
+
+# the router's statistics whose name in the stream's routing record (moelab.contract.events.Routing) differs
+STREAM_NAMES = {"dropped": "dropped_tokens"}
 
 
 class NonFiniteLoss(RuntimeError):
@@ -242,17 +246,15 @@ class Trainer:
         dev = self.env.device
         if not metrics:
             counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=dev)
-                      for key in ("tokens_per_expert", "routed_per_expert") for s in stats]
+                      for key in PER_EXPERT_STATS for s in stats]
             self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
             return {"step": step, "lr": lr}
         pack = StatsPack()
         pack.add("loss", par.loss_contribution(loss_sum))
         pack.add("grad_norm", grad_norm.reshape(1).float() * par.grad_norm_weight())
-        for key, size, weight in (("tokens_per_expert", E, 1.0), ("routed_per_expert", E, 1.0),
-                                  ("dropped", 1, 1.0), ("aux_loss", 1, None),
-                                  ("z_loss", 1, None), ("entropy", 1, None), ("logit_norm", 1, None),
-                                  ("capacity_factor", 1, None)):
-            w = par.stat_weight() if weight is None else weight
+        for key in ROUTER_STATS:  # counts summed; the others weighted so the sum is the mean over ranks
+            size = E if key in PER_EXPERT_STATS else 1
+            w = 1.0 if key in SUMMED_STATS else par.stat_weight()
             pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
                            for s in stats])
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
@@ -268,10 +270,9 @@ class Trainer:
         got = pack.unpack(packed.tolist())
         loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
         gnorm = got["grad_norm"][0]
-        tokens_per_expert = [got["tokens_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]
-        routed_per_expert = [got["routed_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]  # before dropping
-        per_layer = {key: got[key] for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm",
-                                               "capacity_factor")}
+        # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
+        per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
+                     else got[key] for key in ROUTER_STATS}
         self.last_memory = [got["memory"][3 * r: 3 * r + 3] for r in range(self.env.world_size)]
         for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
             comm[key] = got[f"comm.{key}"][0] if len(v) == 1 else got[f"comm.{key}"]
@@ -287,15 +288,12 @@ class Trainer:
         else:
             # the summed counts are still on the device: no host-to-device copy (it would wait for the
             # optimizer step just queued)
-            counts_2ME = torch.stack([packed[pack.slice("tokens_per_expert")],
-                                      packed[pack.slice("routed_per_expert")]]).view(2, n_layers, E)
+            counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
             self.apply_step(counts_2ME if n_layers else None)
+        aux_loss, z_loss = sum(per_layer.pop("aux_loss")), sum(per_layer.pop("z_loss"))  # over MoE layers
         return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
-                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
-                "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
-                            "dropped_tokens": per_layer["dropped"],
-                            "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
-                            "capacity_factor": per_layer["capacity_factor"]}}
+                "aux_loss": aux_loss, "z_loss": z_loss, "comm": comm,
+                "routing": {STREAM_NAMES.get(key, key): v for key, v in per_layer.items()}}
 
     def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
         """The optimizer step and the routing updates after it, from the per-expert token counts summed over
