@@ -38,7 +38,7 @@ from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.backends.full_loss import loss_mask
 from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalEvent, RunEnv, StartEvent,
-                                    WarningEvent, parse_event)
+                                    StepEvent, WarningEvent, parse_event)
 from moelab.contract.folder import write_json
 from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
@@ -237,22 +237,48 @@ class Trainer:
         par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
         drop_frozen_grads(par.moe_layers, cfg)  # model.moe.freeze_router
         grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
-        # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
-        # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
-        # read once.
-        moes = par.moe_layers_all
-        E, n_layers = cfg.model.moe.num_experts, len(moes)
-        stats = [m.router.pop_stats() if m is not None else None for m in moes]
-        dev = self.env.device
+        stats = [m.router.pop_stats() if m is not None else None for m in par.moe_layers_all]
+        E, n_layers = cfg.model.moe.num_experts, len(stats)
         if not metrics:
-            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=dev)
+            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=self.env.device)
                       for key in PER_EXPERT_STATS for s in stats]
             self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
             return {"step": step, "lr": lr}
+        # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
+        # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
+        # read once.
+        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
+        pack = self._pack_step(step, loss_sum, grad_norm, stats, comm)
+        packed = par.all_reduce_sum(pack.pack())
+        got = pack.unpack(packed.tolist())
+        loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
+        gnorm = got["grad_norm"][0]
+        self._read_step_flags(got, comm)
+        skipped = not self._finite(step, loss, gnorm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            # the summed counts are still on the device: no host-to-device copy (it would wait for the
+            # optimizer step just queued)
+            counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
+            self.apply_step(counts_2ME if n_layers else None)
+        # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
+        per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
+                     else got[key] for key in ROUTER_STATS}
+        aux_loss, z_loss = sum(per_layer.pop("aux_loss")), sum(per_layer.pop("z_loss"))  # over MoE layers
+        return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
+                "aux_loss": aux_loss, "z_loss": z_loss, "comm": comm,
+                "routing": {STREAM_NAMES.get(key, key): v for key, v in per_layer.items()}}
+
+    def _pack_step(self, step: int, loss_sum, grad_norm, stats: list, comm: dict) -> StatsPack:
+        """What the step's one all-reduce sums: this rank's loss and grad-norm contributions, its routers'
+        statistics (counts summed, the others weighted so the sum is the mean over ranks), its memory in its
+        own slot, the communication counts, a stop request and rank 0's "a live change is due"."""
+        par, dev, E = self.par, self.env.device, self.cfg.model.moe.num_experts
         pack = StatsPack()
         pack.add("loss", par.loss_contribution(loss_sum))
         pack.add("grad_norm", grad_norm.reshape(1).float() * par.grad_norm_weight())
-        for key in ROUTER_STATS:  # counts summed; the others weighted so the sum is the mean over ranks
+        for key in ROUTER_STATS:
             size = E if key in PER_EXPERT_STATS else 1
             w = 1.0 if key in SUMMED_STATS else par.stat_weight()
             pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
@@ -261,39 +287,29 @@ class Trainer:
         # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
         pack.add("memory", memory_slots)
-        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
         for key, v in comm.items():
             pack.add(f"comm.{key}", torch.tensor(v, dtype=torch.float32).to(dev, non_blocking=True))
         pack.add("stop", torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
         pack.add("controls", torch.tensor([self.controls.poll(step)]).to(dev, non_blocking=True))  # rank 0: due
-        packed = par.all_reduce_sum(pack.pack())
-        got = pack.unpack(packed.tolist())
-        loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
-        gnorm = got["grad_norm"][0]
-        # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
-        per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
-                     else got[key] for key in ROUTER_STATS}
+        return pack
+
+    def _read_step_flags(self, got: dict, comm: dict) -> None:
+        """From the summed pack: every rank's memory, the communication counts (in `comm`), whether a rank was
+        asked to stop and whether a live change is due."""
         self.last_memory = [got["memory"][3 * r: 3 * r + 3] for r in range(self.env.world_size)]
         for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
             comm[key] = got[f"comm.{key}"][0] if len(v) == 1 else got[f"comm.{key}"]
         self.stop_requested = got["stop"][0] > 0
         self.controls_due = got["controls"][0] > 0
-        skipped = False
-        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
-            if cfg.train.on_nan == "stop":
-                raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
-                                    f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
-            self.optimizer.zero_grad(set_to_none=True)
-            skipped = True
-        else:
-            # the summed counts are still on the device: no host-to-device copy (it would wait for the
-            # optimizer step just queued)
-            counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
-            self.apply_step(counts_2ME if n_layers else None)
-        aux_loss, z_loss = sum(per_layer.pop("aux_loss")), sum(per_layer.pop("z_loss"))  # over MoE layers
-        return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
-                "aux_loss": aux_loss, "z_loss": z_loss, "comm": comm,
-                "routing": {STREAM_NAMES.get(key, key): v for key, v in per_layer.items()}}
+
+    def _finite(self, step: int, loss: float, gnorm: float) -> bool:
+        """Are the step's loss and grad norm finite? NonFiniteLoss when not and train.on_nan is "stop"."""
+        if torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm)):
+            return True
+        if self.cfg.train.on_nan == "stop":
+            raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
+                                f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
+        return False
 
     def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
         """The optimizer step and the routing updates after it, from the per-expert token counts summed over
@@ -343,7 +359,6 @@ class Trainer:
 
     def _loop(self) -> dict:
         t = self.cfg.train
-        tokens_per_step = t.global_batch_size * t.seq_len
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -360,22 +375,9 @@ class Trainer:
         for step in range(self.start_step + 1, t.steps + 1):
             self.step = step
             rec = self.train_step(step)
-            rec["health"], warnings = self.health.observe(step, rec["routing"]["routed_per_expert"])
-            now = time.perf_counter()
-            dt, t_prev = now - t_prev, now
-            tps = tokens_per_step / dt
-            tflops = self.flops_per_token * tps / self.env.world_size / 1e12
-            rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
-                       tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
-                       mfu=tflops / self.peak if self.peak else None, memory=self.memory())
-            event = parse_event({"event": "step", **rec})  # the StepEvent, checked as a reader checks it
-            if self.writer:
-                self.writer.emit(event)
-                for w in warnings:
-                    self.writer.emit(WarningEvent(**w))
-            records.append(event)
+            records.append(self._record_step(step, rec, t_prev))
             if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
                 bar.update(1)
             self.after_step(step, last=step == t.steps or self.stop_requested)
             checkpoint_now = self.controls_due and self.controls.apply(step)  # live changes, every rank
@@ -390,6 +392,30 @@ class Trainer:
             self.save_checkpoint(self.step)
         if bar is not None:
             bar.close()
+        return self._finish(records, status)
+
+    def _record_step(self, step: int, rec: dict, t_prev: float) -> StepEvent:
+        """A trained step's record completed (experts' health, throughput since `t_prev`, memory) as its
+        StepEvent, checked as a reader checks it, and written with the health warnings on rank 0."""
+        t = self.cfg.train
+        tokens_per_step = t.global_batch_size * t.seq_len
+        rec["health"], warnings = self.health.observe(step, rec["routing"]["routed_per_expert"])
+        dt = time.perf_counter() - t_prev
+        tps = tokens_per_step / dt
+        tflops = self.flops_per_token * tps / self.env.world_size / 1e12
+        rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
+                   tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
+                   mfu=tflops / self.peak if self.peak else None, memory=self.memory())
+        event = parse_event({"event": "step", **rec})
+        if self.writer:
+            self.writer.emit(event)
+            for w in warnings:
+                self.writer.emit(WarningEvent(**w))
+        return event
+
+    def _finish(self, records: list, status: str) -> dict:
+        """The summary (rank 0 writes the end event and summary.json); DeepEP's buffers freed, the process
+        group ended."""
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)
         if self.writer:
             self.writer.emit(EndEvent(step=self.step, status=status, summary=summary))
