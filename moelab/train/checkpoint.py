@@ -194,8 +194,6 @@ class Checkpointer:
         partial folder is never loaded); every rank raises DiskFullError when it ran out of space,
         FolderWriteError (moelab.contract.writes, as any write to the run folder) when the folder cannot be
         written (read-only, not ours), CheckpointError otherwise; older checkpoints stay intact."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         name = step_dir_name(step)
@@ -203,6 +201,33 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
         state = global_experts({"model": model_sd, "optim": optim_sd}, meshes)
         need = sum(self._gather(diskspace.state_bytes(state)))
+        self._check_space(step, tmp, need, check_space)
+        error, mine = self._write_parts(tmp, state, rank_state)
+        parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
+                              "cause": _cause(error)})
+        failure = next((p["error"] for p in parts if p["error"]), None)
+        outcome = None  # rank 0: None when saved, else what every rank raises (_failed)
+        if self._rank == 0:
+            if failure is None:
+                try:
+                    self._finish(step, tmp, final, {f: r for p in parts for f, r in p["files"].items()})
+                except Exception as e:
+                    error, failure = e, _describe(e)
+                    parts.append({"cause": _cause(e)})
+            if failure is not None:
+                outcome = self._failed(step, tmp, need, failure, {p["cause"] for p in parts} - {None})
+        outcome = self._broadcast(outcome)
+        if outcome is None:
+            return final
+        kind, message, err, free = outcome
+        if kind == "folder":
+            raise FolderWriteError(err, tmp, need, free=free, left=message,
+                                   then=f"resume the run (`moelab resume {self.run_dir}`)") from error
+        raise (DiskFullError if kind == "disk" else CheckpointError)(message) from error
+
+    def _check_space(self, step: int, tmp: Path, need: int, check_space: bool) -> None:
+        """Rank 0 clears a save that died half way and, with `check_space`, compares `need` with the free space;
+        every rank raises the same DiskFullError when it does not fit."""
         refusal = None
         if self._rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
@@ -212,6 +237,14 @@ class Checkpointer:
         refusal = self._broadcast(refusal)
         if refusal:
             raise DiskFullError(refusal)
+
+    def _write_parts(self, tmp: Path, state: dict, rank_state: dict | None) -> tuple:
+        """Every rank writes its part into `tmp` (DCP's shards, its RNG states, its own state); returns (the
+        error it met or None, {file: size and crc32} of the files it wrote). Rank 0 creates the folder first;
+        DCP's .metadata is left for rank 0 to record (_finish)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
         error, mine = None, {}
         if self._rank == 0:
             try:
@@ -234,27 +267,7 @@ class Checkpointer:
                     if f.startswith(f"__{self._rank}_") or f in (rng_name, own_name)}
         except (Exception, CheckpointException) as e:
             error = error or e
-        parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
-                              "cause": _cause(error)})
-        failure = next((p["error"] for p in parts if p["error"]), None)
-        outcome = None  # rank 0: None when saved, else what every rank raises (_failed)
-        if self._rank == 0:
-            if failure is None:
-                try:
-                    self._finish(step, tmp, final, {f: r for p in parts for f, r in p["files"].items()})
-                except Exception as e:
-                    error, failure = e, _describe(e)
-                    parts.append({"cause": _cause(e)})
-            if failure is not None:
-                outcome = self._failed(step, tmp, need, failure, {p["cause"] for p in parts} - {None})
-        outcome = self._broadcast(outcome)
-        if outcome is None:
-            return final
-        kind, message, err, free = outcome
-        if kind == "folder":
-            raise FolderWriteError(err, tmp, need, free=free, left=message,
-                                   then=f"resume the run (`moelab resume {self.run_dir}`)") from error
-        raise (DiskFullError if kind == "disk" else CheckpointError)(message) from error
+        return error, mine
 
     def _finish(self, step: int, tmp: Path, final: Path, files: dict) -> None:
         """Rank 0: metadata.json (written last: it means "complete"), the rename into place, pruning."""
@@ -302,58 +315,10 @@ class Checkpointer:
                 metrics_path: "str | Path | None" = None, meshes=None) -> Restored:
         """Load the newest intact checkpoint into model and optimizer (collective), and rewind the metrics
         stream to it (rank 0). Corrupt folders are reported and skipped; CheckpointError if all are."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        import torch.distributed.checkpoint as dcp
-
         out = Restored()
-        names = self._broadcast([p.name for p in reversed(list_checkpoints(self.run_dir))]
-                                if self._rank == 0 else None)
-        bad = []
-        for name in names:
-            path = self.root / name
-            problems = self._verify_collectively(path)
-            if not problems:
-                out.path = path
-                break
-            bad.append(f"{name}: {'; '.join(problems)}")
-            out.warnings.append({"kind": "corrupt_checkpoint", "message": (
-                f"checkpoint {path} is not usable and was not loaded ({'; '.join(problems)}); renamed to "
-                f"{name}.corrupt-*, falling back to an older one")})
-            if self._rank == 0:
-                os.rename(path, path.with_name(f"{name}.corrupt-{int(time.time())}"))
-        if names and out.path is None:
-            raise CheckpointError(f"{self.root}: no usable checkpoint ({' | '.join(bad)}). The run cannot resume; "
-                                  f"move the checkpoints folder away to start again from step 0")
+        out.path = self._newest_intact(out.warnings)
         if out.path is not None:
-            meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
-            out.step = meta["step"]
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
-            state = {"model": model_sd, "optim": optim_sd}
-            # Only the per-parameter optimizer state is read: the groups come from the config and the layout
-            # (moelab.train.optim groups parameters by kind, so another layout may have more or fewer)
-            moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
-            view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
-            try:
-                with one_process_is_meant(not self._dist):
-                    dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
-                copy_back(view, state)
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                               options=self.state_options())
-            except Exception as e:
-                raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
-                                      f"{type(e).__name__}: {e}") from e
-            own = out.path / rank_state_file(self._rank)
-            if own.is_file():
-                out.rank_state = torch.load(own, map_location="cpu")
-            rng = out.path / rng_file(self._rank)
-            _set_rng_state(json.loads((rng if rng.is_file() else out.path / rng_file(0)).read_text()),
-                           self.env.device)
-            now = {"world_size": self._world, "layout": dataclasses.asdict(self.layout)}
-            if (meta["world_size"], meta["layout"]) != (now["world_size"], now["layout"]):
-                out.warnings.append({"kind": "layout_changed", "message": (
-                    f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
-                    f"onto {now['world_size']} ranks with layout {now['layout']}")})
+            self._load(out, model, optimizer, meshes)
         if self._rank == 0 and metrics_path is not None:
             out.records, notes = rewind_metrics(metrics_path, out.step)
             out.warnings.extend(notes)
@@ -361,6 +326,63 @@ class Checkpointer:
             w["step"] = out.step
         self._barrier()
         return out
+
+    def _newest_intact(self, warnings_out: list) -> "Path | None":
+        """The newest checkpoint that verifies (every rank checks a share of its files); the ones before it that
+        do not are renamed step_N.corrupt-<time> by rank 0 and reported in `warnings_out`. None without
+        checkpoints; CheckpointError when none is usable."""
+        names = self._broadcast([p.name for p in reversed(list_checkpoints(self.run_dir))]
+                                if self._rank == 0 else None)
+        bad = []
+        for name in names:
+            path = self.root / name
+            problems = self._verify_collectively(path)
+            if not problems:
+                return path
+            bad.append(f"{name}: {'; '.join(problems)}")
+            warnings_out.append({"kind": "corrupt_checkpoint", "message": (
+                f"checkpoint {path} is not usable and was not loaded ({'; '.join(problems)}); renamed to "
+                f"{name}.corrupt-*, falling back to an older one")})
+            if self._rank == 0:
+                os.rename(path, path.with_name(f"{name}.corrupt-{int(time.time())}"))
+        if names:
+            raise CheckpointError(f"{self.root}: no usable checkpoint ({' | '.join(bad)}). The run cannot resume; "
+                                  f"move the checkpoints folder away to start again from step 0")
+        return None
+
+    def _load(self, out: Restored, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes) -> None:
+        """Load checkpoint `out.path` into model and optimizer, this rank's own state and RNG states; sets
+        out.step, and warns when another layout wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
+        out.step = meta["step"]
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
+        state = {"model": model_sd, "optim": optim_sd}
+        # Only the per-parameter optimizer state is read: the groups come from the config and the layout
+        # (moelab.train.optim groups parameters by kind, so another layout may have more or fewer)
+        moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
+        view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
+        try:
+            with one_process_is_meant(not self._dist):
+                dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
+            copy_back(view, state)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=self.state_options())
+        except Exception as e:
+            raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
+                                  f"{type(e).__name__}: {e}") from e
+        own = out.path / rank_state_file(self._rank)
+        if own.is_file():
+            out.rank_state = torch.load(own, map_location="cpu")
+        rng = out.path / rng_file(self._rank)
+        _set_rng_state(json.loads((rng if rng.is_file() else out.path / rng_file(0)).read_text()), self.env.device)
+        now = {"world_size": self._world, "layout": dataclasses.asdict(self.layout)}
+        if (meta["world_size"], meta["layout"]) != (now["world_size"], now["layout"]):
+            out.warnings.append({"kind": "layout_changed", "message": (
+                f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
+                f"onto {now['world_size']} ranks with layout {now['layout']}")})
 
     def _verify_collectively(self, path: Path) -> list[str]:
         """Rank 0 reads metadata.json; the files are then checked by all ranks, file i by rank i % world."""
