@@ -226,45 +226,48 @@ def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_
     except FileNotFoundError:
         return [], []
     with f:
-        size = os.fstat(f.fileno()).st_size
-        while True:
-            start = max(size - max_bytes, 0)
-            f.seek(start)
-            data = f.read(size - start)
-            cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
-            if not start or 0 < cut < len(data):
-                break
-            max_bytes *= 2
-        lines = data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
-        last = []
-        for line in reversed(lines):
-            kind = _kind(line)
-            if kinds is not None and kind is not None and kind not in kinds:
-                continue
-            try:
-                event = parse_line(line, str(path), typed=True)
-            except MetricsError:
-                continue
-            if kinds is None or event.EVENT in kinds:
-                last.append(event)
-                if limit is not None and len(last) >= limit:
-                    break
-        last.reverse()
+        start, lines = _last_whole_lines(f, os.fstat(f.fileno()).st_size, max_bytes)
+        last = _parse_kinds(lines, path, kinds, limit)
         head = b""
         if start and first:
             f.seek(0)
             head = f.read(min(64 * 1024, start))
             head = head[:head.rfind(b"\n") + 1]
-    firsts = []
-    for line in head.split(b"\n")[:-1]:
-        if _kind(line) in (*first, None) and line.strip():
-            try:
-                event = parse_line(line, str(path), typed=True)
-            except MetricsError:
-                continue
-            if event.EVENT in first:
-                firsts.append(event)
-    return last, firsts
+    return last, _parse_kinds(head.split(b"\n")[:-1], path, first)
+
+
+def _last_whole_lines(f, size: int, max_bytes: int) -> tuple[int, list[bytes]]:
+    """(where the window starts, its whole lines): the last `max_bytes` of the open file `f` of `size` bytes,
+    the window doubled while it holds no whole line."""
+    while True:
+        start = max(size - max_bytes, 0)
+        f.seek(start)
+        data = f.read(size - start)
+        cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
+        if not start or 0 < cut < len(data):
+            return start, data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
+        max_bytes *= 2
+
+
+def _parse_kinds(lines: list[bytes], path: Path, kinds: "tuple[str, ...] | None",
+                 limit: "int | None" = None) -> list[Event]:
+    """The typed events of `kinds` (all when None) among `lines`, in order, damaged lines left out; only the
+    last `limit` when given (parsed from the end: the other lines are not parsed)."""
+    found = []
+    for line in reversed(lines):
+        kind = _kind(line)
+        if kinds is not None and kind is not None and kind not in kinds:
+            continue
+        try:
+            event = parse_line(line, str(path), typed=True)
+        except MetricsError:
+            continue
+        if kinds is None or event.EVENT in kinds:
+            found.append(event)
+            if limit is not None and len(found) >= limit:
+                break
+    found.reverse()
+    return found
 
 
 def scan_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_steps: "int | None" = None
