@@ -47,11 +47,13 @@ class Part:
     KEYS: ClassVar[dict] = {}
 
     def to_json(self) -> dict:
+        """The part as the stream's JSON object (its keys, `extra` kept)."""
         out = {key: _to_json(getattr(self, name)) for name, key, *_ in _fields(type(self))}
         return {**out, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict) -> "Part":
+        """The part from the stream's JSON object; unknown keys go to `extra`; MetricsError when malformed."""
         if not isinstance(data, dict):
             raise MetricsError(f"{cls.__name__.lower()} is {type(data).__name__}, not an object")
         data, kw = dict(data), {}
@@ -160,12 +162,15 @@ class Event(Part):
     extra: dict = dc.field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """One stream line's object: event, schema and time first, then the fields (OMIT_NONE ones left out when
+        None)."""
         body = super().to_json()
         head = {"event": self.EVENT, "schema": body.pop("schema"), "time": body.pop("time")}
         return {**head, **{k: v for k, v in body.items() if v is not None or k not in self.OMIT_NONE}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Event":
+        """The event of one stream line's object (its "event" key names the class: parse_event picks it)."""
         data = {k: v for k, v in data.items() if k != "event"}
         return super().from_json(data)
 

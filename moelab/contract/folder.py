@@ -81,58 +81,72 @@ class RunFolder:
 
     @property
     def name(self) -> str:
+        """The folder's name (a run's default name)."""
         return self.path.name
 
     @property
     def config(self) -> Path:
+        """config.yaml: the config the run trains."""
         return self.path / CONFIG
 
     @property
     def metrics(self) -> Path:
+        """metrics.jsonl: the event stream."""
         return self.path / METRICS
 
     @property
     def summary(self) -> Path:
+        """summary.json: written by rank 0 at the end."""
         return self.path / SUMMARY
 
     @property
     def info_path(self) -> Path:
+        """run.json: how to find the job again (written by launch)."""
         return self.path / INFO
 
     @property
     def sweep_path(self) -> Path:
+        """sweep.json: a sweep folder's grid and runs."""
         return self.path / SWEEP
 
     @property
     def checkpoints(self) -> Path:
+        """checkpoints/: one folder per saved step (moelab.contract.checkpoints)."""
         return self.path / CHECKPOINTS
 
     @property
     def logs(self) -> Path:
+        """logs/: every rank's rank<r>.out and rank<r>.err."""
         return self.path / LOGS
 
     @property
     def submitit(self) -> Path:
+        """submitit/: the submitit executor's own folder."""
         return self.path / SUBMITIT
 
     @property
     def controls(self) -> Path:
+        """controls.jsonl: live change requests and what the ranks did (moelab.contract.controls)."""
         return self.path / CONTROLS
 
     @property
     def fork_path(self) -> Path:
+        """fork.json: a fork's parent, step and changes."""
         return self.path / FORK
 
     @property
     def bench(self) -> Path:
+        """bench.json: the record of `moelab bench`."""
         return self.path / BENCH
 
     @property
     def tokenizer(self) -> Path:
+        """tokenizer.json: a copy of the text tokenizer the run trained with."""
         return self.path / TOKENIZER
 
     @property
     def expert_tokens(self) -> Path:
+        """expert_tokens.jsonl: which token ids each expert received (moelab.contract.expert_tokens)."""
         return self.path / EXPERT_TOKENS
 
     def rank_log(self, rank: int, suffix: str) -> Path:
@@ -149,6 +163,7 @@ class RunFolder:
         return self.info_path.exists() or self.metrics.exists()
 
     def is_sweep(self) -> bool:
+        """Is this a sweep's folder (it holds sweep.json)?"""
         return self.sweep_path.exists()
 
     # ------------------------------------------------------------------ run.json
@@ -157,6 +172,7 @@ class RunFolder:
         return read_json(self.info_path) or {}
 
     def write_info(self, info: dict) -> None:
+        """Write run.json atomically (write_json)."""
         write_json(self.info_path, info)
 
     def update_info(self, **fields: Any) -> dict:
@@ -386,6 +402,7 @@ class FolderLock:
         os.pwrite(fd, json.dumps(owner).encode(), 0)
 
     def release(self) -> None:
+        """Release one hold of the lock; the last one empties the owner and unlocks the file."""
         import fcntl
 
         if self.key is None or self.key not in _HELD:

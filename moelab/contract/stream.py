@@ -58,10 +58,12 @@ class MetricsWriter:
         self.path = Path(path)
 
     def emit(self, event: Event) -> Event:
+        """Append `event` as one line; returns it."""
         append_line(self.path, encode(event))
         return event
 
     def close(self) -> None:
+        """Nothing to release (every emit opens and closes the file); kept for the writer's callers."""
         pass
 
 
@@ -166,6 +168,8 @@ class JsonlTail:
         self.errors: list[str] = []
 
     def poll(self) -> "list[dict] | list[Event]":
+        """The events (or JSON objects) appended since the last poll; a replaced or truncated file is read again
+        from its start."""
         try:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
