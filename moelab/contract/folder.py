@@ -2,8 +2,11 @@
 
 A run is a folder on a shared file system. The trainer writes the config it ran, the metrics stream, the
 summary and the checkpoints; the launcher writes run.json (how to find the job again from another kernel) and
-links to every rank's logs; Run, the live view, the plots and `moelab status` only read. Every file name lives
-here, and every write of a JSON file goes through `write_json` (atomic: a reader never sees half a file).
+links to every rank's logs; Run, the live view, the plots and `moelab status` read (and ask for changes through
+controls.jsonl). Every file name lives here (tests/contract/test_file_names.py holds what a run writes to them),
+and every write of a JSON file goes through `write_json` (atomic: a reader never sees half a file). The formats
+with more to them have their readers beside this module: moelab.contract.checkpoints (the checkpoint folders),
+.stream and .events (metrics.jsonl), .summary (summary.json), .controls (controls.jsonl), .expert_tokens.
 
     folder = RunFolder("runs/tiny-20261130-101500")
     folder.config, folder.metrics, folder.summary        # Path objects: config.yaml, metrics.jsonl, summary.json
