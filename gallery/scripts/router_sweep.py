@@ -24,7 +24,7 @@ import torch
 
 from moelab.config import load_config
 from moelab.train.bench import Bencher, bench_config, describe
-from moelab.train.summary import step_balance
+from moelab.contract.summary import step_balance
 
 GPU_SETTINGS = ["train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compile=true", "data.kind=random"]
 CPU_SETTINGS = ["train.device=cpu", "data.kind=random"]

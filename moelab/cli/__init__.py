@@ -63,7 +63,7 @@ def one_line_error(e: BaseException) -> str | None:
 
     from moelab.launch.jobs import NotCancellable
     from moelab.launch.local import RankFailed
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.contract.checkpoints import CheckpointError
 
     if isinstance(e, ConfigError):
         return f"config error: {e}"

@@ -39,7 +39,7 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from moelab.launch.resume import resume
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.contract.checkpoints import CheckpointError
     from moelab.contract.stream import MetricsError
 
     options = dict(parse_override(item) for item in args.cluster)
@@ -128,7 +128,7 @@ def _report(run: Run, failed_code: int = 1) -> int:
               file=sys.stderr)
         return 130
     if status == "COMPLETED" and run.summary:
-        from moelab.train.summary import format_summary
+        from moelab.contract.summary import format_summary
 
         print(format_summary(run.summary))
     elif run.error:

@@ -50,6 +50,7 @@ FIXED_REASONS = (
 
 
 def get_dotted(cfg, key: str) -> Any:
+    """The value of dotted field `key` ("model.moe.aux_loss_coeff") of `cfg`."""
     node = cfg
     for part in key.split("."):
         node = getattr(node, part)
@@ -57,6 +58,7 @@ def get_dotted(cfg, key: str) -> Any:
 
 
 def set_dotted(cfg, key: str, value: Any) -> None:
+    """Set dotted field `key` of `cfg` to `value` (no check: check_changes checks)."""
     *parents, last = key.split(".")
     node = cfg
     for part in parents:
@@ -65,6 +67,7 @@ def set_dotted(cfg, key: str, value: Any) -> None:
 
 
 def fixed_reason(key: str) -> str:
+    """Why field `key` cannot change while a run trains (the first FIXED_REASONS prefix it matches)."""
     return next(why for prefix, why in FIXED_REASONS if key.startswith(prefix) or key == prefix)
 
 

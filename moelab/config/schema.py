@@ -339,10 +339,12 @@ class Config:
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict:
+        """The config as nested dicts (what config.yaml holds)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        """A Config from nested dicts, every value checked (ConfigError naming field, value and fix)."""
         return _build(cls, d, "")
 
     def replace(self, **dotted: Any) -> "Config":
@@ -552,6 +554,7 @@ def _nest(dotted: str, value: Any) -> dict:
 
 
 def save_config(cfg: Config, path: "str | Path") -> None:
+    """Write `cfg` as YAML to `path` atomically (moelab.contract.writes)."""
     from moelab.contract.writes import write_atomic  # a run folder's writes go through one place
 
     write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

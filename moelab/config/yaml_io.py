@@ -41,6 +41,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     """
 
     def construct_mapping(self, node, deep=False):
+        """SafeLoader's mapping, after checking its keys are unique (DuplicateKey names the key and both lines; a
+        key after a merge may override the merged one)."""
         if isinstance(node, yaml.MappingNode):
             first: dict = {}
             for key_node, _ in node.value:

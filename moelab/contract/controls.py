@@ -39,9 +39,9 @@ import uuid
 import warnings
 from pathlib import Path
 
+from moelab.contract.folder import RunFolder
 from moelab.contract.writes import FolderWriteError, writing
 
-CONTROLS = "controls.jsonl"
 CHECKPOINT_NOW = "checkpoint"  # the one action a request may carry besides fields
 AGAIN = "write the line again (a request: `moelab set` / run.set once more)"  # after a failed append
 
@@ -69,7 +69,8 @@ class ControlsClosed(RuntimeError):
 
 
 def controls_path(folder: "str | Path") -> Path:
-    return Path(folder) / CONTROLS
+    """RUN/controls.jsonl."""
+    return RunFolder(folder).controls
 
 
 def who(origin: str) -> str:
@@ -164,7 +165,7 @@ def holding(folder: "str | Path"):
         os.close(fd)  # releases the lock
 
 
-def append_line(folder: "str | Path", record: dict) -> None:
+def append_control(folder: "str | Path", record: dict) -> None:
     """One line, appended under the file's lock (see the module docstring)."""
     with holding(folder) as held:
         held.append([record])

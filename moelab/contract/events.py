@@ -1,6 +1,6 @@
 """The events of metrics.jsonl as code: one dataclass per kind, with to_json / from_json.
 
-The trainer writes these classes (moelab.contract.stream.MetricsWriter.emit, append_event) and every reader
+The trainer writes these classes (moelab.contract.stream.MetricsWriter.emit) and every reader
 turns a line back into one (`parse_event`), so the schema has one definition: the fields below, in the order a
 line holds them. Every line also carries ``event`` (the kind), ``schema`` (SCHEMA_VERSION) and ``time`` (unix s).
 
@@ -47,11 +47,13 @@ class Part:
     KEYS: ClassVar[dict] = {}
 
     def to_json(self) -> dict:
+        """The part as the stream's JSON object (its keys, `extra` kept)."""
         out = {key: _to_json(getattr(self, name)) for name, key, *_ in _fields(type(self))}
         return {**out, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict) -> "Part":
+        """The part from the stream's JSON object; unknown keys go to `extra`; MetricsError when malformed."""
         if not isinstance(data, dict):
             raise MetricsError(f"{cls.__name__.lower()} is {type(data).__name__}, not an object")
         data, kw = dict(data), {}
@@ -160,12 +162,15 @@ class Event(Part):
     extra: dict = dc.field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """One stream line's object: event, schema and time first, then the fields (OMIT_NONE ones left out when
+        None)."""
         body = super().to_json()
         head = {"event": self.EVENT, "schema": body.pop("schema"), "time": body.pop("time")}
         return {**head, **{k: v for k, v in body.items() if v is not None or k not in self.OMIT_NONE}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Event":
+        """The event of one stream line's object (its "event" key names the class: parse_event picks it)."""
         data = {k: v for k, v in data.items() if k != "event"}
         return super().from_json(data)
 
@@ -271,7 +276,7 @@ class CheckpointEvent(Event):
 @dc.dataclass(kw_only=True)
 class EndEvent(Event):
     """The attempt ended at `step`: COMPLETED (all steps), PREEMPTED (a stop signal: checkpointed, resumable) or
-    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.train.summary).
+    CANCELLED (a stop after `moelab cancel` / Run.cancel); `summary` as summary.json (moelab.contract.summary).
 
         EndEvent(step=10, status="PREEMPTED", summary={"final_loss": 3.1})
     """

@@ -2,12 +2,16 @@
 
 A run is a folder on a shared file system. The trainer writes the config it ran, the metrics stream, the
 summary and the checkpoints; the launcher writes run.json (how to find the job again from another kernel) and
-links to every rank's logs; Run, the live view, the plots and `moelab status` only read. Every file name lives
-here, and every write of a JSON file goes through `write_json` (atomic: a reader never sees half a file).
+links to every rank's logs; Run, the live view, the plots and `moelab status` read (and ask for changes through
+controls.jsonl). Every file name lives here (tests/contract/test_file_names.py holds what a run writes to them),
+and every write of a JSON file goes through `write_json` (atomic: a reader never sees half a file). The formats
+with more to them have their readers beside this module: moelab.contract.checkpoints (the checkpoint folders),
+.stream and .events (metrics.jsonl), .summary (summary.json), .controls (controls.jsonl), .expert_tokens.
 
     folder = RunFolder("runs/tiny-20261130-101500")
     folder.config, folder.metrics, folder.summary        # Path objects: config.yaml, metrics.jsonl, summary.json
     folder.read_info()                                   # run.json as a dict ({} when there is none)
+    folder.read_summary(), folder.read_fork()            # summary.json, fork.json (None when there is none)
     folder.update_info(status="CANCELLED")               # read, change, write back atomically
     folder.rank_log(0, "err")                            # logs/rank0.err
 
@@ -29,12 +33,22 @@ from moelab.contract.writes import write_atomic, write_if_possible, writing
 
 CONFIG = "config.yaml"       # the config the run trains (written before any rank starts)
 METRICS = "metrics.jsonl"    # the event stream (moelab.contract.stream)
-SUMMARY = "summary.json"     # written by rank 0 at the end
+SUMMARY = "summary.json"     # written by rank 0 at the end (moelab.contract.summary)
 INFO = "run.json"            # executor, job id, submitit folder, options, final status (written by launch)
 SWEEP = "sweep.json"         # a sweep folder's grid and runs
-CHECKPOINTS = "checkpoints"  # one folder per saved step
+CHECKPOINTS = "checkpoints"  # one folder per saved step (moelab.contract.checkpoints)
 LOGS = "logs"                # rank<r>.out / rank<r>.err (files, or links to the executor's files)
 SUBMITIT = "submitit"        # the submitit executor's folder of a Session run
+CONTROLS = "controls.jsonl"  # requests to change the running run and what the ranks did (moelab.contract.controls)
+FORK = "fork.json"           # a fork's parent, step and changes (moelab.run.fork)
+BENCH = "bench.json"         # `moelab bench`'s record, written by rank 0 (moelab.launch.entry)
+TOKENIZER = "tokenizer.json"  # the text tokenizer the run trained with (a copy, for decoding its token ids)
+EXPERT_TOKENS = "expert_tokens.jsonl"  # which token ids each expert received (moelab.contract.expert_tokens)
+TENSORBOARD = "tensorboard"  # the metrics mirror's TensorBoard folder (moelab.loggers.mirror)
+# inside a checkpoint folder checkpoints/step_<N>/ (moelab.contract.checkpoints; DCP's own files beside them)
+CHECKPOINT_METADATA = "metadata.json"  # written last: the checkpoint is complete
+CHECKPOINT_RNG = "rng"                 # rng/rank_<r>.json
+CHECKPOINT_RANK_STATE = "rank_state"   # rank_state/rank_<r>.pt
 
 
 def read_json(path: "str | Path") -> Any:
@@ -70,39 +84,73 @@ class RunFolder:
 
     @property
     def name(self) -> str:
+        """The folder's name (a run's default name)."""
         return self.path.name
 
     @property
     def config(self) -> Path:
+        """config.yaml: the config the run trains."""
         return self.path / CONFIG
 
     @property
     def metrics(self) -> Path:
+        """metrics.jsonl: the event stream."""
         return self.path / METRICS
 
     @property
     def summary(self) -> Path:
+        """summary.json: written by rank 0 at the end."""
         return self.path / SUMMARY
 
     @property
     def info_path(self) -> Path:
+        """run.json: how to find the job again (written by launch)."""
         return self.path / INFO
 
     @property
     def sweep_path(self) -> Path:
+        """sweep.json: a sweep folder's grid and runs."""
         return self.path / SWEEP
 
     @property
     def checkpoints(self) -> Path:
+        """checkpoints/: one folder per saved step (moelab.contract.checkpoints)."""
         return self.path / CHECKPOINTS
 
     @property
     def logs(self) -> Path:
+        """logs/: every rank's rank<r>.out and rank<r>.err."""
         return self.path / LOGS
 
     @property
     def submitit(self) -> Path:
+        """submitit/: the submitit executor's own folder."""
         return self.path / SUBMITIT
+
+    @property
+    def controls(self) -> Path:
+        """controls.jsonl: live change requests and what the ranks did (moelab.contract.controls)."""
+        return self.path / CONTROLS
+
+    @property
+    def fork_path(self) -> Path:
+        """fork.json: a fork's parent, step and changes."""
+        return self.path / FORK
+
+    @property
+    def bench(self) -> Path:
+        """bench.json: the record of `moelab bench`."""
+        return self.path / BENCH
+
+    @property
+    def tokenizer(self) -> Path:
+        """tokenizer.json: a copy of the text tokenizer the run trained with."""
+        return self.path / TOKENIZER
+
+    @property
+    def expert_tokens(self) -> Path:
+        """expert_tokens.jsonl: which token ids each expert received (moelab.contract.expert_tokens)."""
+        return self.path / EXPERT_TOKENS
 
     def rank_log(self, rank: int, suffix: str) -> Path:
         """logs/rank<rank>.<suffix>, suffix "out" or "err"."""
@@ -118,6 +166,7 @@ class RunFolder:
         return self.info_path.exists() or self.metrics.exists()
 
     def is_sweep(self) -> bool:
+        """Is this a sweep's folder (it holds sweep.json)?"""
         return self.sweep_path.exists()
 
     # ------------------------------------------------------------------ run.json
@@ -126,6 +175,7 @@ class RunFolder:
         return read_json(self.info_path) or {}
 
     def write_info(self, info: dict) -> None:
+        """Write run.json atomically (write_json)."""
         write_json(self.info_path, info)
 
     def update_info(self, **fields: Any) -> dict:
@@ -143,7 +193,17 @@ class RunFolder:
         return info
 
     def read_summary(self) -> dict | None:
+        """summary.json (moelab.contract.summary.summarize), or None before the run wrote it."""
         return read_json(self.summary)
+
+    def read_fork(self) -> dict | None:
+        """fork.json: {"parent": folder, "step": k, "changes": {...}, "created": time}, or None for a run that
+        is no fork (moelab.run.fork)."""
+        return read_json(self.fork_path)
+
+    def read_bench(self) -> dict | None:
+        """bench.json, the record `moelab bench` wrote (moelab.train.bench.bench), or None when there is none."""
+        return read_json(self.bench)
 
     def created(self) -> float:
         """When the run was created (run.json), else when its config was written; 0 if neither is known."""
@@ -345,6 +405,7 @@ class FolderLock:
         os.pwrite(fd, json.dumps(owner).encode(), 0)
 
     def release(self) -> None:
+        """Release one hold of the lock; the last one empties the owner and unlocks the file."""
         import fcntl
 
         if self.key is None or self.key not in _HELD:

@@ -34,6 +34,7 @@ class RunStatus(enum.StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """Has the run ended (no further change of state)?"""
         return self in TERMINAL
 
     @classmethod

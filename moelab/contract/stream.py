@@ -4,7 +4,7 @@ A run folder holds ``metrics.jsonl``: one JSON object per line, appended and flu
 
 The events and their fields are classes: moelab.contract.events (StartEvent, StepEvent, EvalEvent,
 WarningEvent, CheckpointEvent, EndEvent, ErrorEvent, ControlEvent; SCHEMA_VERSION). Writers hand those to
-``MetricsWriter.emit`` / ``append_event``; readers get them back with ``read_events(..., typed=True)`` or
+``MetricsWriter.emit`` (the one writer); readers get them back with ``read_events(..., typed=True)`` or
 ``JsonlTail(..., typed=True)`` (the plain JSON objects without ``typed``, for tools and tests), or only the
 stream's last events with ``tail_events`` (a reader of a long run reads a bounded amount from its end).
 
@@ -34,8 +34,8 @@ from pathlib import Path
 from moelab.contract.events import EVENTS, SCHEMA_VERSION, Event, MetricsError, parse_event
 from moelab.contract.writes import append_line, write_durably
 
-__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "append_event",
-           "read_events", "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
+__all__ = ["SCHEMA_VERSION", "EVENTS", "MetricsError", "MetricsWarning", "MetricsWriter", "read_events",
+           "tail_events", "scan_events", "JsonlTail", "rewind_metrics"]
 
 
 class MetricsWarning(UserWarning):
@@ -44,9 +44,11 @@ class MetricsWarning(UserWarning):
 
 
 class MetricsWriter:
-    """Appends events to metrics.jsonl; one write and one flush per event, so a crash loses nothing that
-    was written and a reader never sees a partial line except the very last one. A failed write (disk full,
-    read-only) raises FolderWriteError (moelab.contract.writes) naming the path and the bytes.
+    """The one writer of events: appends them to metrics.jsonl, each in one O_APPEND write of one line, so a
+    crash loses nothing that was written, a reader never sees a partial line except the very last one, and
+    lines of several processes do not interleave (rank 0 writes the run's events; any rank or the launcher may
+    append one, e.g. an error). A failed write (disk full, read-only) raises FolderWriteError
+    (moelab.contract.writes) naming the path and the bytes.
 
         w = MetricsWriter("runs/a/metrics.jsonl")
         w.emit(EvalEvent(step=10, loss=2.1, perplexity=8.2, batches=2, tokens=4096))
@@ -56,26 +58,18 @@ class MetricsWriter:
         self.path = Path(path)
 
     def emit(self, event: Event) -> Event:
+        """Append `event` as one line; returns it."""
         append_line(self.path, encode(event))
         return event
 
-    def write(self, event: str, **fields) -> Event:
-        """emit() of the event of kind `event` built from its JSON fields (checked as a reader checks them)."""
-        return self.emit(parse_event({"event": event, **fields}))
-
     def close(self) -> None:
+        """Nothing to release (every emit opens and closes the file); kept for the writer's callers."""
         pass
 
 
 def encode(event: Event) -> bytes:
     """One stream line: the event's JSON, non-finite numbers as null (a non-finite loss is also an error event)."""
     return (json.dumps(_finite(event.to_json()), allow_nan=False, default=_jsonable) + "\n").encode()
-
-
-def append_event(path: "str | Path", event: Event) -> None:
-    """Append one event from any process (an error on a rank that is not the writer): a single O_APPEND
-    write of one line, which does not interleave with the writer's lines."""
-    append_line(path, encode(event))
 
 
 def _finite(x):
@@ -174,6 +168,8 @@ class JsonlTail:
         self.errors: list[str] = []
 
     def poll(self) -> "list[dict] | list[Event]":
+        """The events (or JSON objects) appended since the last poll; a replaced or truncated file is read again
+        from its start."""
         try:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -234,45 +230,48 @@ def tail_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_
     except FileNotFoundError:
         return [], []
     with f:
-        size = os.fstat(f.fileno()).st_size
-        while True:
-            start = max(size - max_bytes, 0)
-            f.seek(start)
-            data = f.read(size - start)
-            cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
-            if not start or 0 < cut < len(data):
-                break
-            max_bytes *= 2
-        lines = data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
-        last = []
-        for line in reversed(lines):
-            kind = _kind(line)
-            if kinds is not None and kind is not None and kind not in kinds:
-                continue
-            try:
-                event = parse_line(line, str(path), typed=True)
-            except MetricsError:
-                continue
-            if kinds is None or event.EVENT in kinds:
-                last.append(event)
-                if limit is not None and len(last) >= limit:
-                    break
-        last.reverse()
+        start, lines = _last_whole_lines(f, os.fstat(f.fileno()).st_size, max_bytes)
+        last = _parse_kinds(lines, path, kinds, limit)
         head = b""
         if start and first:
             f.seek(0)
             head = f.read(min(64 * 1024, start))
             head = head[:head.rfind(b"\n") + 1]
-    firsts = []
-    for line in head.split(b"\n")[:-1]:
-        if _kind(line) in (*first, None) and line.strip():
-            try:
-                event = parse_line(line, str(path), typed=True)
-            except MetricsError:
-                continue
-            if event.EVENT in first:
-                firsts.append(event)
-    return last, firsts
+    return last, _parse_kinds(head.split(b"\n")[:-1], path, first)
+
+
+def _last_whole_lines(f, size: int, max_bytes: int) -> tuple[int, list[bytes]]:
+    """(where the window starts, its whole lines): the last `max_bytes` of the open file `f` of `size` bytes,
+    the window doubled while it holds no whole line."""
+    while True:
+        start = max(size - max_bytes, 0)
+        f.seek(start)
+        data = f.read(size - start)
+        cut = data.find(b"\n") + 1 if start else 0  # the first line read is a piece of a line: drop it
+        if not start or 0 < cut < len(data):
+            return start, data[cut:data.rfind(b"\n") + 1].split(b"\n")[:-1]
+        max_bytes *= 2
+
+
+def _parse_kinds(lines: list[bytes], path: Path, kinds: "tuple[str, ...] | None",
+                 limit: "int | None" = None) -> list[Event]:
+    """The typed events of `kinds` (all when None) among `lines`, in order, damaged lines left out; only the
+    last `limit` when given (parsed from the end: the other lines are not parsed)."""
+    found = []
+    for line in reversed(lines):
+        kind = _kind(line)
+        if kinds is not None and kind is not None and kind not in kinds:
+            continue
+        try:
+            event = parse_line(line, str(path), typed=True)
+        except MetricsError:
+            continue
+        if kinds is None or event.EVENT in kinds:
+            found.append(event)
+            if limit is not None and len(found) >= limit:
+                break
+    found.reverse()
+    return found
 
 
 def scan_events(path: "str | Path", kinds: "tuple[str, ...] | None" = None, max_steps: "int | None" = None

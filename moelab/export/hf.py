@@ -1,6 +1,6 @@
 """A trained run in transformers' layout: ``moelab export RUN --to hf OUT`` and ``run.export_hf(out)``.
 
-The newest intact checkpoint of the run (moelab.train.checkpoint: a torch.distributed.checkpoint folder whose
+The newest intact checkpoint of the run (moelab.contract.checkpoints: a torch.distributed.checkpoint folder whose
 tensors are global, experts included: moelab.train.checkpoint_experts) is read in this one process, on the CPU,
 without a process group, whatever layout wrote it (FSDP2, EP, PP, CP); the model tensors only, never the
 optimizer state. They are written with moelab.hf.save_hf (the per-family adapters): config.json plus
@@ -35,7 +35,8 @@ from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
 from moelab.model.assemble import assemble
 from moelab.model.transformer import MoETransformer
-from moelab.train.checkpoint import latest_checkpoint, list_checkpoints, read_metadata, verify
+from moelab.contract.folder import CONFIG, RunFolder
+from moelab.contract.checkpoints import latest_checkpoint, list_checkpoints, read_metadata, verify
 
 LORA_MODES = ("merged", "adapters")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -189,8 +190,8 @@ def copy_tokenizer(run_dir: Path, cfg: Config, base: Path | None, out: Path) -> 
             for f in names:
                 shutil.copyfile(folder / f, out / f)
             return names
-    if (run_dir / "tokenizer.json").is_file():
-        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
+    if RunFolder(run_dir).tokenizer.is_file():
+        shutil.copyfile(RunFolder(run_dir).tokenizer, out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
         return ["tokenizer.json", "tokenizer_config.json"]
     return []
@@ -206,14 +207,14 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
     into a folder that is not empty; base: the HF folder the run started from (default: what its config records).
     """
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml)")
+    if not RunFolder(run_dir).config.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no {CONFIG})")
     if lora is not None and lora not in LORA_MODES:
         raise ConfigError(f"lora={lora!r}: choose 'merged' (adapters folded into the weights) or 'adapters' "
                           f"(PEFT's layout), or leave it unset")
     torch_dtype = _dtype(dtype)
     parse_size(max_shard_size)
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(RunFolder(run_dir).config)
     base = base_of(cfg, base)
     hf_base = json.loads((base / "config.json").read_text()) if base is not None else None
     family = adapter_for(hf_base).model_type if hf_base else family_of(cfg.model)

@@ -178,7 +178,6 @@ def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, com
     GPU through moelab's local launcher, each the one rank entry point in its bench mode
     (``python -m moelab.launch.entry RUN_DIR --bench STEPS WARMUP COMMAND``); logs in RUN_DIR/logs/."""
     from moelab.config import save_config
-    from moelab.launch.entry import BENCH_FILE
     from moelab.launch.local import RankFailed, launch
     from moelab.contract.folder import RunFolder
 
@@ -193,7 +192,7 @@ def _measure(cfg: Config, gpus: int, steps: int, warmup: int, run_dir: Path, com
         launch(argv, gpus, folder.logs, metrics_path=folder.metrics)
     except RankFailed as e:
         raise GalleryError(f"{' '.join(argv)} failed: {e}") from None
-    return json.loads((folder.path / BENCH_FILE).read_text())
+    return json.loads(folder.bench.read_text())
 
 
 def _bench_here(cfg: Config, steps: int, warmup: int, command: str) -> dict:

@@ -19,7 +19,6 @@ from typing import Callable
 from moelab.config import load_config
 from moelab.contract.folder import RunFolder, lock_folder, write_json
 
-BENCH_FILE = "bench.json"
 WARM_CHILD = "MOELAB_WARM_CHILD"  # set in a rank that moelab.launch.warm forked: the warm server ends it
 
 
@@ -54,7 +53,7 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
     folder = RunFolder(run_dir)
     record = dict(bench(load_config(folder.config), steps=steps, warmup=warmup, command=command))
     if int(os.environ.get("RANK", "0")) == 0:
-        write_json(folder.path / BENCH_FILE, record)
+        write_json(folder.bench, record)
     return record
 
 

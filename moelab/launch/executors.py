@@ -347,7 +347,7 @@ def not_requeued(run_dir: "str | Path", error: BaseException) -> dict:
 
     from moelab.contract.events import WarningEvent
     from moelab.contract.folder import RunFolder, read_json
-    from moelab.contract.stream import append_event, tail_events
+    from moelab.contract.stream import MetricsWriter, tail_events
 
     folder = RunFolder(run_dir)
     ends = tail_events(folder.metrics, kinds=("end",))[0]
@@ -357,7 +357,7 @@ def not_requeued(run_dir: "str | Path", error: BaseException) -> dict:
                f"on this cluster, JobRequeue=0, or for this job, --no-requeue); the run ends PREEMPTED with its "
                f"checkpoint at step {step}: continue it with `moelab resume {folder.path}`")
     print(f"moelab: {message}", file=sys.stderr)
-    append_event(folder.metrics, WarningEvent(step=step, kind="not_requeued", message=message))
+    MetricsWriter(folder.metrics).emit(WarningEvent(step=step, kind="not_requeued", message=message))
     return read_json(folder.summary) or {}
 
 

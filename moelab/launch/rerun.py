@@ -28,7 +28,7 @@ def reached_step(folder: RunFolder) -> int:
 def checkpoint_step(folder: RunFolder) -> int:
     """The step of the folder's newest intact checkpoint: where a resume continues from (0 without one; the
     stream is rewound to it, so a run killed after step N with its last checkpoint at C < N trains C+1.. again)."""
-    from moelab.train.checkpoint import latest_checkpoint, read_metadata
+    from moelab.contract.checkpoints import latest_checkpoint, read_metadata
 
     path = latest_checkpoint(folder.path)
     return int(read_metadata(path)["step"]) if path is not None else 0
@@ -93,7 +93,7 @@ def extension_note(old, new, step: int) -> str | None:
     if new.train.steps < step:
         raise ConfigError(f"train.steps={new.train.steps}: the run already reached step {step} (its newest "
                           f"checkpoint); give steps >= {step} (or load the run as it is with moelab.Run.load)")
-    from moelab.train.optim import lr_at
+    from moelab.config.schedule import lr_at
 
     nxt = min(step + 1, new.train.steps)
     return (f"resuming from step {step} to {new.train.steps} (was {old.train.steps}): the learning-rate schedule "

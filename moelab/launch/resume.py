@@ -45,7 +45,7 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
     continues in this process, or on `nproc` local processes (default: as many as it had) through the local
     executor. A folder that cannot be continued in this process raises (ConfigError, CheckpointError,
     MetricsError)."""
-    from moelab.train.checkpoint import CheckpointError
+    from moelab.contract.checkpoints import CheckpointError
     from moelab.launch.inline import run_inline
     from moelab.launch.submit import submit_folders, unlink_logs, validate
 
@@ -91,7 +91,7 @@ def resume(run_dir: "str | Path", steps: int | None = None, nproc: int | None = 
 def check_resumable(folder: RunFolder) -> None:
     """CheckpointError when the folder has checkpoints and none is intact: the ranks would refuse at restore
     (moelab.train.checkpoint.Checkpointer.restore), after the resume had rewritten the folder."""
-    from moelab.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, verify
+    from moelab.contract.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, verify
 
     found = list_checkpoints(folder.path)
     if found and latest_checkpoint(folder.path) is None:

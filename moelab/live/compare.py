@@ -14,7 +14,7 @@ Balance is measured on the router's demand, the tokens routed to each expert BEF
 (``routing.routed_per_expert`` of the step events; older streams fall back to ``tokens_per_expert``), so a
 capacity factor cannot hide an imbalance; what it dropped is its own column. Per step and MoE layer:
 max/mean = the busiest expert's load over the mean load, cv = std/mean of the load (population std); both are
-averaged over layers (moelab.train.summary.step_balance, the one definition the dashboard and summary.json use
+averaged over layers (moelab.contract.summary.step_balance, the one definition the dashboard and summary.json use
 too), then over steps. "final" = the mean over the last ``final_window`` steps (default: the last 10%).
 
 Shape legend (docs/shapes.md): I steps, M MoE layers, E experts.
@@ -36,7 +36,7 @@ from moelab.contract.folder import RunFolder, read_json
 from moelab.run.controls import live_config
 from moelab.run.run import Run
 from moelab.contract.stream import scan_events
-from moelab.train.summary import demand_ME, step_balance
+from moelab.contract.summary import demand_ME, step_balance
 
 COLUMNS = ("run", "status", "steps", "final_loss", "eval_loss", "max_over_mean", "final_max_over_mean", "cv",
            "final_cv", "dropped_pct", "dead_experts")
@@ -201,7 +201,7 @@ class _RunData:
     """What the comparison reads from one run's step events, as arrays over steps."""
 
     def __init__(self, run):
-        metrics = Path(run.folder) / "metrics.jsonl"
+        metrics = RunFolder(run.folder).metrics
         steps = scan_events(metrics, kinds=("step",))
         self.steps = [e.step for e in steps]
         self.loss = [e.loss for e in steps]

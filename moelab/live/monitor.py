@@ -20,6 +20,7 @@ import threading
 import time
 
 from moelab.live.state import DashState, is_terminal, run_folder
+from moelab.contract.folder import RunFolder
 from moelab.contract.stream import JsonlTail
 
 
@@ -44,7 +45,7 @@ class Target:
 
     def __init__(self, run):
         self.run = run
-        self.path = run_folder(run) / "metrics.jsonl"
+        self.path = RunFolder(run_folder(run)).metrics
         self.state = DashState(name=str(getattr(run, "name", "") or self.path.parent.name))
         self.tail = JsonlTail(self.path, typed=True)
         self.has_status = hasattr(run, "status")

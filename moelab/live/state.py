@@ -23,9 +23,10 @@ import numpy as np
 
 from moelab.contract.events import (ControlEvent, EndEvent, ErrorEvent, EvalEvent, Event, Health, StartEvent,
                                     StepEvent, WarningEvent, parse_event)
+from moelab.contract.folder import RunFolder
 from moelab.contract.status import SLURM_ENDED, TERMINAL
 from moelab.contract.stream import JsonlTail
-from moelab.train.summary import BALANCE_KEYS, balance, balance_M, demand_ME, mean_balance, step_balance, timed_steps
+from moelab.contract.summary import BALANCE_KEYS, balance, balance_M, demand_ME, mean_balance, step_balance, timed_steps
 
 MAX_POINTS = 20_000  # per-step histories longer than this are thinned (every other older point dropped)
 ROUTING_WINDOW = 20  # the dashboard's "last N steps": its routing heatmap, histogram, balance and throughput
@@ -120,7 +121,7 @@ class DashState:
     grad_norm: list = field(default_factory=list)
     lr: list = field(default_factory=list)
     dropped_pct_I: list = field(default_factory=list)
-    # balance, one definition (moelab.train.summary.step_balance): per step the mean over MoE layers, and the
+    # balance, one definition (moelab.contract.summary.step_balance): per step the mean over MoE layers, and the
     # per-layer figures ([M, 3] arrays in BALANCE_KEYS order) for one layer's recent mean
     balance_I: list = field(default_factory=list)
     balance_IM: list = field(default_factory=list)
@@ -290,7 +291,7 @@ class DashState:
 
     def layer_balance(self, layer: int, window: bool = True) -> dict:
         """One MoE layer's max/mean, cv and entropy (mean over the last ROUTING_WINDOW steps, or the whole run:
-        the one definition, moelab.train.summary) and its dead experts (no tokens over that span)."""
+        the one definition, moelab.contract.summary) and its dead experts (no tokens over that span)."""
         counts = self.routing_ME(window)
         rows = [b[layer] for b in (self.balance_IM[-ROUTING_WINDOW:] if window else self.balance_IM)
                 if b is not None and layer < len(b)]
@@ -300,7 +301,7 @@ class DashState:
 
     def balance_summary(self, window: bool = False) -> dict:
         """Balance over all MoE layers, the figure to compare runs by: max/mean, cv and entropy as
-        moelab.train.summary.mean_balance defines them (over the whole run, or the last ROUTING_WINDOW steps),
+        moelab.contract.summary.mean_balance defines them (over the whole run, or the last ROUTING_WINDOW steps),
         and the dead experts at the last step (model.moe.dead_expert_steps without a token). Empty before the
         first step."""
         out = mean_balance(self.balance_I[-ROUTING_WINDOW:] if window else self.balance_I)
@@ -407,7 +408,7 @@ def run_folder(run) -> Path:
 def load_state(run) -> DashState:
     """Fold a run folder's metrics.jsonl as it is now (a half-written last line is left out, corrupt lines are
     listed in `corrupt`). `run`: a Run or a run folder."""
-    path = run_folder(run) / "metrics.jsonl"
+    path = RunFolder(run_folder(run)).metrics
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_folder(run)} a run folder?")
     st = DashState(name=str(getattr(run, "name", "") or ""))

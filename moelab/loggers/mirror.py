@@ -19,6 +19,7 @@ from pathlib import Path
 from moelab.config import Config, ConfigError
 from moelab.config.paths import check_path
 from moelab.contract.events import EvalEvent, Event, StepEvent
+from moelab.contract.folder import METRICS, TENSORBOARD, RunFolder
 from moelab.contract.stream import JsonlTail, scan_events
 
 STEP_SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "z_loss": "train/z_loss", "lr": "train/lr",
@@ -118,7 +119,7 @@ def sinks_for(cfg: Config, run_dir: Path) -> list:
     check_export(cfg)
     out = []
     if cfg.train.tensorboard:
-        out.append(TensorBoardSink(run_dir / "tensorboard", cfg.to_dict()))
+        out.append(TensorBoardSink(Path(run_dir) / TENSORBOARD, cfg.to_dict()))
     if cfg.train.wandb != "off":
         out.append(WandbSink(run_dir, cfg.train.wandb, cfg.name, cfg.to_dict()))
     return out
@@ -134,7 +135,7 @@ class StreamMirror:
     def __init__(self, run_dir: "str | Path", cfg: Config, poll_s: float = 1.0, after_step: int = 0):
         self.run_dir, self.poll_s, self.after_step = Path(run_dir), poll_s, after_step  # resumed: mirrored before
         self.sinks = sinks_for(cfg, self.run_dir)
-        self.tail = JsonlTail(self.run_dir / "metrics.jsonl", typed=True)
+        self.tail = JsonlTail(RunFolder(self.run_dir).metrics, typed=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="moelab-export", daemon=True)
 
@@ -171,13 +172,14 @@ def export_run(run_dir: "str | Path", to: str = "tensorboard", out: "str | Path 
     from moelab.config import load_config
 
     run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run folder (no metrics.jsonl)")
-    config = load_config(run_dir / "config.yaml").to_dict() if (run_dir / "config.yaml").is_file() else {}
+    run = RunFolder(run_dir)
+    if not run.metrics.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no {METRICS})")
+    config = load_config(run.config).to_dict() if run.config.is_file() else {}
     if out:
         check_path("out", out, "folder to write", f"give a folder for the {to} files (moelab export RUN --out FOLDER)")
     if to == "tensorboard":
-        folder = Path(out) if out else run_dir / "tensorboard"
+        folder = Path(out) if out else run_dir / TENSORBOARD
         sink = TensorBoardSink(folder, config)
     elif to == "wandb":
         folder = Path(out) if out else run_dir
@@ -186,7 +188,7 @@ def export_run(run_dir: "str | Path", to: str = "tensorboard", out: "str | Path 
     else:
         raise ValueError(f"export: to={to!r}; choose 'tensorboard' or 'wandb'")
     try:
-        for event in scan_events(run_dir / "metrics.jsonl", kinds=("step", "eval")):  # line by line
+        for event in scan_events(run.metrics, kinds=("step", "eval")):  # line by line
             values = scalars(event)
             if values:
                 sink.write(values, int(event.step))

@@ -14,7 +14,7 @@ that; `to_empty` and a load by assignment give the embedding and the head separa
 
     model = assemble(cfg, "random")                                     # every weight drawn from cfg.train.seed
     model = assemble(cfg, "load", load=lambda m: m.load_state_dict(sd))  # weights from a state dict
-    par = assemble(cfg, "train", env.device, place=lambda m: parallelize(m, cfg, env, dims, loss_fn))
+    par = assemble(cfg, "train", env.device, place=lambda m: parallelize(m, cfg, env, dims))
 """
 from __future__ import annotations
 

@@ -19,6 +19,15 @@ from moelab.config import BackendConfig, MoEConfig
 from moelab.config.rules import check_score_func
 from moelab.config.score_functions import SCORE_FUNCTIONS
 
+# The router's per-step statistics, named once: the stat_<name> buffers, pop_stats' keys and what the trainer
+# sums over ranks (moelab.train.trainer) all iterate these. Counts are summed over a step's calls and the ranks;
+# the others are averaged over the step's calls (the ranks weighted: Parallelized.stat_weight). pop_stats adds
+# capacity_factor, the factor in force (a buffer of its own, averaged like the others).
+SUMMED_STATS = ("tokens_per_expert", "routed_per_expert", "dropped")
+AVERAGED_STATS = ("aux_loss", "z_loss", "entropy", "logit_norm")
+PER_EXPERT_STATS = ("tokens_per_expert", "routed_per_expert")  # E values per layer (the others: one)
+ROUTER_STATS = SUMMED_STATS + AVERAGED_STATS + ("capacity_factor",)  # pop_stats' keys, in this order
+
 
 def count_ids(idx_N: torch.Tensor, n: int, weights_N: torch.Tensor | None = None) -> torch.Tensor:
     """torch.bincount(idx_N, weights_N, minlength=n) for ids in [0, n), counted on the device: bincount sizes its
@@ -127,15 +136,10 @@ class Router(nn.Module):
         self.register_buffer("load_history", torch.zeros(max(cfg.capacity_window, 1), cfg.num_experts))
         self.register_buffer("history_len", torch.zeros((), dtype=torch.long))
         # Per-step statistics (not saved): tokens per expert, dropped assignments, loss terms, logit norms.
-        E = cfg.num_experts
-        self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
-        self.register_buffer("stat_routed_per_expert", torch.zeros(E), persistent=False)  # before dropping
-        self.register_buffer("stat_dropped", torch.zeros(()), persistent=False)
-        self.register_buffer("stat_aux_loss", torch.zeros(()), persistent=False)
-        self.register_buffer("stat_z_loss", torch.zeros(()), persistent=False)
-        self.register_buffer("stat_entropy", torch.zeros(()), persistent=False)
-        self.register_buffer("stat_logit_norm", torch.zeros(()), persistent=False)
-        self.register_buffer("stat_calls", torch.zeros(()), persistent=False)
+        # (routed_per_expert: before dropping)
+        for name in SUMMED_STATS + AVERAGED_STATS + ("calls",):
+            shape = (cfg.num_experts,) if name in PER_EXPERT_STATS else ()
+            self.register_buffer(f"stat_{name}", torch.zeros(shape), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -275,14 +279,11 @@ class Router(nn.Module):
     def pop_stats(self) -> dict[str, torch.Tensor]:
         """Step statistics as device tensors (no synchronisation); resets them."""
         calls = self.stat_calls.clamp(min=1)
-        out = {"tokens_per_expert": self.stat_tokens_per_expert.clone(),
-               "routed_per_expert": self.stat_routed_per_expert.clone(), "dropped": self.stat_dropped.clone(),
-               "aux_loss": self.stat_aux_loss / calls, "z_loss": self.stat_z_loss / calls,
-               "entropy": self.stat_entropy / calls, "logit_norm": self.stat_logit_norm / calls,
-               "capacity_factor": self.capacity_factor.clone()}
-        for name in ("stat_tokens_per_expert", "stat_routed_per_expert", "stat_dropped", "stat_aux_loss",
-                     "stat_z_loss", "stat_entropy", "stat_logit_norm", "stat_calls"):
-            getattr(self, name).zero_()
+        out = {name: getattr(self, f"stat_{name}").clone() for name in SUMMED_STATS}
+        out.update({name: getattr(self, f"stat_{name}") / calls for name in AVERAGED_STATS})
+        out["capacity_factor"] = self.capacity_factor.clone()
+        for name in SUMMED_STATS + AVERAGED_STATS + ("calls",):
+            getattr(self, f"stat_{name}").zero_()
         return out
 
     @torch.no_grad()

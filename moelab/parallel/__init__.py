@@ -1,7 +1,7 @@
 """Parallelism, applied to a model that has none: ``parallelize(model, cfg, env, layout) -> Parallelized``.
 
     dims = ParallelDims.build(cfg, world_size=8)       # moelab.layout.dims: torch-free, validates the layout
-    par = parallelize(model, cfg, env, dims, loss_fn)  # moelab.parallel.apply: one process or several
+    par = parallelize(model, cfg, env, dims)           # moelab.parallel.apply: one process or several
 
 The names load when first asked for, so that the torch-free parts (dims: the layout validator; env: who am I)
 import without torch.

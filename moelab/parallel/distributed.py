@@ -1,7 +1,7 @@
 """Many ranks: device meshes, expert, context and pipeline parallelism and FSDP2, applied to a model built on the
 meta device.
 
-    par = parallelize_distributed(model_on_meta, cfg, env, dims, loss_fn)   # called by moelab.parallel.apply.parallelize
+    par = parallelize_distributed(model_on_meta, cfg, env, dims)   # called by moelab.parallel.apply.parallelize
 
 Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
 install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
@@ -41,7 +41,7 @@ from moelab.parallel.replicate import REPLICAS
 class DistributedParallelized(Parallelized):
     """The trainer's view of a multi-rank layout (see moelab.parallel.Parallelized).
 
-        par = parallelize(model_on_meta, cfg, env, ParallelDims.build(cfg, env.world_size), loss_fn)
+        par = parallelize(model_on_meta, cfg, env, ParallelDims.build(cfg, env.world_size))
     """
 
     def __init__(self, model: nn.Module, cfg: Config, env: DistEnv, layout: ParallelConfig, meshes: Meshes,
@@ -160,12 +160,11 @@ def apply_expert_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
         moe.dispatcher = dispatcher
 
 
-def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,
-                            loss_fn=None) -> Parallelized:
+def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims) -> Parallelized:
     layout = dims.layout
     meshes = build_meshes(dims, env.rank, "cuda" if env.is_cuda else "cpu")
     if layout.pp > 1:
-        return parallelize_pipeline(model, cfg, env, dims, meshes, loss_fn)
+        return parallelize_pipeline(model, cfg, env, dims, meshes)
     cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
     exchange = place_stage(model, cfg, env, meshes, cp)
     par = DistributedParallelized(model, cfg, env, layout, meshes, cp)
@@ -196,8 +195,8 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
     materialize(model, cfg, env.device)
 
 
-def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes,
-                         loss_fn) -> Parallelized:
+def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,
+                         meshes: Meshes) -> Parallelized:
     """Cut the model into pp * vp stages; place this rank's stages (r, r + pp, ...) like a whole model."""
     from moelab.planner.stages import stage_layers
     from moelab.parallel.pipeline import PipelineModel, PipelineRunner, build_stage_modules
@@ -210,7 +209,7 @@ def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: Para
     t = cfg.train
     n_micro = dims.n_microbatches
     par = DistributedParallelized(PipelineModel(stages, cfg.model.num_layers), cfg, env, layout, meshes)
-    par.pipeline = PipelineRunner(stages, stage_ids, num_stages, meshes.pp_group, env.device, cfg, n_micro, loss_fn)
+    par.pipeline = PipelineRunner(stages, stage_ids, num_stages, meshes.pp_group, env.device, cfg, n_micro)
     par.pipeline.infer_shapes(par.model, n_micro * t.micro_batch_size, t.seq_len, env.device)
     return par
 

@@ -2,7 +2,7 @@
 
     split = stage_layers(model_cfg, num_stages=4)      # moelab.planner.stages: layer indices of every stage
     stages = build_stage_modules(model_on_meta, split, stage_ids=[0, 2])   # this rank's stages (looped)
-    runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches, loss_fn)
+    runner = PipelineRunner(stages, stage_ids, num_stages, pp_group, device, cfg, n_microbatches)
     runner.infer_shapes(PipelineModel(stages, num_layers), batch_size, seq_len, device)   # once, at setup
     loss_sum = runner.forward_backward(inputs_BL, targets_BL, ctx)   # trainer hook: runs the step's micro batches
 
@@ -13,7 +13,7 @@ into contiguous stages balancing the matmul cost (activated parameters per layer
 last stage), so a dense layer weighs less than a MoE layer.
 
 The last stage computes its micro batch's loss itself (the targets go to the stages as a keyword argument:
-MoETransformer.forward with targets, the fused LM-head loss), unless a `loss_fn(logits_BLV, targets_BL)` is given.
+MoETransformer.forward with targets, the fused LM-head loss).
 The loss of a micro batch is divided by the number of micro batches inside the loss function (scale_grads off),
 so gradients, and the router losses attached with BatchContext.loss_scale, have the same scale as the
 single-process gradient accumulation. The BatchContext reaches every stage as a keyword argument of the schedule's
@@ -77,16 +77,16 @@ class PipelineModel(nn.Module):
 class PipelineRunner:
     """The schedule of this rank's stages, and the trainer's forward/backward over a step's micro batches.
 
-        runner = PipelineRunner(stages, [rank], pp, group, device, cfg, n_micro, loss_fn)
+        runner = PipelineRunner(stages, [rank], pp, group, device, cfg, n_micro)
         loss_sum = runner.forward_backward(inputs_BL, targets_BL)
     """
 
     def __init__(self, stages: list[nn.Module], stage_ids: list[int], num_stages: int, group, device,
-                 cfg: Config, n_microbatches: int, loss_fn):
+                 cfg: Config, n_microbatches: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        # micro_loss None: the last stage's output is already its loss (moelab.backends.loss)
-        self.n_microbatches, self.micro_loss = n_microbatches, loss_fn
+        # the last stage's output is already its loss (moelab.backends.loss)
+        self.n_microbatches = n_microbatches
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         pipe_stages = [PipelineStage(m, s, num_stages, torch.device(device), group=group)
                        for m, s in zip(stages, stage_ids)]
@@ -97,7 +97,7 @@ class PipelineRunner:
         else:
             cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
             self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
-        if loss_fn is None and not self.skips_outputs:
+        if not self.skips_outputs:
             raise RuntimeError(f"torch {torch.__version__}'s pipeline schedules merge the last stage's outputs, which "
                                "are the model's scalar losses here; moelab needs a torch whose schedule.step takes "
                                "return_outputs (torch >= 2.11)")
@@ -123,8 +123,7 @@ class PipelineRunner:
 
     def loss_fn(self, output: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
         """One micro batch's loss, pre-divided by the number of micro batches (gradient accumulation)."""
-        loss = output if self.micro_loss is None else self.micro_loss(output, targets_BL)
-        return loss / self.n_microbatches
+        return output / self.n_microbatches
 
     def forward_backward(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor,
                          ctx: BatchContext = NO_CONTEXT) -> torch.Tensor:
@@ -140,7 +139,7 @@ class PipelineRunner:
         inputs = (inputs_BL.contiguous(),) if self.holds_first else ()
         targets_BL = targets_BL.contiguous() if self.holds_last else None
         # the model computes the loss: every stage takes the targets (only the last uses them)
-        kwargs = {"targets_BL": targets_BL} if self.micro_loss is None else {}
+        kwargs = {"targets_BL": targets_BL}
         if self.skips_outputs:  # the merge of the last stage's outputs: not needed, and scalars do not concatenate
             kwargs["return_outputs"] = False
         self.schedule.step(*inputs, target=targets_BL, losses=losses, ctx=ctx, **kwargs)

@@ -19,7 +19,7 @@ class Parallelized:
     """A model placed on this rank, and the facts the trainer needs about the layout (one process here;
     moelab.parallel.distributed overrides what differs on many).
 
-        par = parallelize(model_on_meta, cfg, DistEnv(), ParallelDims.build(cfg, 1), loss_fn)
+        par = parallelize(model_on_meta, cfg, DistEnv(), ParallelDims.build(cfg, 1))
         par.dp_rank, par.dp_size, par.all_reduce_sum(stats)
     """
 

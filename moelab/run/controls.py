@@ -25,6 +25,7 @@ from moelab.config import ConfigError, flatten, load_config
 from moelab.config.live import LIVE_FIELDS, check_changes, set_dotted
 from moelab.contract.controls import (CHECKPOINT_NOW, ControlsClosed, append_request, read_controls, reader,
                                       who as who_is)
+from moelab.contract.folder import RunFolder
 
 
 def resolve(changes: dict, cfg) -> dict:
@@ -52,7 +53,7 @@ _CONFIGS: dict[Path, tuple[tuple, object]] = {}  # config.yaml -> ((inode, size,
 
 def _config(folder: "str | Path") -> tuple[tuple, object]:
     """(what identifies the folder's config.yaml now, it as a Config), parsed again only when the file changed."""
-    path = Path(folder).absolute() / "config.yaml"
+    path = RunFolder(Path(folder).absolute()).config
     st = path.stat()
     key = (st.st_ino, st.st_size, st.st_mtime_ns)
     known = _CONFIGS.get(path)

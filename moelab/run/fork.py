@@ -29,23 +29,17 @@ from pathlib import Path
 from moelab.config import ConfigError, load_config, save_config
 from moelab.config.live import check_changes
 from moelab.config.paths import RUN_FOLDER_FIX, check_path
+from moelab.contract.checkpoints import checkpoint_steps, decided_in, step_dir_name
 from moelab.contract.controls import CHECKPOINT_NOW, append_request, read_controls, who as who_is
-from moelab.contract.folder import RunFolder, lock_folder, read_json, write_json
+from moelab.contract.folder import RunFolder, lock_folder, write_json
 from moelab.run.controls import live_config, resolve
 
-FORK = "fork.json"
 CONFIG_FIELDS = ("train.steps", "parallel.", "backend.")  # set in the fork's config.yaml, as a resume may
 
 
 def parent_of(folder: "str | Path") -> dict | None:
     """The fork record of a run folder ({"parent", "step", "changes"}), or None for a run that is no fork."""
-    return read_json(Path(folder) / FORK)
-
-
-def checkpoint_steps(folder: "str | Path") -> list[int]:
-    from moelab.train.checkpoint import list_checkpoints, read_metadata, verify
-
-    return [int(read_metadata(p)["step"]) for p in list_checkpoints(folder) if not verify(p)]
+    return RunFolder(folder).read_fork()
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -77,9 +71,6 @@ def applied_after_save(parent, step: int) -> dict:
     """The parent's changes applied at `step` that its checkpoint there does not hold (applied at the first
     boundary of a resume from it): {field: value}, in the order applied. A fork carries them, as the parent's
     steps after `step` had them."""
-    from moelab.train.checkpoint import step_dir_name
-    from moelab.train.controls import decided_in
-
     inside = decided_in(parent.run_folder.checkpoints / step_dir_name(step))
     out = {}
     for o in read_controls(parent.folder)[1].values():
@@ -115,8 +106,6 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
     """Check everything, then write the fork's folder (see the module docstring); returns (folder, the
     config changes, the live changes). ConfigError, with nothing written, for a missing checkpoint, a field a
     fork cannot change, a bad value or a folder that already holds a run."""
-    from moelab.train.checkpoint import step_dir_name
-
     step, cfg, config_changes, checked = check_fork(parent, step, changes)
     dest = RunFolder(check_path("folder", folder, "folder to write", RUN_FOLDER_FIX))
     if dest.holds_run():
@@ -130,7 +119,7 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
         request = {**applied_after_save(parent, step), **checked}
         if request:
             append_request(dest.path, request, who=who_is("fork"), at=step)
-        write_json(dest.path / FORK, {"parent": str(parent.folder.resolve()), "step": step,
+        write_json(dest.fork_path, {"parent": str(parent.folder.resolve()), "step": step,
                                       "changes": {**config_changes, **checked}, "created": time.time()})
     return dest, config_changes, checked
 

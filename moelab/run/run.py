@@ -60,6 +60,7 @@ class Run:
 
     @property
     def name(self) -> str:
+        """The run's name (run.json's, else the folder's)."""
         return self._info.get("name") or self.folder.name
 
     @property
@@ -77,10 +78,12 @@ class Run:
 
     @property
     def job_id(self) -> str | None:
+        """The executor's job id (None inline or without a Session)."""
         return self._info.get("job_id")
 
     @property
     def config(self):
+        """The run's config as written in its folder (config.yaml)."""
         from moelab.config import load_config
 
         return load_config(self.run_folder.config)
@@ -88,6 +91,7 @@ class Run:
     # ------------------------------------------------------------------ state
     @property
     def status(self) -> RunStatus:
+        """The run's RunStatus: run.json's final status, else what its Job says (checked at most every few seconds)."""
         final = self._info.get("status")
         if final in TERMINAL:
             return RunStatus(final)
@@ -117,6 +121,7 @@ class Run:
 
     @property
     def done(self) -> bool:
+        """Has the run ended?"""
         return self.status in TERMINAL
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> "Run":
@@ -252,13 +257,14 @@ class Run:
     def expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
         """Which tokens each expert of MoE layer `layer` receives most (train.expert_tokens_every): one row per
         expert and rank with token_id, token (decoded with the run's tokenizer), count and share; `step` None =
-        the latest record. ``.plot_expert_tokens(layer)`` draws it (moelab.train.expert_tokens)."""
-        from moelab.train.expert_tokens import expert_token_table
+        the latest record. ``.plot_expert_tokens(layer)`` draws it (moelab.live.expert_tokens)."""
+        from moelab.live.expert_tokens import expert_token_table
 
         return expert_token_table(self.folder, layer, step, top)
 
     def plot_expert_tokens(self, layer: int = 0, step: int | None = None, top: int = 5):
-        from moelab.train.expert_tokens import plot_expert_tokens
+        """A figure of MoE layer `layer`'s experts and their most frequent tokens (moelab.live.expert_tokens)."""
+        from moelab.live.expert_tokens import plot_expert_tokens
 
         return plot_expert_tokens(self.folder, layer, step, top)
 
@@ -275,6 +281,7 @@ class Run:
 
     @property
     def summary(self) -> dict | None:
+        """summary.json, else the end event's summary; None while the run trains."""
         data = self.run_folder.read_summary()
         if data is not None:
             return data
@@ -323,16 +330,20 @@ class Run:
         return dashboard(self)
 
     def plot_throughput(self):
+        """Loss, tokens/s per GPU and TFLOPs per GPU over the steps (moelab.live.plots)."""
         from moelab.live.plots import plot_throughput
 
         return plot_throughput(self)
 
     def plot_memory(self):
+        """Memory over the steps (max and min over ranks) and every rank's peak (moelab.live.plots)."""
         from moelab.live.plots import plot_memory
 
         return plot_memory(self)
 
     def plot_routing(self, layer: int | None = None):
+        """The routing: a layer x expert heatmap and tokens per expert of `layer` (default the least balanced MoE
+        layer) (moelab.live.plots)."""
         from moelab.live.plots import plot_routing
 
         return plot_routing(self, layer=layer)

@@ -51,6 +51,7 @@ class Session:
 
     @property
     def config(self) -> Config:
+        """The Config this Session submits."""
         return self._config
 
     def set(self, key: "str | dict", value: Any = None) -> "Session":

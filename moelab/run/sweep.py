@@ -27,6 +27,7 @@ class Sweep(list):
 
     @classmethod
     def load(cls, folder: "str | Path") -> "Sweep":
+        """The Sweep of a sweep folder (its sweep.json names the runs); FileNotFoundError for another folder."""
         folder = Path(folder)
         info = read_json(RunFolder(folder).sweep_path)
         if info is None:
@@ -48,32 +49,39 @@ class Sweep(list):
 
     @property
     def status(self) -> list[str]:
+        """Every run's status, in order."""
         return [r.status for r in self]
 
     @property
     def done(self) -> bool:
+        """Have all runs ended?"""
         return all(r.done for r in self)
 
     @property
     def job_ids(self) -> list[str | None]:
+        """Every run's job id, in order."""
         return [r.job_id for r in self]
 
     def wait(self, timeout: float | None = None) -> "Sweep":
+        """Wait for every run to end (within `timeout` seconds in all); returns self."""
         end = None if timeout is None else time.monotonic() + timeout
         for r in self:
             r.wait(None if end is None else max(0.0, end - time.monotonic()))
         return self
 
     def cancel(self) -> None:
+        """Cancel every run."""
         for r in self:
             r.cancel()
 
     def dashboard(self):
+        """The live dashboard of all runs, one tab each (moelab.live)."""
         from moelab.live import dashboard
 
         return dashboard(self)
 
     def compare(self):
+        """The runs side by side: curves, balance and final figures (moelab.live.compare)."""
         from moelab.live.compare import compare
 
         return compare(self)
@@ -93,6 +101,8 @@ class RunList(list):
 
     @property
     def table(self):
+        """One row per run (name, progress, executor, job id, folder): a pandas DataFrame where pandas is installed,
+        else a list of dicts."""
         rows = [{"name": r.name, **r.progress(), "executor": r.executor, "job_id": r.job_id, "folder": str(r.folder)}
                 for r in self]
         try:

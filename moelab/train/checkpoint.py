@@ -1,6 +1,7 @@
 """Checkpoints: sharded with torch.distributed.checkpoint (DCP), loadable into another layout.
 
-A checkpoint is a folder of the run folder, written by every rank together:
+A checkpoint is a folder of the run folder, written by every rank together (the layout, its listing,
+metadata.json and verification are moelab.contract.checkpoints: readers need not import this module):
 
     checkpoints/step_000010/
         .metadata, __<rank>_<n>.distcp   DCP: model and optimizer state, saved as GLOBAL tensors: FSDP2 DTensors
@@ -28,7 +29,7 @@ assumed to be on a file system every rank sees (as SLURM clusters provide).
 
     ckpt = Checkpointer(run_dir, cfg, env, layout)   # refuses checkpoints of another config (ConfigError)
     ckpt.save(10, model, optimizer)                   # collective: every rank calls it
-    restored = ckpt.restore(model, optimizer, run_dir / "metrics.jsonl")   # restored.step == 10
+    restored = ckpt.restore(model, optimizer, RunFolder(run_dir).metrics)   # restored.step == 10
 """
 from __future__ import annotations
 
@@ -39,11 +40,9 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import time
 import warnings
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,21 +53,19 @@ import torch.distributed as dist
 from moelab.config import Config, ConfigError
 from moelab.train import diskspace
 from moelab.train.checkpoint_experts import copy_back, global_experts
+from moelab.contract.checkpoints import (FORMAT, CheckpointError, checkpoint_dir, file_record, is_complete,
+                                         json_crc32, list_checkpoints, rank_state_file, read_metadata, rng_file,
+                                         step_dir_name, verify_files)
+from moelab.contract.folder import CHECKPOINT_METADATA, CHECKPOINT_RANK_STATE, CHECKPOINT_RNG, RunFolder
 from moelab.contract.stream import rewind_metrics, write_durably
 from moelab.contract.writes import FolderWriteError, folder_cause
 
-FORMAT = 1
-_STEP_DIR = re.compile(r"step_(\d+)")
 # Config fields that may change between a checkpoint and its resume: the length of the run, checkpointing and
 # failure policy, and everything about placement (layout, kernels, device) that does not change the maths.
 RESUMABLE_FIELDS = ("name", "parallel", "backend", "train.steps", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.save_checkpoints", "train.collective_timeout_s",
                     "train.on_nan", "train.device", "train.activation_checkpointing", "train.compile",
                     "train.micro_batch_size", "train.optimizer")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the folder and what is wrong with it."""
 
 
 class DiskFullError(CheckpointError):
@@ -90,75 +87,7 @@ class Restored:
     rank_state: dict = field(default_factory=dict)  # this rank's own state (Parallelized.rank_state)
 
 
-# ---------------------------------------------------------------------- the folder, read-only
-def checkpoint_dir(run_dir: "str | Path") -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_checkpoints(run_dir: "str | Path") -> list[Path]:
-    """Checkpoint folders of a run (complete or not), oldest first; temp and quarantined folders excluded."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def read_metadata(path: "str | Path") -> dict:
-    """A checkpoint's metadata.json; CheckpointError if it is missing or unreadable."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / "metadata.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no metadata.json (the save did not finish)") from None
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path}: metadata.json is unreadable ({e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
-        raise CheckpointError(f"{path}: metadata.json lacks 'step' or 'files'")
-    if meta.pop("crc32", None) != _json_crc32(meta):
-        raise CheckpointError(f"{path}: metadata.json fails its crc32 check (corrupt)")
-    if meta["step"] != int(path.name[5:]):
-        raise CheckpointError(f"{path}: metadata.json says step {meta['step']}, not the folder's step")
-    if meta.get("format", FORMAT) > FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta['format']} is newer than this moelab reads")
-    return meta
-
-
-def verify_files(path: Path, files: dict, names: "list[str] | None" = None) -> list[str]:
-    """Problems (missing, truncated, corrupt) of the listed files, or of `names` among them."""
-    problems = []
-    for name in names if names is not None else sorted(files):
-        want, f = files[name], path / name
-        if not f.is_file():
-            problems.append(f"{name} is missing")
-        elif f.stat().st_size != want["size"]:
-            problems.append(f"{name} is {f.stat().st_size} bytes, expected {want['size']} (truncated)")
-        elif _crc32(f) != want["crc32"]:
-            problems.append(f"{name} fails its crc32 check (corrupt)")
-    return problems
-
-
-def verify(path: "str | Path") -> list[str]:
-    """Everything wrong with one checkpoint folder (empty = complete and intact), from one process."""
-    try:
-        meta = read_metadata(path)
-    except CheckpointError as e:
-        return [str(e)]
-    return [f"{path}: {p}" for p in verify_files(Path(path), meta["files"])]
-
-
-def latest_checkpoint(run_dir: "str | Path") -> Path | None:
-    """The newest complete, intact checkpoint of a run (None if there is none)."""
-    for path in reversed(list_checkpoints(run_dir)):
-        if not verify(path):
-            return path
-    return None
-
-
+# ---------------------------------------------------------------------- what a resume must match
 def config_identity(cfg: Config) -> dict:
     """The config with RESUMABLE_FIELDS removed: what must match for a checkpoint to be resumed."""
     d = cfg.to_dict()
@@ -251,7 +180,7 @@ class Checkpointer:
                 changes = _diff(meta.get("config", {}), config_identity(self.cfg))
                 raise ConfigError(
                     f"run folder {self.run_dir} has checkpoints of a different config ({'; '.join(changes[:6])}). "
-                    f"Resume with its own config ({self.run_dir / 'config.yaml'}) or use a new run folder")
+                    f"Resume with its own config ({RunFolder(self.run_dir).config}) or use a new run folder")
             return
 
     # ------------------------------------------------------------------ save
@@ -265,8 +194,6 @@ class Checkpointer:
         partial folder is never loaded); every rank raises DiskFullError when it ran out of space,
         FolderWriteError (moelab.contract.writes, as any write to the run folder) when the folder cannot be
         written (read-only, not ours), CheckpointError otherwise; older checkpoints stay intact."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         name = step_dir_name(step)
@@ -274,37 +201,8 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
         state = global_experts({"model": model_sd, "optim": optim_sd}, meshes)
         need = sum(self._gather(diskspace.state_bytes(state)))
-        refusal = None
-        if self._rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
-            free = diskspace.free_bytes(self.root)
-            if check_space and diskspace.shortage(need, free):
-                refusal = diskspace.disk_full_message(self.root, step, need, free, self.run_dir, None)
-        refusal = self._broadcast(refusal)
-        if refusal:
-            raise DiskFullError(refusal)
-        error, mine = None, {}
-        if self._rank == 0:
-            try:
-                (tmp / "rng").mkdir(parents=True)
-            except OSError as e:  # a read-only folder: every rank hears of it (no rank waits in DCP's collectives)
-                error = e
-        try:
-            if not self._broadcast(error is None):  # also the barrier: the folder exists for every rank
-                raise CheckpointError(f"rank 0 could not create {tmp}")
-            with one_process_is_meant(not self._dist):
-                dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
-            rng_name = f"rng/rank_{self._rank:05d}.json"
-            write_durably(tmp / rng_name, json.dumps(_rng_state(self.env.device)))
-            own_name = f"rank_state/rank_{self._rank:05d}.pt"  # replicated experts' error feedback
-            if rank_state:
-                (tmp / "rank_state").mkdir(exist_ok=True)
-                torch.save(rank_state, tmp / own_name)
-            # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
-            mine = {f: _file_record(tmp / f) for f in _files(tmp)
-                    if f.startswith(f"__{self._rank}_") or f in (rng_name, own_name)}
-        except (Exception, CheckpointException) as e:
-            error = error or e
+        self._check_space(step, tmp, need, check_space)
+        error, mine = self._write_parts(tmp, state, rank_state)
         parts = self._gather({"files": mine, "error": None if error is None else _describe(error),
                               "cause": _cause(error)})
         failure = next((p["error"] for p in parts if p["error"]), None)
@@ -327,17 +225,61 @@ class Checkpointer:
                                    then=f"resume the run (`moelab resume {self.run_dir}`)") from error
         raise (DiskFullError if kind == "disk" else CheckpointError)(message) from error
 
+    def _check_space(self, step: int, tmp: Path, need: int, check_space: bool) -> None:
+        """Rank 0 clears a save that died half way and, with `check_space`, compares `need` with the free space;
+        every rank raises the same DiskFullError when it does not fit."""
+        refusal = None
+        if self._rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+            free = diskspace.free_bytes(self.root)
+            if check_space and diskspace.shortage(need, free):
+                refusal = diskspace.disk_full_message(self.root, step, need, free, self.run_dir, None)
+        refusal = self._broadcast(refusal)
+        if refusal:
+            raise DiskFullError(refusal)
+
+    def _write_parts(self, tmp: Path, state: dict, rank_state: dict | None) -> tuple:
+        """Every rank writes its part into `tmp` (DCP's shards, its RNG states, its own state); returns (the
+        error it met or None, {file: size and crc32} of the files it wrote). Rank 0 creates the folder first;
+        DCP's .metadata is left for rank 0 to record (_finish)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error, mine = None, {}
+        if self._rank == 0:
+            try:
+                (tmp / CHECKPOINT_RNG).mkdir(parents=True)
+            except OSError as e:  # a read-only folder: every rank hears of it (no rank waits in DCP's collectives)
+                error = e
+        try:
+            if not self._broadcast(error is None):  # also the barrier: the folder exists for every rank
+                raise CheckpointError(f"rank 0 could not create {tmp}")
+            with one_process_is_meant(not self._dist):
+                dcp.save(state, checkpoint_id=tmp, no_dist=not self._dist)
+            rng_name = rng_file(self._rank)
+            write_durably(tmp / rng_name, json.dumps(_rng_state(self.env.device)))
+            own_name = rank_state_file(self._rank)  # replicated experts' error feedback
+            if rank_state:
+                (tmp / CHECKPOINT_RANK_STATE).mkdir(exist_ok=True)
+                torch.save(rank_state, tmp / own_name)
+            # Each rank checksums what it wrote; rank 0 takes whatever no rank claimed (DCP's .metadata).
+            mine = {f: file_record(tmp / f) for f in _files(tmp)
+                    if f.startswith(f"__{self._rank}_") or f in (rng_name, own_name)}
+        except (Exception, CheckpointException) as e:
+            error = error or e
+        return error, mine
+
     def _finish(self, step: int, tmp: Path, final: Path, files: dict) -> None:
         """Rank 0: metadata.json (written last: it means "complete"), the rename into place, pruning."""
         for f in _files(tmp):
-            files.setdefault(f, _file_record(tmp / f))
+            files.setdefault(f, file_record(tmp / f))
         meta = {"format": FORMAT, "step": step, "time": time.time(), "world_size": self._world,
                 "layout": dataclasses.asdict(self.layout), "config_hash": config_hash(self.cfg),
                 "config": config_identity(self.cfg), "torch": torch.__version__, "files": files}
         if self.cfg.train.lora.rank:  # only the adapters (and what else trains) are saved: where the base comes from
             meta["base"] = lora_base(self.cfg)
-        meta["crc32"] = _json_crc32(meta)
-        write_durably(tmp / "metadata.json", json.dumps(meta, indent=1))
+        meta["crc32"] = json_crc32(meta)
+        write_durably(tmp / CHECKPOINT_METADATA, json.dumps(meta, indent=1))
         if final.exists():  # a leftover of an abandoned timeline (its metadata did not verify)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -364,7 +306,7 @@ class Checkpointer:
         return "other", f"checkpoint step {step} could not be saved in {self.root} ({failure}); {left}", None, free
 
     def _prune(self) -> None:
-        complete = [p for p in list_checkpoints(self.run_dir) if (p / "metadata.json").is_file()]
+        complete = [p for p in list_checkpoints(self.run_dir) if is_complete(p)]
         for old in complete[: -self.cfg.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -373,58 +315,10 @@ class Checkpointer:
                 metrics_path: "str | Path | None" = None, meshes=None) -> Restored:
         """Load the newest intact checkpoint into model and optimizer (collective), and rewind the metrics
         stream to it (rank 0). Corrupt folders are reported and skipped; CheckpointError if all are."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        import torch.distributed.checkpoint as dcp
-
         out = Restored()
-        names = self._broadcast([p.name for p in reversed(list_checkpoints(self.run_dir))]
-                                if self._rank == 0 else None)
-        bad = []
-        for name in names:
-            path = self.root / name
-            problems = self._verify_collectively(path)
-            if not problems:
-                out.path = path
-                break
-            bad.append(f"{name}: {'; '.join(problems)}")
-            out.warnings.append({"kind": "corrupt_checkpoint", "message": (
-                f"checkpoint {path} is not usable and was not loaded ({'; '.join(problems)}); renamed to "
-                f"{name}.corrupt-*, falling back to an older one")})
-            if self._rank == 0:
-                os.rename(path, path.with_name(f"{name}.corrupt-{int(time.time())}"))
-        if names and out.path is None:
-            raise CheckpointError(f"{self.root}: no usable checkpoint ({' | '.join(bad)}). The run cannot resume; "
-                                  f"move the checkpoints folder away to start again from step 0")
+        out.path = self._newest_intact(out.warnings)
         if out.path is not None:
-            meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
-            out.step = meta["step"]
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
-            state = {"model": model_sd, "optim": optim_sd}
-            # Only the per-parameter optimizer state is read: the groups come from the config and the layout
-            # (moelab.train.optim groups parameters by kind, so another layout may have more or fewer)
-            moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
-            view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
-            try:
-                with one_process_is_meant(not self._dist):
-                    dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
-                copy_back(view, state)
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                               options=self.state_options())
-            except Exception as e:
-                raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
-                                      f"{type(e).__name__}: {e}") from e
-            own = out.path / f"rank_state/rank_{self._rank:05d}.pt"
-            if own.is_file():
-                out.rank_state = torch.load(own, map_location="cpu")
-            rng = out.path / f"rng/rank_{self._rank:05d}.json"
-            _set_rng_state(json.loads((rng if rng.is_file() else out.path / "rng/rank_00000.json").read_text()),
-                           self.env.device)
-            now = {"world_size": self._world, "layout": dataclasses.asdict(self.layout)}
-            if (meta["world_size"], meta["layout"]) != (now["world_size"], now["layout"]):
-                out.warnings.append({"kind": "layout_changed", "message": (
-                    f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
-                    f"onto {now['world_size']} ranks with layout {now['layout']}")})
+            self._load(out, model, optimizer, meshes)
         if self._rank == 0 and metrics_path is not None:
             out.records, notes = rewind_metrics(metrics_path, out.step)
             out.warnings.extend(notes)
@@ -432,6 +326,63 @@ class Checkpointer:
             w["step"] = out.step
         self._barrier()
         return out
+
+    def _newest_intact(self, warnings_out: list) -> "Path | None":
+        """The newest checkpoint that verifies (every rank checks a share of its files); the ones before it that
+        do not are renamed step_N.corrupt-<time> by rank 0 and reported in `warnings_out`. None without
+        checkpoints; CheckpointError when none is usable."""
+        names = self._broadcast([p.name for p in reversed(list_checkpoints(self.run_dir))]
+                                if self._rank == 0 else None)
+        bad = []
+        for name in names:
+            path = self.root / name
+            problems = self._verify_collectively(path)
+            if not problems:
+                return path
+            bad.append(f"{name}: {'; '.join(problems)}")
+            warnings_out.append({"kind": "corrupt_checkpoint", "message": (
+                f"checkpoint {path} is not usable and was not loaded ({'; '.join(problems)}); renamed to "
+                f"{name}.corrupt-*, falling back to an older one")})
+            if self._rank == 0:
+                os.rename(path, path.with_name(f"{name}.corrupt-{int(time.time())}"))
+        if names:
+            raise CheckpointError(f"{self.root}: no usable checkpoint ({' | '.join(bad)}). The run cannot resume; "
+                                  f"move the checkpoints folder away to start again from step 0")
+        return None
+
+    def _load(self, out: Restored, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meshes) -> None:
+        """Load checkpoint `out.path` into model and optimizer, this rank's own state and RNG states; sets
+        out.step, and warns when another layout wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta = self._broadcast(read_metadata(out.path) if self._rank == 0 else None)
+        out.step = meta["step"]
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.state_options())
+        state = {"model": model_sd, "optim": optim_sd}
+        # Only the per-parameter optimizer state is read: the groups come from the config and the layout
+        # (moelab.train.optim groups parameters by kind, so another layout may have more or fewer)
+        moments = {k: v for k, v in optim_sd.items() if k != "param_groups"}
+        view = global_experts({"model": model_sd, "optim": moments}, meshes)  # shares storage with `state`
+        try:
+            with one_process_is_meant(not self._dist):
+                dcp.load(view, checkpoint_id=out.path, no_dist=not self._dist)
+            copy_back(view, state)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=self.state_options())
+        except Exception as e:
+            raise CheckpointError(f"{out.path}: could not be loaded into this model and optimizer: "
+                                  f"{type(e).__name__}: {e}") from e
+        own = out.path / rank_state_file(self._rank)
+        if own.is_file():
+            out.rank_state = torch.load(own, map_location="cpu")
+        rng = out.path / rng_file(self._rank)
+        _set_rng_state(json.loads((rng if rng.is_file() else out.path / rng_file(0)).read_text()), self.env.device)
+        now = {"world_size": self._world, "layout": dataclasses.asdict(self.layout)}
+        if (meta["world_size"], meta["layout"]) != (now["world_size"], now["layout"]):
+            out.warnings.append({"kind": "layout_changed", "message": (
+                f"resumed step {out.step} written by {meta['world_size']} ranks with layout {meta['layout']} "
+                f"onto {now['world_size']} ranks with layout {now['layout']}")})
 
     def _verify_collectively(self, path: Path) -> list[str]:
         """Rank 0 reads metadata.json; the files are then checked by all ranks, file i by rank i % world."""
@@ -473,22 +424,6 @@ def _describe(e: BaseException) -> str:
 
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _json_crc32(obj: dict) -> int:
-    return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
-
-
-def _file_record(path: Path) -> dict:
-    return {"size": path.stat().st_size, "crc32": _crc32(path)}
 
 
 def _fsync_dir(path: Path) -> None:

@@ -31,38 +31,48 @@ The end: as a run COMPLETES, after its last checkpoint and before its end event,
 says to fork), then a ``closed`` line; a request after it is refused (moelab.contract.controls.ControlsClosed).
 A resume of the run opens the file again.
 
-    controls = Controls(trainer); controls.restore(restored.rank_state, restored.step)
+    controls = Controls(cfg, run_dir, par.moe_layers, rebuild=trainer.rebuild_from_config, rank0=True, writer=w)
+    controls.restore(restored.rank_state, restored.step)
     flag = controls.poll(step)             # rank 0: 1.0 when a change is due after this step
     checkpoint_now = controls.apply(step)  # every rank, when the summed flag says so
-    controls.close(step, "COMPLETED")      # rank 0, at the end
+    controls.close(step, "COMPLETED", checkpointed=True)  # rank 0, at the end
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
-from moelab.config import ConfigError
+from moelab.config import Config, ConfigError
 from moelab.config.live import check_changes, get_dotted, set_dotted
-from moelab.contract.controls import CHECKPOINT_NOW, ControlsFile, append_line, holding
+from moelab.contract.controls import CHECKPOINT_NOW, ControlsFile, append_control, holding
+from moelab.contract.events import ControlEvent, WarningEvent
 
+# fields whose change needs the trainer to rebuild what it built from the config (Trainer.rebuild_from_config)
 REBUILT = {"model.moe.expert_lr_power", "model.moe.expert_lr_max_scale", "train.eval_every",
            "train.expert_tokens_every"}
 
 
 class Controls:
-    """This rank's side of the live controls (see the module docstring).
+    """This rank's side of the live controls (see the module docstring). It is handed what it changes and
+    writes: the live config `cfg` (the trainer's own object: a change is set in it), the run folder, this rank's
+    MoE layers (their routers' copies of the config and capacity buffer), `rebuild` (called after a change of a
+    REBUILT field: the trainer rebuilds what it built from the config), whether this is rank 0, and rank 0's
+    MetricsWriter (None elsewhere).
 
-        controls = Controls(trainer)
+        controls = Controls(cfg, run_dir, par.moe_layers, rebuild=trainer.rebuild_from_config, rank0=True,
+                            writer=MetricsWriter(run_dir / "metrics.jsonl"))
         if controls.apply(step): trainer.save_checkpoint(step)
     """
 
-    def __init__(self, trainer):
-        self.tr = trainer
-        self.rank0 = trainer.env.rank == 0
+    def __init__(self, cfg: Config, run_dir: "str | Path", moe_layers: list, rebuild: Callable[[], None],
+                 rank0: bool, writer=None):
+        self.cfg, self.run_dir, self.moe_layers = cfg, Path(run_dir), list(moe_layers)
+        self.rebuild, self.rank0, self.writer = rebuild, rank0, writer
         self.in_force: list[dict] = []    # [{"id", "step", "changes"}] applied in this timeline (checkpointed)
         self.done: set[str] = set()       # request ids applied or rejected in this timeline
         self.replay: dict[str, int] = {}  # request id -> the step an earlier attempt applied it at
         self.start = 0                    # the step this attempt started from
-        self.file = ControlsFile(trainer.run_dir)  # rank 0: controls.jsonl, read as it grows
+        self.file = ControlsFile(self.run_dir)  # rank 0: controls.jsonl, read as it grows
         self.seen = 0                     # rank 0: the file's requests taken into `pending`
         self.damaged = 0                  # rank 0: the file's damaged lines reported
         self.pending: list[dict] = []     # rank 0: requests not yet decided, in file order
@@ -98,20 +108,21 @@ class Controls:
             else:
                 self.done.add(rid)  # rejected, or (a checkpoint without control_ids) applied before it
         if self.file.closed:
-            append_line(self.tr.run_dir, {"kind": "opened", "step": start_step})
+            append_control(self.run_dir, {"kind": "opened", "step": start_step})
 
     # ------------------------------------------------------------------ the request path
-    def _read(self) -> None:
-        """Rank 0: what was appended to controls.jsonl since the last read; new requests become pending."""
+    def _read(self, step: "int | None" = None) -> None:
+        """Rank 0: what was appended to controls.jsonl since the last read; new requests become pending. With
+        `step` (a poll's), lines cut by a crash mid-append are reported in the stream too (not while restoring:
+        the stream's start event comes after)."""
         requests = self.file.read().requests
         if len(requests) < self.seen:  # the file was replaced: every request again
             self.seen, self.pending = 0, []
         self.pending += [r for r in requests[self.seen:] if r["id"] not in self.done]
         self.seen = len(requests)
-        writer = self.tr.writer  # None while the trainer restores: reported at the first poll after
-        if writer:  # a line cut by a crash mid-append: in the stream too
+        if self.writer and step is not None:
             for message in self.file.damaged[self.damaged:]:
-                writer.write("warning", step=self.tr.step, kind="damaged_controls_line", message=message)
+                self.writer.emit(WarningEvent(step=step, kind="damaged_controls_line", message=message))
             self.damaged = len(self.file.damaged)
 
     def poll(self, step: int) -> float:
@@ -119,7 +130,7 @@ class Controls:
         or replayed at this step); 0.0 on the other ranks (the all-reduce sums the flag)."""
         if not self.rank0:
             return 0.0
-        self._read()
+        self._read(step)
         self.pending = [r for r in self.pending if r["id"] not in self.done]
         self.due = [r for r in self.pending if self._when(r) <= step]
         return 1.0 if self.due else 0.0
@@ -147,41 +158,41 @@ class Controls:
 
     def _checked(self, step: int) -> list[dict]:
         """Rank 0: the due requests checked against the live config, in order; a refused one is recorded."""
-        batch, cfg = [], self.tr.cfg
+        batch, cfg = [], self.cfg
         for r in self.due:
             try:
                 cfg, changes = check_changes(cfg, r["changes"])  # each against the config the ones before left
             except ConfigError as e:
                 self.done.add(r["id"])
-                append_line(self.tr.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
-                if self.tr.writer:
-                    self.tr.writer.write("warning", step=step, kind="control_rejected", message=str(e))
+                append_control(self.run_dir, {"kind": "rejected", "id": r["id"], "step": step, "reason": str(e)})
+                if self.writer:
+                    self.writer.emit(WarningEvent(step=step, kind="control_rejected", message=str(e)))
                 continue
             batch.append({"id": r["id"], "who": r.get("who", "?"), "changes": changes})
         self.due = []
         return batch
 
-    def close(self, step: int, status: str) -> None:
+    def close(self, step: int, status: str, checkpointed: bool) -> None:
         """Rank 0, as the run ends `status` (COMPLETED) after `step`, before its end event: reject every request
-        not decided yet and close controls.jsonl, in one hold of its lock (a later request is refused)."""
+        not decided yet and close controls.jsonl, in one hold of its lock (a later request is refused).
+        `checkpointed`: a checkpoint of `step` was saved (the refusal names the fork to make from it)."""
         if not self.rank0:
             return
-        tr = self.tr
-        fork = (f"`moelab fork {tr.run_dir} --step {step} --set FIELD=VALUE`"
-                if tr.cfg.train.save_checkpoints and tr.saved_step == step else "`moelab fork` from a checkpoint")
+        fork = (f"`moelab fork {self.run_dir} --step {step} --set FIELD=VALUE`"
+                if checkpointed else "`moelab fork` from a checkpoint")
         reason = (f"the run {status} after step {step} before this request's step boundary: no step is left to "
                   f"change; fork it with the change instead ({fork})")
-        with holding(tr.run_dir) as held:
+        with holding(self.run_dir) as held:
             self._read()
             left = [r for r in self.pending if r["id"] not in self.done]
             held.append([{"kind": "rejected", "id": r["id"], "step": step, "reason": reason} for r in left]
                         + [{"kind": "closed", "step": step, "status": status}])
         self.done.update(r["id"] for r in left)
         self.pending = []
-        if tr.writer:
+        if self.writer:
             for r in left:
-                tr.writer.write("warning", step=step, kind="control_rejected",
-                                message=f"request {r['id']} ({', '.join(r['changes'])}): {reason}")
+                self.writer.emit(WarningEvent(step=step, kind="control_rejected",
+                                              message=f"request {r['id']} ({', '.join(r['changes'])}): {reason}"))
 
     def _broadcast(self, batch):
         import torch.distributed as dist
@@ -193,60 +204,29 @@ class Controls:
         return box[0]
 
     def _record(self, step: int, item: dict, old: dict) -> None:
-        writer = self.tr.writer
         for key, new in item["changes"].items():
-            if writer:
-                writer.write("control", step=step, field=key, old=old.get(key), new=new, who=item["who"])
-        append_line(self.tr.run_dir, {"kind": "applied", "id": item["id"], "step": step,
+            if self.writer:
+                self.writer.emit(ControlEvent(step=step, field=key, old=old.get(key), new=new, who=item["who"]))
+        append_control(self.run_dir, {"kind": "applied", "id": item["id"], "step": step,
                                       "changes": {k: [old.get(k), v] for k, v in item["changes"].items()}})
 
     # ------------------------------------------------------------------ where the values live
     def _set(self, fields: dict, restoring: bool) -> dict:
         """Set `fields` in the trainer's config (and the routers' copies); returns the old values."""
-        tr, old = self.tr, {}
+        old = {}
         for key, value in fields.items():
-            old[key] = get_dotted(tr.cfg, key)
-            set_dotted(tr.cfg, key, value)
+            old[key] = get_dotted(self.cfg, key)
+            set_dotted(self.cfg, key, value)
             if key.startswith("model.moe."):
                 name = key.rsplit(".", 1)[1]
-                for moe in tr.par.moe_layers:  # a pipeline stage's copy of the model holds a copy of the config
-                    if moe.router.cfg is not tr.cfg.model.moe:
+                for moe in self.moe_layers:  # a pipeline stage's copy of the model holds a copy of the config
+                    if moe.router.cfg is not self.cfg.model.moe:
                         setattr(moe.router.cfg, name, value)
                     if name == "capacity_factor" and not restoring:  # a checkpoint restores the buffer itself
                         moe.router.capacity_factor.fill_(float(value))
         if REBUILT & set(fields):
-            self._rebuild()
+            self.rebuild()
         return old
-
-    def _rebuild(self) -> None:
-        """What the trainer built from the config at setup: the per-expert learning-rate hook, the
-        evaluator and the expert-token recorder."""
-        from moelab.train.expert_lr import ExpertLR
-
-        tr = self.tr
-        if tr.expert_lr is not None:
-            tr.expert_lr.remove()
-        tr.expert_lr = ExpertLR.attach(tr.optimizer, tr.par.moe_layers_all, tr.cfg)
-        if tr.cfg.train.eval_every and tr.evaluator is None:
-            from moelab.train.evaluate import Evaluator
-
-            tr.evaluator = Evaluator(tr)
-        if tr.cfg.train.expert_tokens_every and tr.expert_tokens is None:
-            from moelab.train.expert_tokens import ExpertTokenRecorder
-
-            tr.expert_tokens = ExpertTokenRecorder(tr)
-
-
-def decided_in(checkpoint: "str | Path") -> set[str]:
-    """The ids of the requests decided inside a checkpoint (rank 0's rank_state: the changes in force and
-    control_ids); an empty set for a checkpoint saved before any."""
-    import torch
-
-    path = Path(checkpoint) / "rank_state" / "rank_00000.pt"
-    if not path.is_file():
-        return set()
-    state = torch.load(path, map_location="cpu")
-    return {r["id"] for r in state.get("controls", [])} | set(state.get("control_ids", ()))
 
 
 def drop_frozen_grads(moe_layers, cfg) -> None:

@@ -15,7 +15,7 @@ from moelab.config import Config, ConfigError
 from moelab.model.assemble import assemble
 from moelab.model.lora import is_adapter
 from moelab.model.transformer import MoETransformer
-from moelab.train.checkpoint import read_metadata
+from moelab.contract.checkpoints import read_metadata
 
 
 def lora_model_state(path: "str | Path", cfg: Config) -> dict[str, torch.Tensor]:

@@ -1,7 +1,5 @@
-"""Optimizer and learning-rate schedule."""
+"""The optimizer, and applying the learning rate (its schedule: moelab.config.schedule.lr_at)."""
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -72,17 +70,6 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     if moments is not None:  # train.optimizer_state=bf16_moments
         return MomentsAdamW(out, moment_dtype=moments, lr=t.lr, betas=(t.beta1, t.beta2))
     return torch.optim.AdamW(out, lr=t.lr, betas=(t.beta1, t.beta2), fused=on_cuda or None)
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up over warmup_steps, then cosine decay to lr * min_lr_ratio at the last step (1-based)."""
-    t = cfg.train
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    span = max(t.steps - t.warmup_steps, 1)
-    progress = min((step - t.warmup_steps) / span, 1.0)
-    floor = t.lr * t.min_lr_ratio
-    return floor + (t.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

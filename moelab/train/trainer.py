@@ -22,6 +22,7 @@ import torch
 
 from moelab.config import Config, ConfigError, save_config
 from moelab.model.batch_context import BatchContext
+from moelab.model.router import PER_EXPERT_STATS, ROUTER_STATS, SUMMED_STATS
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
 from moelab.parallel.deepep import close_dispatchers
 from moelab.train.preflight import preflight
@@ -37,14 +38,18 @@ from moelab.train.expert_lr import ExpertLR
 from moelab.train.health import ExpertHealth
 from moelab.backends.full_loss import loss_mask
 from moelab.contract.events import (CheckpointEvent, EndEvent, ErrorEvent, EvalEvent, RunEnv, StartEvent,
-                                    WarningEvent, parse_event)
+                                    StepEvent, WarningEvent, parse_event)
 from moelab.contract.folder import write_json
-from moelab.contract.stream import MetricsWriter, append_event, scan_events
+from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
-from moelab.train.optim import build_optimizer, lr_at, set_lr
+from moelab.config.schedule import lr_at
+from moelab.train.optim import build_optimizer, set_lr
 from moelab.train.signals import StopSignals
 from moelab.train.stats import StatsPack
-from moelab.train.summary import summarize
+from moelab.contract.summary import summarize
+
+# the router's statistics whose name in the stream's routing record (moelab.contract.events.Routing) differs
+STREAM_NAMES = {"dropped": "dropped_tokens"}
 
 
 class NonFiniteLoss(RuntimeError):
@@ -76,9 +81,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from moelab.model.assemble import assemble
-        from moelab.parallel.apply import parallelize
-
+        """Everything before the first step: the layout and its checks, the model and optimizer, the data, the
+        resume from the newest checkpoint with the live changes in force there, and rank 0's stream."""
         cfg, env = self.cfg, self.env
         env.init(cfg.train.collective_timeout_s)
         self.dims = preflight(cfg, env.world_size, "rank")  # the layout, the packages (moelab.train.preflight)
@@ -91,6 +95,24 @@ class Trainer:
         if env.rank == 0:
             save_config(cfg, self.folder.config)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        self._build()
+        t = cfg.train
+        self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
+        self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
+        self.writer = MetricsWriter(self.folder.metrics) if env.rank == 0 else None  # writes nothing yet
+        self._resume()
+        if env.rank == 0:
+            self._start_stream()
+
+    def _build(self) -> None:
+        """The model (its weights from train.init_from where given), the optimizer, the data and what the
+        trainer builds from the config (rebuild_from_config)."""
+        from moelab.model.assemble import assemble
+        from moelab.parallel.apply import parallelize
+
+        cfg, env = self.cfg, self.env
         self.loaded = None  # {"bytes_read_per_rank", ...} when the weights came from train.init_from
         load = None
         # a resume restores its own weights, except LoRA's frozen base, which its checkpoints do not hold
@@ -106,44 +128,59 @@ class Trainer:
                             place=lambda model: parallelize(model, cfg, env, self.dims))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
-        self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
-        self.evaluator = Evaluator(self) if cfg.train.eval_every else None
-        self.expert_tokens = ExpertTokenRecorder(self) if cfg.train.expert_tokens_every else None
-        t = cfg.train
-        self.micro_per_rank = t.global_batch_size // (t.micro_batch_size * self.par.dp_size)
-        params = count_params(cfg.model)
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
-        self.gpu_name = torch.cuda.get_device_name(env.device) if env.is_cuda else platform.processor() or "cpu"
-        self.peak = peak_tflops(self.gpu_name, t.dtype) if env.is_cuda else None
-        # Continue after the newest intact checkpoint, if any; metrics.jsonl is rewound to it (see metrics.py).
+        self.expert_lr = self.evaluator = self.expert_tokens = None
+        self.rebuild_from_config()
+
+    def rebuild_from_config(self) -> None:
+        """(Re)build what the trainer derives from its config: the per-expert learning-rate hook, the evaluator
+        and the expert-token recorder. At setup, and after a live change of one of their fields
+        (moelab.train.controls.REBUILT)."""
+        cfg = self.cfg
+        if self.expert_lr is not None:
+            self.expert_lr.remove()
+        self.expert_lr = ExpertLR.attach(self.optimizer, self.par.moe_layers_all, cfg)
+        if cfg.train.eval_every and self.evaluator is None:
+            self.evaluator = Evaluator(self)
+        if cfg.train.expert_tokens_every and self.expert_tokens is None:
+            self.expert_tokens = ExpertTokenRecorder(self)
+
+    def _resume(self) -> None:
+        """Continue after the newest intact checkpoint, if any (metrics.jsonl is rewound to it), with the live
+        changes in force there; replays of those applied after it are scheduled."""
+        env = self.env
         self.restored = self.checkpointer.restore(self.model, self.optimizer, self.folder.metrics,
                                                   meshes=getattr(self.par, "meshes", None))
         self.par.load_rank_state(self.restored.rank_state)  # e.g. error-feedback residuals
-        self.controls = Controls(self)  # live changes: those in force at the checkpoint, replays after it
+        self.controls = Controls(self.cfg, self.run_dir, self.par.moe_layers, rebuild=self.rebuild_from_config,
+                                 rank0=env.rank == 0, writer=self.writer)
         self.controls.restore(self.restored.rank_state, self.restored.step)
         self.start_step = self.saved_step = self.restored.step
         self.step = self.start_step
         # the eval events kept by the rewind above (steps <= start_step), for the summary
         self.evals = scan_events(self.folder.metrics, kinds=("eval",)) if self.start_step and env.rank == 0 else []
-        if env.rank == 0:
-            tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
-            if tok is not None:  # readers decode token ids with it (moelab.train.expert_tokens)
-                write_atomic(self.folder.path / "tokenizer.json", Path(tok).read_bytes())
-            self.writer = MetricsWriter(self.folder.metrics)
-            self.writer.emit(StartEvent(
-                config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
-                resumed_from=str(self.restored.path) if self.restored.path else None,
-                flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
-                total_params=params.total, activated_params=params.activated,
-                env=RunEnv(torch=torch.__version__, python=platform.python_version(), host=socket.gethostname(),
-                           device=env.device, gpu_name=self.gpu_name, world_size=env.world_size,
-                           layout={k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
-                           pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"))))
-            for w in self.restored.warnings:
-                self.writer.emit(WarningEvent(**w))
-            if cfg.train.tensorboard or cfg.train.wandb != "off":
-                self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
+
+    def _start_stream(self) -> None:
+        """Rank 0: the tokenizer's copy, the start event (the config as it trains, with the changes in force),
+        the resume's warnings, and the TensorBoard / W&B mirror."""
+        cfg, env, t = self.cfg, self.env, self.cfg.train
+        tok = getattr(getattr(self.dataset, "tokenizer", None), "path", None)
+        if tok is not None:  # readers decode token ids with it (moelab.live.expert_tokens)
+            write_atomic(self.folder.tokenizer, Path(tok).read_bytes())
+        params = count_params(cfg.model)
+        self.writer.emit(StartEvent(
+            config=cfg.to_dict(), total_steps=t.steps, start_step=self.start_step,
+            resumed_from=str(self.restored.path) if self.restored.path else None,
+            flops_per_token=self.flops_per_token, flops_convention=FLOPS_CONVENTION, init_from=self.loaded,
+            total_params=params.total, activated_params=params.activated,
+            env=RunEnv(torch=torch.__version__, python=platform.python_version(), host=socket.gethostname(),
+                       device=env.device, gpu_name=self.gpu_name, world_size=env.world_size,
+                       layout={k: getattr(self.layout, k) for k in ("tp", "pp", "cp", "ep", "vp", "fsdp")},
+                       pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"))))
+        for w in self.restored.warnings:
+            self.writer.emit(WarningEvent(**w))
+        if cfg.train.tensorboard or cfg.train.wandb != "off":
+            self.mirror = StreamMirror(self.run_dir, cfg, after_step=self.start_step).start()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -200,69 +237,79 @@ class Trainer:
         par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
         drop_frozen_grads(par.moe_layers, cfg)  # model.moe.freeze_router
         grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
+        stats = [m.router.pop_stats() if m is not None else None for m in par.moe_layers_all]
+        E, n_layers = cfg.model.moe.num_experts, len(stats)
+        if not metrics:
+            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=self.env.device)
+                      for key in PER_EXPERT_STATS for s in stats]
+            self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
+            return {"step": step, "lr": lr}
         # The one synchronisation: loss, grad norm, routing statistics and per-rank memory are packed into one
         # tensor, summed over ranks (each rank's contribution is weighted so the sum is the global value), and
         # read once.
-        moes = par.moe_layers_all
-        E, n_layers = cfg.model.moe.num_experts, len(moes)
-        stats = [m.router.pop_stats() if m is not None else None for m in moes]
-        dev = self.env.device
-        if not metrics:
-            counts = [s[key].float().reshape(-1) if s is not None else torch.zeros(E, device=dev)
-                      for key in ("tokens_per_expert", "routed_per_expert") for s in stats]
-            self.apply_step(par.all_reduce_sum(torch.cat(counts)).view(2, n_layers, E) if n_layers else None)
-            return {"step": step, "lr": lr}
+        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
+        pack = self._pack_step(step, loss_sum, grad_norm, stats, comm)
+        packed = par.all_reduce_sum(pack.pack())
+        got = pack.unpack(packed.tolist())
+        loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
+        gnorm = got["grad_norm"][0]
+        self._read_step_flags(got, comm)
+        skipped = not self._finite(step, loss, gnorm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            # the summed counts are still on the device: no host-to-device copy (it would wait for the
+            # optimizer step just queued)
+            counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
+            self.apply_step(counts_2ME if n_layers else None)
+        # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
+        per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
+                     else got[key] for key in ROUTER_STATS}
+        aux_loss, z_loss = sum(per_layer.pop("aux_loss")), sum(per_layer.pop("z_loss"))  # over MoE layers
+        return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
+                "aux_loss": aux_loss, "z_loss": z_loss, "comm": comm,
+                "routing": {STREAM_NAMES.get(key, key): v for key, v in per_layer.items()}}
+
+    def _pack_step(self, step: int, loss_sum, grad_norm, stats: list, comm: dict) -> StatsPack:
+        """What the step's one all-reduce sums: this rank's loss and grad-norm contributions, its routers'
+        statistics (counts summed, the others weighted so the sum is the mean over ranks), its memory in its
+        own slot, the communication counts, a stop request and rank 0's "a live change is due"."""
+        par, dev, E = self.par, self.env.device, self.cfg.model.moe.num_experts
         pack = StatsPack()
         pack.add("loss", par.loss_contribution(loss_sum))
         pack.add("grad_norm", grad_norm.reshape(1).float() * par.grad_norm_weight())
-        for key, size, weight in (("tokens_per_expert", E, 1.0), ("routed_per_expert", E, 1.0),
-                                  ("dropped", 1, 1.0), ("aux_loss", 1, None),
-                                  ("z_loss", 1, None), ("entropy", 1, None), ("logit_norm", 1, None),
-                                  ("capacity_factor", 1, None)):
-            w = par.stat_weight() if weight is None else weight
+        for key in ROUTER_STATS:
+            size = E if key in PER_EXPERT_STATS else 1
+            w = 1.0 if key in SUMMED_STATS else par.stat_weight()
             pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
                            for s in stats])
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
         # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
         pack.add("memory", memory_slots)
-        comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
         for key, v in comm.items():
             pack.add(f"comm.{key}", torch.tensor(v, dtype=torch.float32).to(dev, non_blocking=True))
         pack.add("stop", torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
         pack.add("controls", torch.tensor([self.controls.poll(step)]).to(dev, non_blocking=True))  # rank 0: due
-        packed = par.all_reduce_sum(pack.pack())
-        got = pack.unpack(packed.tolist())
-        loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
-        gnorm = got["grad_norm"][0]
-        tokens_per_expert = [got["tokens_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]
-        routed_per_expert = [got["routed_per_expert"][i * E: (i + 1) * E] for i in range(n_layers)]  # before dropping
-        per_layer = {key: got[key] for key in ("dropped", "aux_loss", "z_loss", "entropy", "logit_norm",
-                                               "capacity_factor")}
+        return pack
+
+    def _read_step_flags(self, got: dict, comm: dict) -> None:
+        """From the summed pack: every rank's memory, the communication counts (in `comm`), whether a rank was
+        asked to stop and whether a live change is due."""
         self.last_memory = [got["memory"][3 * r: 3 * r + 3] for r in range(self.env.world_size)]
         for key, v in comm.items():  # summed over ranks; one number, or a list (a histogram)
             comm[key] = got[f"comm.{key}"][0] if len(v) == 1 else got[f"comm.{key}"]
         self.stop_requested = got["stop"][0] > 0
         self.controls_due = got["controls"][0] > 0
-        skipped = False
-        if not (torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm))):
-            if cfg.train.on_nan == "stop":
-                raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
-                                    f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
-            self.optimizer.zero_grad(set_to_none=True)
-            skipped = True
-        else:
-            # the summed counts are still on the device: no host-to-device copy (it would wait for the
-            # optimizer step just queued)
-            counts_2ME = torch.stack([packed[pack.slice("tokens_per_expert")],
-                                      packed[pack.slice("routed_per_expert")]]).view(2, n_layers, E)
-            self.apply_step(counts_2ME if n_layers else None)
-        return {"step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "skipped": skipped,
-                "aux_loss": sum(per_layer["aux_loss"]), "z_loss": sum(per_layer["z_loss"]), "comm": comm,
-                "routing": {"tokens_per_expert": tokens_per_expert, "routed_per_expert": routed_per_expert,
-                            "dropped_tokens": per_layer["dropped"],
-                            "entropy": per_layer["entropy"], "logit_norm": per_layer["logit_norm"],
-                            "capacity_factor": per_layer["capacity_factor"]}}
+
+    def _finite(self, step: int, loss: float, gnorm: float) -> bool:
+        """Are the step's loss and grad norm finite? NonFiniteLoss when not and train.on_nan is "stop"."""
+        if torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm)):
+            return True
+        if self.cfg.train.on_nan == "stop":
+            raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
+                                f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
+        return False
 
     def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
         """The optimizer step and the routing updates after it, from the per-expert token counts summed over
@@ -312,7 +359,6 @@ class Trainer:
 
     def _loop(self) -> dict:
         t = self.cfg.train
-        tokens_per_step = t.global_batch_size * t.seq_len
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
@@ -329,22 +375,9 @@ class Trainer:
         for step in range(self.start_step + 1, t.steps + 1):
             self.step = step
             rec = self.train_step(step)
-            rec["health"], warnings = self.health.observe(step, rec["routing"]["routed_per_expert"])
-            now = time.perf_counter()
-            dt, t_prev = now - t_prev, now
-            tps = tokens_per_step / dt
-            tflops = self.flops_per_token * tps / self.env.world_size / 1e12
-            rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
-                       tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
-                       mfu=tflops / self.peak if self.peak else None, memory=self.memory())
-            event = parse_event({"event": "step", **rec})  # the StepEvent, checked as a reader checks it
-            if self.writer:
-                self.writer.emit(event)
-                for w in warnings:
-                    self.writer.emit(WarningEvent(**w))
-            records.append(event)
+            records.append(self._record_step(step, rec, t_prev))
             if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}")
                 bar.update(1)
             self.after_step(step, last=step == t.steps or self.stop_requested)
             checkpoint_now = self.controls_due and self.controls.apply(step)  # live changes, every rank
@@ -358,9 +391,34 @@ class Trainer:
         if self.saved_step != self.step:  # at the end, and on a stop signal
             self.save_checkpoint(self.step)
         if status == "COMPLETED":  # rank 0: no request is left pending; a later one is refused
-            self.controls.close(self.step, status)
+            saved = self.cfg.train.save_checkpoints and self.saved_step == self.step
+            self.controls.close(self.step, status, checkpointed=saved)
         if bar is not None:
             bar.close()
+        return self._finish(records, status)
+
+    def _record_step(self, step: int, rec: dict, t_prev: float) -> StepEvent:
+        """A trained step's record completed (experts' health, throughput since `t_prev`, memory) as its
+        StepEvent, checked as a reader checks it, and written with the health warnings on rank 0."""
+        t = self.cfg.train
+        tokens_per_step = t.global_batch_size * t.seq_len
+        rec["health"], warnings = self.health.observe(step, rec["routing"]["routed_per_expert"])
+        dt = time.perf_counter() - t_prev
+        tps = tokens_per_step / dt
+        tflops = self.flops_per_token * tps / self.env.world_size / 1e12
+        rec.update(tokens=tokens_per_step, step_time_s=dt, tokens_per_s=tps,
+                   tokens_per_s_per_gpu=tps / self.env.world_size, tflops_per_gpu=tflops,
+                   mfu=tflops / self.peak if self.peak else None, memory=self.memory())
+        event = parse_event({"event": "step", **rec})
+        if self.writer:
+            self.writer.emit(event)
+            for w in warnings:
+                self.writer.emit(WarningEvent(**w))
+        return event
+
+    def _finish(self, records: list, status: str) -> dict:
+        """The summary (rank 0 writes the end event and summary.json); DeepEP's buffers freed, the process
+        group ended."""
         summary = summarize(self.cfg, records, status=status, start_step=self.start_step, evals=self.evals)
         if self.writer:
             self.writer.emit(EndEvent(step=self.step, status=status, summary=summary))
@@ -424,8 +482,8 @@ class Trainer:
         folder = isinstance(e, (FolderWriteError, DiskFullError))
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            append_event(self.folder.metrics, ErrorEvent(step=self.step, rank=self.env.rank,
-                                                         message=f"{type(e).__name__}: {e}",
-                                                         traceback="" if folder else traceback.format_exc()))
+            MetricsWriter(self.folder.metrics).emit(ErrorEvent(
+                step=self.step, rank=self.env.rank, message=f"{type(e).__name__}: {e}",
+                traceback="" if folder else traceback.format_exc()))
         except OSError:
             pass

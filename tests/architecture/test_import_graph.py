@@ -37,6 +37,7 @@ RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 # A public noun's view methods open their view when called (run.dashboard(), run.plot_memory(),
 # sweep.compare()): the views read runs, and a Run offers them. These imports, and only these, point up.
 VIEW_HOOKS = {("moelab.run.run", "moelab.live"), ("moelab.run.run", "moelab.live.plots"),
+              ("moelab.run.run", "moelab.live.expert_tokens"),
               ("moelab.run.sweep", "moelab.live"), ("moelab.run.sweep", "moelab.live.compare")}
 # (the views import Run, never the other way round at module level; a hook is no cycle of module-level imports)
 
@@ -209,5 +210,74 @@ def test_the_face_checker_sees_a_loop_through_a_face(tmp_path):
         (pkg / "b/y.py").write_text("def f():\n    from moelab.a.z import Z\nY = 1\n")  # the same loop, lazily
         assert not face_cycles(known, module_level_only=True)
         assert any("moelab.a" in c.split(" -> ") for c in face_cycles(known)), face_cycles(known)
+    finally:
+        ROOT = old
+
+
+# ---------------------------------------------------------------------- train/ is entered in one place
+# Nothing outside train/ imports it but the rank entry point (and the warm server that preloads the entry's
+# modules) and the benchmark callers; readers (cli, export, launch, run, live) read a run's files through
+# contract/. Imports inside functions count, and so does a module named by its full dotted name in a string
+# (importlib.import_module, a preload list).
+# (importer, or a package of importers; the train module it may import): why
+ALLOWED = {
+    ("moelab.launch.entry", "moelab.train.trainer"): "the rank entry point trains",
+    ("moelab.launch.entry", "moelab.train.bench"): "the rank entry point's bench mode times the steps",
+    ("moelab.launch.warm", "moelab.train.trainer"): "the warm server preloads what the rank entry imports",
+    ("moelab.launch.submit", "moelab.train.preflight"): "the one preflight: a rank's own checks, before submit",
+    ("moelab.cli.tools", "moelab.train.bench"): "benchmark caller: `moelab bench`",
+    ("moelab.gallery", "moelab.train.bench"): "benchmark caller: the gallery's measured entries",
+}
+
+
+def named_modules(path: Path, known: dict[str, Path]) -> set[str]:
+    """The moelab modules a file names by their full dotted name in a string constant."""
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known}
+
+
+def entries_into_train(known: dict[str, Path]) -> set[tuple[str, str]]:
+    """Every (module outside train/, train module it imports or names)."""
+    found = set()
+    for name, path in known.items():
+        if name.startswith("moelab.train"):
+            continue
+        for target in imports(path, known) | named_modules(path, known):
+            if target == "moelab.train" or target.startswith("moelab.train."):
+                found.add((name, target))
+    return found
+
+
+def allowed(importer: str, target: str) -> bool:
+    return any(target == t and (importer == i or importer.startswith(i + ".")) for i, t in ALLOWED)
+
+
+def test_nothing_outside_train_imports_train_but_the_rank_entry_and_the_benchmark_callers():
+    bad = sorted(f"{a} -> {b}" for a, b in entries_into_train(modules()) if not allowed(a, b))
+    assert not bad, ("imports of train/ from outside it (read the run's files through moelab.contract; only the "
+                     "rank entry point and the benchmark callers enter train/):\n" + "\n".join(bad))
+
+
+def test_every_allowed_entry_is_still_used():
+    used = entries_into_train(modules())
+    stale = [(i, t) for i, t in ALLOWED if not any(b == t and (a == i or a.startswith(i + ".")) for a, b in used)]
+    assert not stale, f"allowed entries into train/ that no longer exist (remove them from ALLOWED): {stale}"
+
+
+def test_the_checker_sees_a_lazy_import_and_a_module_named_in_a_string(tmp_path):
+    """A function-level import and a dotted name passed to importlib are both entries into train/."""
+    pkg = tmp_path / "moelab"
+    files = {"__init__.py": "", "train/__init__.py": "", "train/trainer.py": "", "run/__init__.py": "",
+             "run/lazy.py": "def f():\n    from moelab.train.trainer import Trainer\n",
+             "run/named.py": "import importlib\nM = importlib.import_module('moelab.train.trainer')\n"}
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        known = {module_name(p): p for p in sorted(pkg.rglob("*.py"))}
+        assert entries_into_train(known) == {("moelab.run.lazy", "moelab.train.trainer"),
+                                             ("moelab.run.named", "moelab.train.trainer")}
     finally:
         ROOT = old

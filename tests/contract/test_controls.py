@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 import moelab.contract.controls as controls
-from moelab.contract.controls import (ControlsFile, ControlsWarning, append_line, append_request, holding,
+from moelab.contract.controls import (ControlsFile, ControlsWarning, append_control, append_request, holding,
                                       read_controls)
 from moelab.contract.writes import FolderWriteError
 from support import fill_disk as fill
@@ -23,7 +23,7 @@ def test_a_line_cut_by_a_crash_is_skipped_and_the_next_request_is_whole(tmp_path
     with open(tmp_path / "controls.jsonl", "ab") as f:  # a writer killed mid-append: no newline
         f.write(b'{"time": 1.0, "kind": "request", "id": "cut", "chan')
     second = append_request(tmp_path, {"train.lr": 0.2}, who="test")
-    append_line(tmp_path, {"kind": "applied", "id": second, "step": 4, "changes": {"train.lr": [0.1, 0.2]}})
+    append_control(tmp_path, {"kind": "applied", "id": second, "step": 4, "changes": {"train.lr": [0.1, 0.2]}})
     with pytest.warns(ControlsWarning, match=r"controls.jsonl:2: not a control line .*skipped"):
         requests, outcomes = ControlsFile(tmp_path).read().requests, ControlsFile(tmp_path).read().outcomes
     assert [r["id"] for r in requests] == [first, second]

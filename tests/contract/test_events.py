@@ -106,7 +106,7 @@ def test_every_kind_reads_back_through_every_reader(stream_folder, capsys):
     from moelab.loggers.mirror import scalars
     from moelab.run.run import Run
     from moelab.config import load_config
-    from moelab.train.summary import summarize
+    from moelab.contract.summary import summarize
 
     stream_folder, written = stream_folder
     path = stream_folder / "metrics.jsonl"

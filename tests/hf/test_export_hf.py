@@ -104,7 +104,7 @@ def test_export_of_a_two_process_run(layout, tmp_path):
     cfg = config("qwen3_moe", **layout)
     run = tmp_path / "run"
     assert run_local_processes(cfg, run, 2)["status"] == "COMPLETED"
-    from moelab.train.checkpoint import latest_checkpoint, read_metadata
+    from moelab.contract.checkpoints import latest_checkpoint, read_metadata
 
     meta = read_metadata(latest_checkpoint(run))
     key = next(iter(layout)).split(".")[1]

@@ -65,7 +65,7 @@ def hf_model(folder):
 def checkpoint_tensors(run) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from moelab.train.checkpoint import latest_checkpoint
+    from moelab.contract.checkpoints import latest_checkpoint
 
     names = FileSystemReader(str(latest_checkpoint(run))).read_metadata().state_dict_metadata
     return {n.removeprefix("model.") for n in names if n.startswith("model.")}

@@ -9,7 +9,7 @@ import pytest
 from moelab import Run
 from moelab.contract.folder import FolderLocked
 from moelab.launch.resume import resume
-from moelab.train.checkpoint import CheckpointError, list_checkpoints
+from moelab.contract.checkpoints import CheckpointError, list_checkpoints
 
 
 def snapshot(folder: Path) -> dict:

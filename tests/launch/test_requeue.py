@@ -108,7 +108,7 @@ def test_only_a_refused_requeue_ends_the_job_preempted(tmp_path):
     failed command is an error. The run's stream gets the warning after its end; the summary comes back."""
     from moelab.contract.events import EndEvent
     from moelab.contract.folder import RunFolder, write_json
-    from moelab.contract.stream import append_event
+    from moelab.contract.stream import MetricsWriter
     from moelab.launch.executors import not_requeued, requeue_refused
 
     refused = subprocess.CalledProcessError(1, ["scontrol", "requeue", "42"])
@@ -117,7 +117,7 @@ def test_only_a_refused_requeue_ends_the_job_preempted(tmp_path):
     assert not requeue_refused(RuntimeError("scontrol requeue"))
     folder = RunFolder(tmp_path / "run")
     folder.path.mkdir()
-    append_event(folder.metrics, EndEvent(step=7, status="PREEMPTED"))
+    MetricsWriter(folder.metrics).emit(EndEvent(step=7, status="PREEMPTED"))
     write_json(folder.summary, {"status": "PREEMPTED"})
     assert not_requeued(folder.path, refused) == {"status": "PREEMPTED"}
     run = Run.load(folder.path)

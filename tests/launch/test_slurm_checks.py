@@ -183,14 +183,16 @@ def lagging_sacct(tmp_path, monkeypatch):
 
 def _external_run(folder, job: str, end: "str | None"):
     """A run folder as slurm/moelab.sbatch leaves it: a start event naming the SLURM job, maybe an end."""
+    from moelab.contract.events import parse_event
     from moelab.contract.stream import MetricsWriter
 
     folder.mkdir()
     w = MetricsWriter(folder / "metrics.jsonl")
-    w.write("start", total_steps=1, start_step=0, env={"slurm_job_id": job, "world_size": 1})
-    w.write("step", step=1, loss=1.0)
+    w.emit(parse_event(dict(event="start", total_steps=1, start_step=0,
+                            env={"slurm_job_id": job, "world_size": 1})))
+    w.emit(parse_event(dict(event="step", step=1, loss=1.0)))
     if end:
-        w.write("end", step=1, status=end, summary={})
+        w.emit(parse_event(dict(event="end", step=1, status=end, summary={})))
     w.close()
 
 

@@ -8,7 +8,7 @@ from moelab.live.plots import routing_figure, training_figure
 from moelab.live.state import ROUTING_WINDOW, DashState, StepBuckets, load_state
 from moelab.live.widget import WidgetView, sweep_labels
 from moelab.run import Run
-from moelab.train.summary import balance, step_balance
+from moelab.contract.summary import balance, step_balance
 
 
 def fold(events) -> DashState:

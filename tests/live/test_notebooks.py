@@ -79,7 +79,7 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     assert f"{steps}</b> / {steps} steps" in snapshot and "COMPLETED" in snapshot
     assert "the kernel is free while the run trains" in text(outputs(nb, "print(f\"the kernel is free"))
     assert "tokens/s/GPU" in text(outputs(nb, "# the step time")) and "on 1 x H100" in text(outputs(nb, "# the step time"))
-    assert f"COMPLETED at step {steps}/{steps}" in text(outputs(nb, "from moelab.train.summary"))
+    assert f"COMPLETED at step {steps}/{steps}" in text(outputs(nb, "from moelab.contract.summary"))
     for call in ("run.plot_routing()", "run.plot_routing(layer=0)", "run.plot_throughput()", "run.plot_memory()"):
         assert any("image/png" in o.get("data", {}) for o in outputs(nb, call)), call
     assert len(list((tmp_path / "runs").glob("tiny-*/metrics.jsonl"))) == 1

@@ -3,7 +3,7 @@ import pytest
 
 from moelab.live.state import ROUTING_WINDOW, DashState, load_state
 from moelab.contract.stream import JsonlTail
-from moelab.train.summary import balance
+from moelab.contract.summary import balance
 
 
 def fold(events) -> DashState:

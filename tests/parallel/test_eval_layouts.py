@@ -3,7 +3,7 @@ and the per-expert token counts of one process, on real text (the stdlib demo co
 import pytest
 
 from moelab.data.batches import check_data
-from moelab.train.expert_tokens import read_expert_tokens
+from moelab.contract.expert_tokens import read_expert_tokens
 from moelab.contract.stream import read_events
 
 pytestmark = pytest.mark.slow

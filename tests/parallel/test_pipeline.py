@@ -24,7 +24,6 @@ class RecordingSchedule:
 def runner(holds_first: bool, holds_last: bool, n_micro: int = 2) -> PipelineRunner:
     r = PipelineRunner.__new__(PipelineRunner)  # the schedule itself needs a process group; its inputs do not
     r.holds_first, r.holds_last, r.n_microbatches = holds_first, holds_last, n_micro
-    r.micro_loss = None  # the model computes the loss (moelab.backends.loss)
     r.schedule = RecordingSchedule(n_micro)
     return r
 

@@ -18,9 +18,9 @@ import pytest
 from moelab.cli import main as cli_main
 from moelab.config import ConfigError, load_config
 from moelab.launch.resume import resume
-from moelab.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, read_metadata,
-                                     rewind_metrics, verify)
-from moelab.contract.stream import JsonlTail, read_events
+from moelab.contract.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_metadata, verify
+from moelab.contract.events import parse_event
+from moelab.contract.stream import JsonlTail, read_events, rewind_metrics
 from moelab.train.trainer import Trainer
 
 STEPS = 8
@@ -288,12 +288,12 @@ def test_rewind_drops_steps_after_the_checkpoint_and_a_cut_last_line(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     w = MetricsWriter(path)
-    w.write("start", start_step=0)
+    w.emit(parse_event(dict(event="start", start_step=0)))
     for s in range(1, 6):
-        w.write("step", step=s, loss=1.0 / s)
+        w.emit(parse_event(dict(event="step", step=s, loss=1.0 / s)))
         if s == 3:
-            w.write("checkpoint", step=3, path="x")
-    w.write("checkpoint", step=5, path="y")
+            w.emit(parse_event(dict(event="checkpoint", step=3, path="x")))
+    w.emit(parse_event(dict(event="checkpoint", step=5, path="y")))
     w.close()
     with open(path, "ab") as f:
         f.write(b'{"event": "st')

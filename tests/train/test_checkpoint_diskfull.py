@@ -18,7 +18,8 @@ import pytest
 from moelab.config import load_config
 from moelab.launch.resume import resume
 from moelab.train import diskspace
-from moelab.train.checkpoint import DiskFullError, list_checkpoints, verify
+from moelab.contract.checkpoints import list_checkpoints, verify
+from moelab.train.checkpoint import DiskFullError
 from moelab.contract.stream import read_events, write_durably
 from moelab.contract.writes import FolderWriteError, append_line
 from moelab.train.trainer import Trainer

@@ -10,7 +10,7 @@ import torch
 from moelab.config import load_config, save_config
 from moelab.parallel.env import DistEnv
 from moelab.launch.resume import resume
-from moelab.train.checkpoint import list_checkpoints, read_metadata
+from moelab.contract.checkpoints import list_checkpoints, read_metadata
 from moelab.contract.stream import read_events
 from moelab.train.trainer import Trainer
 

@@ -14,7 +14,7 @@ import torch
 from moelab.config import load_config
 from moelab.contract.controls import append_request, read_controls
 from moelab.contract.stream import read_events
-from moelab.train.optim import lr_at
+from moelab.config.schedule import lr_at
 from support import run_one_thread
 
 STEPS = 6

@@ -12,8 +12,9 @@ from moelab.backends.full_loss import cross_entropy
 from moelab.config import load_config
 from moelab.data.batches import eval_batch, make_eval_dataset
 from moelab.run import Run
-from moelab.train.checkpoint import latest_checkpoint
-from moelab.train.expert_tokens import expert_token_table, plot_expert_tokens, read_expert_tokens
+from moelab.contract.checkpoints import latest_checkpoint
+from moelab.contract.expert_tokens import read_expert_tokens
+from moelab.live.expert_tokens import expert_token_table, plot_expert_tokens
 from moelab.contract.stream import read_events
 from moelab.train.evaluate import rank_micro_batches
 from moelab.train.trainer import Trainer

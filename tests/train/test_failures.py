@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from moelab.config import ConfigError, load_config
 from moelab.run import Run
-from moelab.train.checkpoint import list_checkpoints
+from moelab.contract.checkpoints import list_checkpoints
+from moelab.contract.events import parse_event
 from moelab.contract.stream import JsonlTail, MetricsError, MetricsWriter, read_events
 from moelab.train.trainer import NonFiniteLoss, Trainer
 
@@ -74,10 +75,10 @@ def test_a_token_file_too_short_is_refused_before_training(tmp_path):
 def _stream(tmp_path, n: int) -> bytes:
     path = tmp_path / "m.jsonl"
     w = MetricsWriter(path)
-    w.write("start", total_steps=n, start_step=0)
+    w.emit(parse_event(dict(event="start", total_steps=n, start_step=0)))
     for s in range(1, n + 1):
-        w.write("step", step=s, loss=1.0 / s, routing={"tokens_per_expert": [[s, s]]})
-    w.write("end", step=n, status="COMPLETED", summary={})
+        w.emit(parse_event(dict(event="step", step=s, loss=1.0 / s, routing={"tokens_per_expert": [[s, s]]})))
+    w.emit(parse_event(dict(event="end", step=n, status="COMPLETED", summary={})))
     w.close()
     return path.read_bytes()
 
@@ -159,7 +160,7 @@ def test_a_corrupt_line_in_the_middle_is_reported_with_its_number(tmp_path, line
 
 
 def test_a_tail_follows_a_rewound_stream_without_duplicates(tmp_path):
-    from moelab.train.checkpoint import rewind_metrics
+    from moelab.contract.stream import rewind_metrics
 
     data = _stream(tmp_path, 5)
     path = tmp_path / "m.jsonl"
@@ -168,8 +169,8 @@ def test_a_tail_follows_a_rewound_stream_without_duplicates(tmp_path):
     assert [e.get("step") for e in first if e["event"] == "step"] == [1, 2, 3, 4, 5]
     rewind_metrics(path, 3)  # what a resume from step 3 does
     w = MetricsWriter(path)
-    w.write("start", start_step=3)
-    w.write("step", step=4, loss=0.5)
+    w.emit(parse_event(dict(event="start", start_step=3)))
+    w.emit(parse_event(dict(event="step", step=4, loss=0.5)))
     w.close()
     again = tail.poll()
     assert tail.rewinds == 1

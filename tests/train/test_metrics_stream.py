@@ -4,6 +4,7 @@ import json
 import pytest
 
 from moelab.config import load_config
+from moelab.contract.events import parse_event
 from moelab.contract.stream import JsonlTail, MetricsError, MetricsWriter, read_events
 from moelab.train.trainer import Trainer
 
@@ -50,8 +51,8 @@ def test_step_events_carry_the_schema_and_routing_sums(tiny_run):
 def test_a_half_written_last_line_is_tolerated_only_live(tmp_path):
     path = tmp_path / "metrics.jsonl"
     w = MetricsWriter(path)
-    w.write("start", total_steps=2)
-    w.write("step", step=1, loss=1.0)
+    w.emit(parse_event(dict(event="start", total_steps=2)))
+    w.emit(parse_event(dict(event="step", step=1, loss=1.0)))
     w.close()
     with open(path, "a") as f:
         f.write('{"event": "step", "ste')
@@ -103,7 +104,7 @@ def test_every_reader_skips_a_damaged_line_and_reports_it_once(tiny_run, tmp_pat
     from moelab import Run
     from moelab.live.state import load_state
     from moelab.contract.stream import MetricsWarning
-    from moelab.train.summary import summarize
+    from moelab.contract.summary import summarize
 
     import shutil
 
@@ -133,7 +134,7 @@ def test_every_reader_skips_a_damaged_line_and_reports_it_once(tiny_run, tmp_pat
 
 
 def test_the_summary_leaves_out_step_records_it_cannot_read(tiny_run):
-    from moelab.train.summary import summarize
+    from moelab.contract.summary import summarize
 
     cfg, out, summary = tiny_run
     steps = [e for e in read_events(out / "metrics.jsonl") if e["event"] == "step"]
@@ -175,7 +176,7 @@ def _append(path, *items) -> None:
                 f.write(item)
         else:
             w = MetricsWriter(path)
-            w.write(**item)
+            w.emit(parse_event(item))
             w.close()
 
 

@@ -1,11 +1,16 @@
-"""A run's summary (summary.json and the `end` event), computed from its step records."""
+"""A run's summary (summary.json and the `end` event), computed from its step records, and moelab's one
+definition of routing balance (the dashboard, the comparison and the summary all use it).
+
+    s = summarize(cfg, records, "COMPLETED")   # cfg: a moelab.config.Config (its name and train.steps)
+    print(format_summary(s))                    # what `moelab status RUN` prints
+    step_balance([[3, 1], [2, 2]])              # {"max_over_mean": 1.25, "cv": 0.25, "entropy": ...}
+"""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from moelab.config import Config
 from moelab.contract.events import MetricsError, StepEvent
 
 
@@ -100,9 +105,10 @@ def _well_formed(r: "StepEvent | None", layers: int) -> bool:
             and all(isinstance(x, num) for x in routing.dropped_tokens_M))
 
 
-def summarize(cfg: Config, records: "list[StepEvent | dict]", status: str, start_step: int = 0,
+def summarize(cfg, records: "list[StepEvent | dict]", status: str, start_step: int = 0,
               evals: "list | None" = None) -> dict:
-    """Throughput is averaged over timed_steps (all but the first two of this process); balance is
+    """summary.json of the run `cfg` (a moelab.config.Config: its name and train.steps are read) from its step
+    records. Throughput is averaged over timed_steps (all but the first two of this process); balance is
     mean_balance over every step, per MoE layer in routing_balance and over layers in `balance`. Records that
     lack a field the summary reads (read back from a damaged stream) are left out and counted in
     `unreadable_steps`. With `evals` (the ``eval`` events) also first_eval_loss, eval_loss and eval_perplexity
