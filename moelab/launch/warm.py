@@ -32,8 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# (what a task runs as __main__, submitit.core._submit, is not among them: `python -m` executes a module afresh, and
+# runpy warns "found in sys.modules ... prior to execution" into every rank log when it was imported already)
 MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "submitit",
-           "submitit.core._submit", "moelab.launch.entry", "moelab.launch.executors", "moelab.train.trainer")
+           "submitit.core.submission", "moelab.launch.entry", "moelab.launch.executors", "moelab.train.trainer")
 # what the process reads at start or at import, so a rank forked from a server started under other values would
 # differ from a cold one (thread counts are set per rank instead; the wait policy is defaulted as the ranks do)
 IMPORT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "PYTORCH_", "TORCH_", "PYTHONHASHSEED", "PYTHONPATH",
@@ -251,17 +253,21 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], preload_s: float
             torch.set_num_threads(int(threads))
         conn.sendall(f"PID {os.getpid()}\n".encode())
 
+        ended = threading.Event()  # the module has returned: the client closing now is its normal exit
+
         def client_gone():  # the client's end closes: its process died (SIGKILL) or it was told to stop
             try:
                 while conn.recv(64):
                     pass
             except OSError:
                 pass
-            os.kill(os.getpid(), signal.SIGTERM)
+            if not ended.is_set():  # else a SIGTERM reached the rank's handlers (submitit: "Bypassing signal")
+                os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=client_gone, daemon=True).start()
         module, args = request["module"], request["args"]
         sys.argv = [module, *args]
+        sys.modules.pop(module, None)  # run as __main__ afresh, as `python -m` does (no runpy RuntimeWarning)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
@@ -272,6 +278,7 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], preload_s: float
         except BaseException:
             traceback.print_exc()
             code = 1
+        ended.set()
         atexit._run_exitfuncs()
     finally:
         try:
