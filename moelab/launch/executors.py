@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import zlib
@@ -149,6 +150,9 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     setup = options.pop("setup", None)
     if isinstance(setup, str):
         setup = [setup]
+    if setup:  # the local controller's shell pid ($$) is its job id: the message goes to task 0's stderr file
+        log = f"{shlex.quote(str(Path(folder).expanduser().absolute()))}/$$_0_log.err" if executor == "local" else None
+        setup = guard_setup(setup, log)
     nodes = int(options.pop("nodes", 1))
     options.pop("tasks_per_node", None)
     requeues = int(options.pop("max_num_timeout", 3))
@@ -187,6 +191,17 @@ def make_executor(executor: str, folder: Path, nproc: int, options: dict):
     if extra:
         ex.update_parameters(additional_parameters=extra)
     return ex
+
+
+def guard_setup(lines: list[str], log: str | None = None) -> list[str]:
+    """Each setup line as run before the tasks, guarded: a line that fails ends the job at once and says so on
+    the job's stderr (which Run.error and `moelab status` show), instead of a job that ends FAILED without an
+    error message (a silent `false`, `conda activate` of a missing env) or trains in a half-set-up shell. A line
+    that exits the shell itself (`exit 3`) still ends the job, without the message. `log`: a file (shell words)
+    the message is appended to as well: the local executor's setup shell writes to no log of the job's."""
+    to = f"| tee -a {log} >&2" if log else ">&2"
+    return [f"{{ {line}\n}} || {{ code=$?; printf 'moelab: the setup line `%s` failed with exit code %s; no rank "
+            f"started\\n' {shlex.quote(line)} \"$code\" {to}; exit \"$code\"; }}" for line in lines]
 
 
 def _signal_delay(time_s: int) -> int:
