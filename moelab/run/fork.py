@@ -4,12 +4,17 @@ A fork is a run folder prepared from the parent's, then continued by the one res
 (moelab.launch.resume, with its lock and executors), so it trains steps k+1.. on any executor:
 
     FORK/config.yaml          the parent's config (train.steps, parallel.* and backend.* may differ)
-    FORK/checkpoints/step_k   the parent's checkpoint (hard links where the file system allows, else a copy);
-                              the changes the parent had in force at k come with it
+    FORK/checkpoints/step_k   the parent's checkpoint (hard links where the file system allows, else a copy),
+                              verified after copying (a running parent may rotate it away meanwhile: then
+                              the partial fork is removed, "fork again"); the changes in force at k come with it
     FORK/metrics.jsonl        the parent's events up to step k, so the fork's curves are whole
     FORK/controls.jsonl       the fork's changes as one request due at step k (moelab.contract.controls):
                               applied before step k+1, recorded as `control` events at step k
     FORK/fork.json            {"parent": the parent's folder, "step": k, "changes": {...}}
+
+The fork's name follows a run's name rules (moelab.config.bounds.check_name); without one, the folder is
+PARENT-fork<k>-<key>-<value>+... (fork_label: no '=' or ','). A write that fails on a full or read-only disk
+leaves nothing behind and says to fork again (undo_on_failure).
 
 A fork without changes trains exactly the parent's steps k+1.. (the checkpoint holds everything a resume
 needs). Changes are the fields a running run can change (moelab.config.live), plus train.steps, parallel.* and
