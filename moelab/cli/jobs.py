@@ -186,16 +186,21 @@ def cmd_set(args) -> int:
     from moelab.run.controls import request, wait_outcome
 
     run = Run.load(args.folder)
+    changes = dict(parse_override(item) for item in args.changes)
     if run.status == "COMPLETED":  # no step is left to change: a fork from a checkpoint takes the change
         from moelab.config import ConfigError
+        from moelab.config.live import check_changes
+        from moelab.run.controls import live_config, resolve
         from moelab.run.fork import checkpoint_steps
 
+        cfg = live_config(run.folder)
+        check_changes(cfg, resolve(changes, cfg))  # a field no run can change is refused as that first
         steps = checkpoint_steps(run.folder)
         at = f"--step {steps[-1]} " if steps else ""
         raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; start a new run from one "
                           f"of its checkpoints ({steps or 'none'}) with the change: `moelab fork {run.folder} {at}"
                           + " ".join(f"--set {c}" for c in args.changes) + "`")
-    rid = request(run, dict(parse_override(item) for item in args.changes), origin="cli")
+    rid = request(run, changes, origin="cli")
     if args.wait is None:
         print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); applied at the next step boundary")
         return 0
