@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _one_line_warning
     try:
         return args.func(args)
+    except BrokenPipeError:  # `moelab status runs/ | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before a run's step loop (it checkpoints and stops once the loop runs)
         if debug:
             raise
@@ -55,6 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, (ConfigError, FolderLocked, FileNotFoundError)) or line.startswith("refused") else 1
     finally:
         warnings.showwarning = previous
+
+
+def _quiet_stdout() -> None:
+    """stdout to /dev/null: the interpreter's final flush into the closed pipe would print a second
+    BrokenPipeError (Python's documented recipe, the signal module's "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def one_line_error(e: BaseException) -> str | None:

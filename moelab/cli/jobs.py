@@ -114,7 +114,7 @@ def progress_line(run: Run) -> str:
     if p["loss"] is not None:
         parts.append(f"loss {p['loss']:.4f}")
     if p["tokens_per_s"]:
-        parts.append(f"{p['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{p['tokens_per_s']:,.0f} tok/s (last step)")
     if p.get("pending_reason"):
         parts.append(f"waiting: {p['pending_reason']}")
     return "  ".join(parts)
@@ -128,9 +128,13 @@ def _report(run: Run, failed_code: int = 1) -> int:
               file=sys.stderr)
         return 130
     if status == "COMPLETED" and run.summary:
+        from moelab.contract.stream import tail_events
         from moelab.contract.summary import format_summary
 
-        print(format_summary(run.summary))
+        last, first = tail_events(run.run_folder.metrics, kinds=("start",))
+        starts = last or first
+        device = starts[-1].env.device if starts and starts[-1].env else None
+        print(format_summary(run.summary, name=run.name, device=device))
     elif run.error:
         print(run.error.rstrip(), file=sys.stderr)
     print(f"{run.name}: {status}  (run folder: {run.folder})")
@@ -183,7 +187,21 @@ def cmd_set(args) -> int:
     from moelab.run.controls import request, wait_outcome
 
     run = Run.load(args.folder)
-    rid = request(run, dict(parse_override(item) for item in args.changes), origin="cli")
+    changes = dict(parse_override(item) for item in args.changes)
+    if run.status == "COMPLETED":  # no step is left to change: a fork from a checkpoint takes the change
+        from moelab.config import ConfigError
+        from moelab.config.live import check_changes
+        from moelab.run.controls import live_config, resolve
+        from moelab.run.fork import checkpoint_steps
+
+        cfg = live_config(run.folder)
+        check_changes(cfg, resolve(changes, cfg))  # a field no run can change is refused as that first
+        steps = checkpoint_steps(run.folder)
+        at = f"--step {steps[-1]} " if steps else ""
+        raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; start a new run from one "
+                          f"of its checkpoints ({steps or 'none'}) with the change: `moelab fork {run.folder} {at}"
+                          + " ".join(f"--set {c}" for c in args.changes) + "`")
+    rid = request(run, changes, origin="cli")
     if args.wait is None:
         print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); applied at the next step boundary")
         return 0
@@ -243,8 +261,11 @@ def add_parsers(sub) -> None:
     _cluster_argument(p)
     p.set_defaults(func=cmd_resume)
 
-    p = sub.add_parser("status", help="status of a run folder, a sweep, or every run under a folder")
-    p.add_argument("folder")
+    p = sub.add_parser("status", help="status of a run folder, a sweep, or every run under a folder",
+                       description="One line per run: [STATUS] step N/M, the last step's loss and tok/s (the last "
+                                   "step's throughput; the summary at the end gives the mean), executor and job id; "
+                                   "for one FAILED run, its error (a rank killed by a signal is named).")
+    p.add_argument("folder", help="a run folder, a sweep folder, or a folder with runs under it (e.g. runs/)")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("cancel", help="cancel the pending or running job(s) of a run folder or sweep")
     p.add_argument("folder")
@@ -255,9 +276,14 @@ def add_parsers(sub) -> None:
     p.add_argument("folder")
     p.set_defaults(func=cmd_unlock)
     p = sub.add_parser("set", help="change fields of a running run at its next step boundary (lr, aux/z-loss, "
-                                   "bias update, capacity, freeze_router, expert lr, intervals, checkpoint=true)")
-    p.add_argument("folder")
-    p.add_argument("changes", nargs="+", metavar="KEY=VALUE")
+                                   "bias update, capacity, freeze_router, expert lr, intervals, checkpoint=true)",
+                       description="Ask a running run to change fields from its next step boundary on (recorded in "
+                                   "controls.jsonl and as control events). A finished run has no step left: fork it "
+                                   "from a checkpoint with the change (`moelab fork RUN --step K --set KEY=VALUE`).")
+    p.add_argument("folder", help="the folder of a running (or pending) run")
+    p.add_argument("changes", nargs="+", metavar="KEY=VALUE",
+                   help="a field and its new value, dotted or by its last part: train.lr=1e-4, aux_loss_coeff=0.01, "
+                        "checkpoint=true (save one at the next boundary)")
     p.add_argument("--wait", type=float, help="seconds to wait until the ranks applied it (default: do not wait)")
     p.set_defaults(func=cmd_set)
     p = sub.add_parser("fork", help="start a new run from a run's checkpoint, with changes")

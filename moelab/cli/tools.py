@@ -45,9 +45,17 @@ def cmd_presets(args) -> int:
         cfg = load_config(name)
         pc = count_params(cfg.model)
         moe = cfg.model.moe
-        print(f"{name:28s} {pc.total / 1e9:8.2f}B total {pc.activated / 1e9:7.2f}B active  "
+        print(f"{name:28s} {_count(pc.total):>8s} total {_count(pc.activated):>8s} active  "
               f"{cfg.model.num_layers:3d} layers  {moe.num_experts:4d} experts top-{moe.top_k}")
     return 0
+
+
+def _count(n: float) -> str:
+    """A parameter count in the unit that shows it: 671.03B, 3.21M, 912.38K (tiny is not 0.00B)."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
 
 
 def cmd_plan(args) -> int:

@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 
 from moelab.contract.folder import RunFolder
-from moelab.contract.writes import FolderWriteError, writing
+from moelab.contract.writes import writing
 
 CHECKPOINT_NOW = "checkpoint"  # the one action a request may carry besides fields
 AGAIN = "write the line again (a request: `moelab set` / run.set once more)"  # after a failed append

@@ -17,13 +17,15 @@ with more to them have their readers beside this module: moelab.contract.checkpo
 
 Standard library only, so every layer (train, launch, run, live) can stand on it. The read-modify-write of
 run.json has one place, `update_info`. One process writes a folder at a time: its owner holds the folder's
-lock (`lock_folder`, flock on .lock, naming the owner) for its whole life; a second writer is refused.
+lock (`lock_folder`, flock on .lock, naming the owner) for its whole life; a second writer is refused, be it
+another process or another thread of the owner's process.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -218,7 +220,8 @@ class RunFolder:
 
 # ---------------------------------------------------------------------- the writer's lock (one writer per folder)
 LOCK = ".lock"  # flock'ed by the process that owns the folder; holds the owner as JSON (empty once released)
-_HELD: dict[str, list] = {}  # resolved folder -> [fd, count]: the locks this process holds (re-entrant)
+_HELD: dict[str, list] = {}  # resolved folder -> [fd, count, thread id]: the locks this process holds (re-entrant
+# in the thread that took it; another thread of the process is refused as another process is)
 
 
 class FolderLocked(RuntimeError):
@@ -231,11 +234,22 @@ class FolderLocked(RuntimeError):
 
     def __init__(self, folder: Path, owner: dict, why: str | None = None):
         job = f", job {owner['job_id']}" if owner.get("job_id") else ""
-        advice = why or f"wait for it to end or cancel it (`moelab cancel {folder}`), or choose another folder"
+        advice = why or self.advice(folder, owner)
         super().__init__(f"run folder {str(folder)!r} is being written by pid {owner.get('pid')} on "
                          f"{owner.get('host')}{job} ({owner.get('role', '?')}, since "
                          f"{time.strftime('%H:%M:%S', time.localtime(owner.get('since', 0)))}); {advice}")
         self.folder, self.owner = folder, owner
+
+
+    @staticmethod
+    def advice(folder: Path, owner: dict) -> str:
+        """How to go on: an inline run (trained in its owner's foreground) stops only there; `moelab cancel`
+        stops the others."""
+        if (read_json(Path(folder) / INFO) or {}).get("executor") == "inline" or owner.get("role") == "inline":
+            pid = owner.get("pid")
+            return (f"it trains in the foreground of that process: wait for it to end, stop it there (Ctrl-C, or "
+                    f"`kill -INT {pid}` on {owner.get('host')}), or choose another folder")
+        return f"wait for it to end or cancel it (`moelab cancel {folder}`), or choose another folder"
 
 
 def read_owner(path: "str | Path") -> dict:
@@ -324,7 +338,8 @@ class FolderLock:
     owner's whole life; the kernel drops it when the owner dies, so a stale lock is simply taken over. The file
     names the owner (pid, host, SLURM job id, role), which a refusal quotes. An owner on another host is gone
     when the SLURM job it names has ended (squeue / sacct); without one it counts as holding the lock until
-    `moelab unlock FOLDER` (break_lock) removes it. Re-entrant within a process; a
+    `moelab unlock FOLDER` (break_lock) removes it. Re-entrant within the thread that took it (a submit that trains
+inline takes it again as rank 0), refused to the process' other threads as to another process; a
     rank started by the lock's owner (its parent: moelab's local launcher) writes under its parent's lock.
 
         with lock_folder("runs/a", "inline"):   # FolderLocked if another live process holds it
@@ -348,6 +363,10 @@ class FolderLock:
         self.acquired = True
         self.path.mkdir(parents=True, exist_ok=True)
         key = str(self.path.resolve())
+        if key in _HELD and _HELD[key][2] != threading.get_ident():  # another thread of this process writes it
+            owner = read_owner(self.path)
+            raise FolderLocked(self.path, owner, f"another thread of this process holds it (its run or submit is "
+                                                 f"under way there): wait for that to end, or choose another folder")
         if key in _HELD:
             if self.role != "submit":  # the submitter trains it itself (inline): say so
                 self._write_owner(_HELD[key][0], {**read_owner(self.path), "role": self.role})
@@ -395,7 +414,7 @@ class FolderLock:
         except OSError:
             os.close(fd)  # a full disk: the flock goes with the fd, nothing stays held
             raise
-        _HELD[key] = [fd, 1]
+        _HELD[key] = [fd, 1, threading.get_ident()]
         self.key = key
         return self
 

@@ -148,16 +148,20 @@ def summarize(cfg, records: "list[StepEvent | dict]", status: str, start_step: i
     return out
 
 
-def format_summary(s: dict) -> str:
-    """Human-readable summary for the CLI."""
+def format_summary(s: dict, name: str | None = None, device: str | None = None) -> str:
+    """Human-readable summary for the CLI. `name`: what the header calls the run (its folder's name; default the
+    config's name); `device`: where it trained (the start event's "cpu", "cuda:0", ...): throughput is per GPU
+    on GPUs, per rank elsewhere. tokens/s and TFLOPs are means over the attempt's steps."""
+    name = name or s["name"]
     if "final_loss" not in s:
-        return f"{s['name']}: {s['status']} after {s['steps']} steps (no step recorded)"
-    lines = [f"{s['name']}: {s['status']} at step {s['steps']}/{s['total_steps']}",
+        return f"{name}: {s['status']} after {s['steps']} steps (no step recorded)"
+    unit = "GPU" if str(device or "").startswith("cuda") else "rank"
+    lines = [f"{name}: {s['status']} at step {s['steps']}/{s['total_steps']}",
              f"  loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}" + (
                  f"; eval loss {s['first_eval_loss']:.4f} -> {s['eval_loss']:.4f} (perplexity "
                  f"{s['eval_perplexity']:.2f})" if s.get("eval_loss") is not None else ""),
-             f"  {s['tokens_per_s']:,.0f} tokens/s ({s['tokens_per_s_per_gpu']:,.0f} per GPU), "
-             f"{s['tflops_per_gpu']:.3f} TFLOPs/GPU" + (f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""),
+             f"  {s['tokens_per_s']:,.0f} tokens/s, mean over steps ({s['tokens_per_s_per_gpu']:,.0f} per {unit}), "
+             f"{s['tflops_per_gpu']:.3f} TFLOPs per {unit}" + (f", MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else ""),
              f"  peak memory {s['peak_memory_gb']:.2f} GB, dropped tokens {s['dropped_tokens']:.0f}"]
     if s["routing_balance"]:
         lines.append("  routing balance per MoE layer (max/mean load, coefficient of variation; mean over steps):")

@@ -21,7 +21,10 @@ has adapters. A checkpoint that holds only what trained (LoRA's adapters) takes 
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -30,6 +33,7 @@ import torch
 
 from moelab.config import Config, ConfigError, load_config
 from moelab.config.paths import check_path
+from moelab.contract.writes import CAUSES, FolderWriteError, folder_cause
 from moelab.hf import adapter_for, config_to_hf, family_of, save_hf
 from moelab.hf.safetensors_folder import SafetensorsFolder, quantization
 from moelab.hf.shards import INDEX, parse_size
@@ -46,6 +50,9 @@ BASE_FIELDS = ("train.init_from",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
+# the other names an export writes (save_hf: moelab.hf.shards; write_peft_adapters)
+EXPORT_NAMES = re.compile(r"config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                          + re.escape(INDEX) + r"|adapter_config\.json|adapter_model\.safetensors")
 
 
 # ---------------------------------------------------------------------- checks (before any weight is read)
@@ -59,17 +66,53 @@ def _dtype(dtype) -> "torch.dtype | None":
 
 def _out_folder(out: "str | Path", force: bool) -> Path:
     out = check_path("out", out, "folder to write", "give a folder to write the checkpoint into")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise ConfigError(f"out={str(out)!r}: the folder is not empty; give an empty or new folder, or "
-                              f"force=True (--force) to write over it")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"out={str(out)!r}: the folder is not empty; give an empty or new folder, or "
+                          f"force=True (--force) to write over an earlier export there (other files stay)")
     return out
 
 
+def export_files(out: Path) -> list[Path]:
+    """The files in `out` that an export writes (EXPORT_NAMES, the tokenizer files): the only ones --force
+    replaces and a failed export removes; a person's other files there (notes, their own *.safetensors) stay."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.is_file() and (p.name in TOKENIZER_FILES or EXPORT_NAMES.fullmatch(p.name)))
+
+
 def _clear(out: Path) -> None:
-    """Before writing over an earlier export: its shards and index would linger beside the new files."""
-    for stale in [*out.glob("*.safetensors"), out / INDEX]:
+    """Before writing over an earlier export: its files would linger beside the new ones (shards, an index)."""
+    for stale in export_files(out):
         stale.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _writing_export(out: Path):
+    """The export's writes: when one fails, what it wrote is removed (the folder too when it made it) and a disk
+    that is full or cannot be written is one FolderWriteError line."""
+    made = not out.exists()
+    try:
+        yield
+    except BaseException as e:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # the earlier export's files were cleared before writing: every export file there is this one's
+            _clear(out)
+        cause = _disk_cause(e)
+        if cause is None:
+            raise
+        raise FolderWriteError(cause, out, None, left="the partial export was removed",
+                               then="export again") from None
+
+
+def _disk_cause(e: BaseException) -> "int | None":
+    """The errno of a full or read-only disk behind `e`: an OSError in its chain, or safetensors' error, which
+    carries only the text of Rust's io::Error ("No space left on device (os error 28)")."""
+    found = folder_cause(e) if isinstance(e, Exception) else None
+    if found is not None:
+        return found.errno
+    text = str(e)
+    return next((n for n in CAUSES if f"(os error {n})" in text or os.strerror(n) in text), None)
 
 
 def checkpoint_of(run_dir: Path) -> Path:
@@ -233,24 +276,25 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
                           f"adapter tensors); export without lora")
     if lora_on:
         fill_base(state, cfg, base, read_metadata(path).get("base") or {})
-    if lora_on and lora == "adapters":
-        from moelab.hf.peft import write_peft_adapters
-
-        out.mkdir(parents=True, exist_ok=True)
-        _clear(out)
-        write_peft_adapters(state, cfg, out, base_model_name_or_path=str(base) if base else None, hf=hf_base)
-    else:
+    model = None
+    if not (lora_on and lora == "adapters"):
         if lora_on:
             from moelab.model.lora import merge_lora_state
 
             state = merge_lora_state(state, cfg)
         model = model_from_state(cfg, state, path)
         model.hf_config = hf_base
-        if out.is_dir():
-            _clear(out)
-        try:
-            save_hf(model, out, dtype=torch_dtype, max_shard_size=max_shard_size)
-        except ConfigError as e:
-            raise ConfigError(f"{run_dir} cannot be exported to transformers' layout: {e}") from None
-    copy_tokenizer(run_dir, cfg, base, out)
+    with _writing_export(out):
+        out.mkdir(parents=True, exist_ok=True)
+        _clear(out)
+        if model is None:
+            from moelab.hf.peft import write_peft_adapters
+
+            write_peft_adapters(state, cfg, out, base_model_name_or_path=str(base) if base else None, hf=hf_base)
+        else:
+            try:
+                save_hf(model, out, dtype=torch_dtype, max_shard_size=max_shard_size)
+            except ConfigError as e:
+                raise ConfigError(f"{run_dir} cannot be exported to transformers' layout: {e}") from None
+        copy_tokenizer(run_dir, cfg, base, out)
     return out

@@ -428,7 +428,10 @@ def main(args) -> int:
                 print(f"{e.name:{width}s} {e.gpus:4d} GPU  {e.layout_text:18s} {state}")
         elif args.gallery_command == "run":
             r = run_entry(args.name, steps=args.steps, warmup=args.warmup, out=args.out, root=args.dir)
-            print(json.dumps(r, indent=1))
+            root = Path(args.dir) if args.dir else default_root()
+            unit = "GPU" if get_entry(args.name, root).device == "cuda" else "rank"
+            print(f"{args.name}: {_fmt(r.get('tokens_per_s_per_gpu'))} tokens/s per {unit}; result written to "
+                  f"{root / 'results' / f'{args.name}--moelab.json'} (`moelab gallery report` puts it in the table)")
         elif args.gallery_command == "report":
             render_report(args.dir, plots=not args.no_plots)
             print(f"wrote {Path(args.dir) if args.dir else default_root()}/README.md")

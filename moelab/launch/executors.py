@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -123,15 +124,20 @@ class SubmititExecutor(Executor):
         return jobs
 
 
-def _common(nproc: int, options: dict) -> tuple[dict, int, int | None, list | None, int, int]:
+def _common(nproc: int, options: dict, folder: Path, setup_log: bool) -> tuple[dict, int, int | None, list | None,
+                                                                              int, int]:
     """What both submitit executors read first: (the rest of the options, tasks per node, the time limit in
-    seconds or None, the setup lines, nodes, requeues)."""
+    seconds or None, the setup lines guarded by guard_setup, nodes, requeues). `setup_log`: a failing setup line
+    is also written to task 0's stderr file (the local executor's setup shell writes to no log of the job's)."""
     options = dict(options)
     tpn = tasks_per_node(nproc, options)
     time_s = parse_time_s(options.pop("time")) if "time" in options else None
     setup = options.pop("setup", None)
     if isinstance(setup, str):
         setup = [setup]
+    if setup:  # the local controller's shell pid ($$) is its job id: the message goes to task 0's stderr file
+        log = f"{shlex.quote(str(Path(folder).expanduser().absolute()))}/$$_0_log.err" if setup_log else None
+        setup = guard_setup(setup, log)
     nodes = int(options.pop("nodes", 1))
     options.pop("tasks_per_node", None)
     requeues = int(options.pop("max_num_timeout", 3))
@@ -156,7 +162,7 @@ class LocalExecutor(SubmititExecutor):
     def make(self, folder: Path, nproc: int, options: dict):
         from moelab.launch.detached import DetachedLocalExecutor
 
-        options, tpn, time_s, setup, _, requeues = _common(nproc, options)
+        options, tpn, time_s, setup, _, requeues = _common(nproc, options, folder, setup_log=True)
         ex = DetachedLocalExecutor(folder=folder, max_num_timeout=requeues)
         params: dict[str, Any] = {"tasks_per_node": tpn, "timeout_min": (time_s or LOCAL_DEFAULT_TIME_MIN * 60) / 60}
         if options.get("gpus_per_node"):
@@ -194,7 +200,7 @@ class SlurmExecutor(SubmititExecutor):
     def make(self, folder: Path, nproc: int, options: dict):
         import submitit
 
-        options, tpn, time_s, setup, nodes, requeues = _common(nproc, options)
+        options, tpn, time_s, setup, nodes, requeues = _common(nproc, options, folder, setup_log=False)
         time_s = SLURM_DEFAULT_TIME_MIN * 60 if time_s is None else time_s
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=requeues)
         extra = dict(options.pop("sbatch", None) or {})
@@ -278,6 +284,17 @@ def _link_logs(job: Job, world: int) -> None:
 def _jsonable(options: dict) -> dict:
     return {k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
             for k, v in options.items()}
+
+
+def guard_setup(lines: list[str], log: str | None = None) -> list[str]:
+    """Each setup line as run before the tasks, guarded: a line that fails ends the job at once and says so on
+    the job's stderr (which Run.error and `moelab status` show), instead of a job that ends FAILED without an
+    error message (a silent `false`, `conda activate` of a missing env) or trains in a half-set-up shell. A line
+    that exits the shell itself (`exit 3`) still ends the job, without the message. `log`: a file (shell words)
+    the message is appended to as well: the local executor's setup shell writes to no log of the job's."""
+    to = f"| tee -a {log} >&2" if log else ">&2"
+    return [f"{{ {line}\n}} || {{ code=$?; printf 'moelab: the setup line `%s` failed with exit code %s; no rank "
+            f"started\\n' {shlex.quote(line)} \"$code\" {to}; exit \"$code\"; }}" for line in lines]
 
 
 def _signal_delay(time_s: int) -> int:

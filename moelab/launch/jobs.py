@@ -96,6 +96,10 @@ class Job:
     def outcome(self) -> tuple[str | None, str | None]:
         return None, None
 
+    def killed(self) -> list[tuple[int, str]]:
+        """(rank, how) for each rank a signal killed, where the executor can tell (SubmititJob); else []."""
+        return []
+
     def log(self, rank: int, stream: str) -> str:
         """What `rank` wrote to `stream` ("stdout" or "stderr"); empty where the output went elsewhere."""
         return ""
@@ -231,6 +235,18 @@ class SubmititJob(Job):
                 return "error", str(value)
             kinds.append(kind)
         return ("success", None) if kinds else (None, None)
+
+    def killed(self) -> list[tuple[int, str]]:
+        """(rank, "signal N (SIGNAME), pid P") for each rank whose process a signal killed, as its
+        stand-in wrote in its log (moelab.launch.warm.KILLED): a SIGKILL leaves no traceback to show."""
+        import re
+
+        found = []
+        for task in range(int(self.info.get("ntasks", 1))):
+            m = re.search(r"rank process (\d+) was killed by signal (\d+) \((\w+|\?)\)", self.log(task, "stderr"))
+            if m:
+                found.append((task, f"signal {m[2]} ({m[3]}), pid {m[1]}"))
+        return found
 
     def log(self, rank: int, stream: str) -> str:
         if not self.job_id:

@@ -13,7 +13,9 @@ them over and runs the command's module as `python -m` would. The client stays a
 on every signal the controller sends (SIGTERM, SIGINT, SIGUSR1/2 ...) to the worker and exits with the worker's
 exit code; if the client dies, the worker gets SIGTERM (it checkpoints at the step boundary and stops, as a rank
 whose launcher died does: moelab.launch.local.die_with_parent). Without a server (MOELAB_WARM=0, none started
-yet, a different environment) the client execs the command itself: a cold start, as before.
+yet, a different environment) the client runs the command as its own child: a cold start. A rank killed by a
+signal (SIGKILL leaves no traceback) is reported by its stand-in on the task's stderr (KILLED: the server reaps
+its workers and tells the client how each ended), and the stand-in ends by the same signal.
 
 One server per (python, PYTHONPATH, moelab's source files, the environment torch reads at import): editing
 moelab's code, or running another checkout, gets a server of its own; an idle server exits after
@@ -32,8 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# (what a task runs as __main__, submitit.core._submit, is not among them: `python -m` executes a module afresh, and
+# runpy warns "found in sys.modules ... prior to execution" into every rank log when it was imported already)
 MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "submitit",
-           "submitit.core._submit", "moelab.launch.entry", "moelab.launch.executors", "moelab.train.trainer")
+           "submitit.core.submission", "moelab.launch.entry", "moelab.launch.executors", "moelab.train.trainer")
 # what the process reads at start or at import, so a rank forked from a server started under other values would
 # differ from a cold one (thread counts are set per rank instead; the wait policy is defaulted as the ranks do)
 IMPORT_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "PYTORCH_", "TORCH_", "PYTHONHASHSEED", "PYTHONPATH",
@@ -167,7 +171,25 @@ def serve(k: str) -> None:
     srv.bind(str(tmp))
     srv.listen(64)
     os.replace(tmp, sock_path)  # clients see a listening socket or none
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    conns: dict[int, socket.socket] = {}  # worker pid -> the server's end of its client's connection
+    ended: dict[int, int] = {}  # reaped before its connection was recorded (a worker that died at once)
+
+    def reap(*_) -> None:  # SIGCHLD: how each worker ended goes to its client (a SIGKILL leaves no EXIT line)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status)
+            conn = conns.pop(pid, None)
+            if conn is None:
+                ended[pid] = code
+                continue
+            _tell_ended(conn, code)
+
+    signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
     idle_s = float(os.environ.get("MOELAB_WARM_IDLE_S", "600"))
     print(f"warm server {k}: pid {os.getpid()}, imports {preload_s:.2f} s, idle exit after {idle_s:.0f} s",
@@ -192,15 +214,29 @@ def serve(k: str) -> None:
             pid = os.fork()
             if pid == 0:
                 srv.close()
+                for other in conns.values():  # other ranks' connections: theirs to close
+                    other.close()
                 _worker(conn, request, fds, preload_s)  # never returns
             workers.add(pid)
-            conn.close()
+            if pid in ended:
+                _tell_ended(conn, ended.pop(pid))
+            else:
+                conns[pid] = conn
             for fd in fds:
                 os.close(fd)
     finally:
         if _alive(pid_file) == os.getpid():
             sock_path.unlink(missing_ok=True)
             pid_file.unlink(missing_ok=True)
+
+
+def _tell_ended(conn: socket.socket, code: int) -> None:
+    """Tell a worker's client how the worker ended (ENDED <exit code, or -signal>), then close our end."""
+    try:
+        conn.sendall(f"ENDED {code}\n".encode())
+    except OSError:
+        pass
+    conn.close()
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -251,17 +287,21 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], preload_s: float
             torch.set_num_threads(int(threads))
         conn.sendall(f"PID {os.getpid()}\n".encode())
 
+        ended = threading.Event()  # the module has returned: the client closing now is its normal exit
+
         def client_gone():  # the client's end closes: its process died (SIGKILL) or it was told to stop
             try:
                 while conn.recv(64):
                     pass
             except OSError:
                 pass
-            os.kill(os.getpid(), signal.SIGTERM)
+            if not ended.is_set():  # else a SIGTERM reached the rank's handlers (submitit: "Bypassing signal")
+                os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=client_gone, daemon=True).start()
         module, args = request["module"], request["args"]
         sys.argv = [module, *args]
+        sys.modules.pop(module, None)  # run as __main__ afresh, as `python -m` does (no runpy RuntimeWarning)
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
@@ -272,6 +312,7 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], preload_s: float
         except BaseException:
             traceback.print_exc()
             code = 1
+        ended.set()
         atexit._run_exitfuncs()
     finally:
         try:
@@ -319,7 +360,7 @@ def run(command: list[str]) -> None:
     parsed = _module_command(command)
     conn = _connect(key()) if enabled() and parsed else None
     if conn is None:
-        os.execvp(command[0], command)
+        _cold(command)
     module, args = parsed
     request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
     import array
@@ -329,13 +370,46 @@ def run(command: list[str]) -> None:
     reader = conn.makefile("r")
     first = reader.readline()
     if not first.startswith("PID "):
-        os.execvp(command[0], command)  # the server could not fork: go cold
+        _cold(command)  # the server could not fork: go cold
     pid = int(first.split()[1])
+    _relay_signals(pid)
+    line = reader.readline()  # signals above interrupt it and it resumes (PEP 475)
+    _end_as(pid, int(line.split()[1]) if line.startswith(("EXIT ", "ENDED ")) else 1)
+
+
+def _relay_signals(pid: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGCONT,
                 signal.SIGQUIT):
         signal.signal(sig, lambda signum, frame: _forward(pid, signum))
-    line = reader.readline()  # signals above interrupt it and it resumes (PEP 475)
-    sys.exit(int(line.split()[1]) if line.startswith("EXIT ") else 1)
+
+
+KILLED = "moelab.launch.warm: rank process {pid} was killed by signal {signum} ({name})"  # Run.error finds it
+
+
+def _end_as(pid: int, code: int) -> None:
+    """End the stand-in as the rank ended: its exit code, or, for a rank killed by a signal, a line saying so
+    on the task's stderr (the rank's log: no traceback can tell it) and the same signal."""
+    if code >= 0:
+        sys.exit(code)
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
+    print(KILLED.format(pid=pid, signum=-code, name=name), file=sys.stderr, flush=True)
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+    sys.exit(128 - code)
+
+
+def _cold(command: list[str]) -> None:
+    """Without a server: run `command` as a child (a rank that dies with its stand-in) and end as it ended."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            die_with_parent()
+            os.execvp(command[0], command)
+        finally:
+            os._exit(127)
+    _relay_signals(pid)
+    _, status = os.waitpid(pid, 0)
+    _end_as(pid, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.waitstatus_to_exitcode(status))
 
 
 def _forward(pid: int, signum: int) -> None:

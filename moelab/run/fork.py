@@ -4,14 +4,19 @@ A fork is a run folder prepared from the parent's, then continued by the one res
 (moelab.launch.resume, with its lock and executors), so it trains steps k+1.. on any executor:
 
     FORK/config.yaml          the parent's config (train.steps, parallel.* and backend.* may differ)
-    FORK/checkpoints/step_k   the parent's checkpoint (hard links where the file system allows, else a copy);
-                              the changes the parent had in force at k come with it
+    FORK/checkpoints/step_k   the parent's checkpoint (hard links where the file system allows, else a copy),
+                              verified after copying (a running parent may rotate it away meanwhile: then
+                              the partial fork is removed, "fork again"); the changes in force at k come with it
     FORK/metrics.jsonl        the parent's events up to step k, so the fork's curves are whole
     FORK/controls.jsonl       the fork's changes as one request due at step k (moelab.contract.controls):
                               applied before step k+1, recorded as `control` events at step k; with them
                               the parent's changes applied at k after its checkpoint there was saved (at a
                               resume's first boundary: not inside the checkpoint, in force after it)
     FORK/fork.json            {"parent": the parent's folder, "step": k, "changes": {...}}
+
+The fork's name follows a run's name rules (moelab.config.bounds.check_name); without one, the folder is
+PARENT-fork<k>-<key>-<value>+... (fork_label: no '=' or ','). A write that fails on a full or read-only disk
+leaves nothing behind and says to fork again (undo_on_failure).
 
 A fork without changes trains exactly the parent's steps k+1.. (the checkpoint holds everything a resume
 needs). Changes are the fields a running run can change (moelab.config.live), plus train.steps, parallel.* and
@@ -21,17 +26,21 @@ backend.*, which a resume may change as well.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, save_config
+from moelab.config.bounds import check_name
 from moelab.config.live import check_changes
 from moelab.config.paths import RUN_FOLDER_FIX, check_path
 from moelab.contract.checkpoints import checkpoint_steps, decided_in, step_dir_name
 from moelab.contract.controls import CHECKPOINT_NOW, append_request, read_controls, who as who_is
 from moelab.contract.folder import RunFolder, lock_folder, write_json
+from moelab.contract.writes import FolderWriteError, folder_cause
 from moelab.run.controls import live_config, resolve
 
 CONFIG_FIELDS = ("train.steps", "parallel.", "backend.")  # set in the fork's config.yaml, as a resume may
@@ -45,8 +54,50 @@ def parent_of(folder: "str | Path") -> dict | None:
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)  # checkpoint files are never written again once complete
+    except FileNotFoundError:
+        raise
     except OSError:
         shutil.copy2(src, dst)
+
+
+class SourceVanished(Exception):
+    """The parent's checkpoint changed or went away while a fork copied it (a running parent rotates its
+    checkpoints): the copy is incomplete, never used.
+
+        raise SourceVanished(["metadata.json is missing"])
+    """
+
+
+def copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy (hard-link where possible) the checkpoint folder `src` to `dst`, then verify the copy against its own
+    metadata (sizes and crc32 of every file: moelab.train.checkpoint.verify). SourceVanished when a file
+    vanished mid-copy or the copy is not intact; OSError (errno kept) for a write that failed."""
+    from moelab.train.checkpoint import verify
+
+    try:
+        files = sorted(p for p in src.rglob("*") if not p.is_dir())
+        for p in files:
+            target = dst / p.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(str(p), str(target))
+    except FileNotFoundError as e:
+        if not src.is_dir() or (e.filename and str(e.filename).startswith(str(src)) and not Path(e.filename).exists()):
+            raise SourceVanished([f"{e.filename} vanished while it was copied"]) from None
+        raise
+    problems = verify(dst) if dst.is_dir() else [f"{src} vanished"]
+    if problems:
+        raise SourceVanished(problems)
+
+
+def fork_label(changes: dict) -> str:
+    """The folder name part a fork gets from its changes: "aux_loss_coeff-0.01+lr-0.001" (no '=' or ',',
+    which shells and tools quote), "same" without changes; always a name check_name accepts."""
+    if not changes:
+        return "same"
+    parts = [f"{k.rsplit('.', 1)[-1]}-{v:g}" if isinstance(v, float) else f"{k.rsplit('.', 1)[-1]}-{v}"
+             for k, v in changes.items()]
+    label = re.sub(r"[^A-Za-z0-9._+@-]", "-", "+".join(parts)).lstrip("._+@-")
+    return label[:80] or "changed"
 
 
 def _events_up_to(metrics: Path, step: int) -> bytes:
@@ -102,6 +153,30 @@ def check_fork(parent, step: int | None, changes: dict) -> tuple[int, object, di
     return step, cfg, config_changes, checked
 
 
+@contextlib.contextmanager
+def undo_on_failure(path: Path):
+    """Remove what the block wrote at `path` when it fails (the folder itself when it did not exist before, else
+    the entries that were not there), so a failed fork leaves nothing behind; a write that failed for a reason a
+    person must fix (a full or read-only disk) becomes one FolderWriteError that says so and to fork again."""
+    existed = path.is_dir()
+    before = set(os.listdir(path)) if existed else set()
+    try:
+        yield
+    except BaseException as e:
+        if existed:
+            for entry in set(os.listdir(path)) - before:
+                target = path / entry
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        cause = folder_cause(e) if isinstance(e, Exception) else None
+        if cause is None:
+            raise
+        where = e.path if isinstance(e, FolderWriteError) else (cause.filename or path)
+        raise FolderWriteError(cause.errno, where, getattr(e, "need", None), left="the partial fork was removed, "
+                               "nothing is left behind", then="fork again") from None
+
+
 def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) -> tuple[RunFolder, dict, dict]:
     """Check everything, then write the fork's folder (see the module docstring); returns (folder, the
     config changes, the live changes). ConfigError, with nothing written, for a missing checkpoint, a field a
@@ -110,18 +185,43 @@ def prepare_fork(parent, step: int | None, folder: "str | Path", changes: dict) 
     dest = RunFolder(check_path("folder", folder, "folder to write", RUN_FOLDER_FIX))
     if dest.holds_run():
         raise ConfigError(f"folder={str(dest.path)!r} already holds a run; choose a new folder for the fork")
-    with lock_folder(dest.path, "fork"):
-        dest.path.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, dest.config)
-        shutil.copytree(parent.run_folder.checkpoints / step_dir_name(step), dest.checkpoints / step_dir_name(step),
-                        copy_function=_link_or_copy)
-        dest.metrics.write_bytes(_events_up_to(parent.run_folder.metrics, step))
-        request = {**applied_after_save(parent, step), **checked}
-        if request:
-            append_request(dest.path, request, who=who_is("fork"), at=step)
-        write_json(dest.fork_path, {"parent": str(parent.folder.resolve()), "step": step,
-                                      "changes": {**config_changes, **checked}, "created": time.time()})
+    with undo_on_failure(dest.path):
+        with lock_folder(dest.path, "fork"):
+            dest.path.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, dest.config)
+            name = step_dir_name(step)
+            try:
+                copy_checkpoint(parent.run_folder.checkpoints / name, dest.checkpoints / name)
+            except SourceVanished as e:
+                raise ConfigError(f"step={step}: run {parent.name} removed or rewrote its checkpoint at step {step} "
+                                  f"while it was copied ({'; '.join(e.args[0][:2])}); nothing was left at "
+                                  f"{dest.path}: fork again (its checkpoints now: {checkpoint_steps(parent.folder)})"
+                                  ) from None
+            dest.metrics.write_bytes(_events_up_to(parent.run_folder.metrics, step))
+            request = {**applied_after_save(parent, step), **checked}
+            if request:
+                append_request(dest.path, request, who=who_is("fork"), at=step)
+            write_json(dest.fork_path, {"parent": str(parent.folder.resolve()), "step": step,
+                                        "changes": {**config_changes, **checked}, "created": time.time()})
     return dest, config_changes, checked
+
+
+def check_fork_name(name, parent, step) -> None:
+    """A fork's name follows the rules of a run's name (moelab.config.bounds.check_name: no '/', '..', tab or
+    NUL; letters, digits and . _ + = , @ -): it names the folder PARENT-fork<step>-<name> beside the parent."""
+    try:
+        check_name(name)
+    except ConfigError as e:
+        fix = str(e).split(": it names", 1)[0]
+        raise ConfigError(f"{fix}: a fork's name names its folder {parent.folder.name}-fork{step}-<name> beside "
+                          f"the parent (or give the folder itself: --out / folder=)") from None
+
+
+def default_folder(parent, step, name: str | None, changes: dict) -> Path:
+    """PARENT-fork<step>-<name> beside the parent; without a name, the changes name it (fork_label)."""
+    if name is not None:
+        check_fork_name(name, parent, step)
+    return parent.folder.parent / f"{parent.folder.name}-fork{step}-{name or fork_label(changes)}"
 
 
 def fork(parent, step: int | None = None, name: str | None = None, folder: "str | Path | None" = None,
@@ -135,16 +235,16 @@ def fork(parent, step: int | None = None, name: str | None = None, folder: "str 
     changes = dict(changes or {})
     if step is None:
         step = (checkpoint_steps(parent.folder) or [None])[-1]  # prepare_fork says why when there is none
-    label = name or ("same" if not changes else ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in changes.items()))
-    dest_path = Path(folder) if folder else parent.folder.parent / f"{parent.folder.name}-fork{step}-{label}"
+    dest_path = Path(folder) if folder else default_folder(parent, step, name, changes)
     dest, _, _ = prepare_fork(parent, step, dest_path, changes)
     kind = executor or parent.executor
     if kind in EXECUTORS and EXECUTORS[kind].in_background:  # to that executor (a foreground one: as a resume)
         info = parent.run_folder.read_info()
         options = {**(info.get("options", {}) if kind == parent.executor else {}), **cluster_options}
         world = nproc or previous_world_size(parent.folder)
-        dest.write_info({"name": dest.name, "executor": kind, "options": options, "ntasks": world,
-                         "parent": str(parent.folder)})
+        with undo_on_failure(dest.path):  # run.json on a disk that filled up: the fork goes as a whole
+            dest.write_info({"name": dest.name, "executor": kind, "options": options, "ntasks": world,
+                             "parent": str(parent.folder)})
         job = resume(dest.path, nproc=nproc or world)
     else:
         job = resume(dest.path, nproc=nproc or previous_world_size(parent.folder), **cluster_options)
@@ -168,8 +268,7 @@ def fork_points(parent, grid: dict, step: int | None = None, folder: "str | Path
                       "folder to write", RUN_FOLDER_FIX)
     if RunFolder(root).is_sweep():
         raise ConfigError(f"folder={str(root)!r} already holds a sweep; choose a new folder")
-    names = [f"{i:02d}-" + ",".join(f"{k.rsplit('.', 1)[-1]}={v:g}" if isinstance(v, float) else
-                                    f"{k.rsplit('.', 1)[-1]}={v}" for k, v in p.items()) for i, p in enumerate(points)]
+    names = [f"{i:02d}-{fork_label(p)}" for i, p in enumerate(points)]
     root.mkdir(parents=True, exist_ok=True)
     write_json(RunFolder(root).sweep_path, {"grid": {k: list(v) for k, v in grid.items()}, "points": points,
                                             "runs": names, "parent": str(parent.folder.resolve()), "step": step,

@@ -291,8 +291,14 @@ class Run:
     @property
     def error(self) -> str | None:
         """The failing rank's traceback (from the stream's error event, else submitit's record of the
-        exception, else the tail of rank 0's stderr); None while nothing failed."""
+        exception, else the tail of rank 0's stderr); a rank killed by a signal is named first, with the signal
+        (its peers' errors follow from it); None while nothing failed."""
         errors = tail_events(self.run_folder.metrics, kinds=("error",))[0]  # the last attempt's, read from the end
+        killed = self.job.killed() if self.status in ("FAILED", "TIMEOUT") else []
+        if killed:  # a rank killed by a signal wrote nothing; its peers' errors (a connection reset) follow from it
+            rank, how = killed[0]
+            others = f"; then {len(errors)} other rank(s) failed on the lost peer" if errors else ""
+            return f"rank {rank} was killed by {how} (no traceback: a signal ended it){others}"
         if errors:
             first = errors[0]
             return f"rank {first.rank} at step {first.step}: {first.message}\n{first.traceback}"

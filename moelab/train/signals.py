@@ -8,9 +8,10 @@ time SLURM grants between the signal and the kill (submitit's signal_delay_s).
 
 Ctrl-C (SIGINT) is a stop request too once the loop runs: an inline run checkpoints at the step boundary and ends
 CANCELLED (`interrupted`). A second signal while the run is stopping gets at once what it would have got
-without us (SIGTERM's default action ends the process; a second Ctrl-C raises KeyboardInterrupt, which a notebook
-kernel survives), even inside a step that would take hours to reach its boundary (a huge batch); the last complete
-checkpoint stays as it was (a save is atomic).
+without us (SIGTERM's default action ends the process, exit status 143, after the trainer wrote the attempt's
+end event: StopNow; a second Ctrl-C raises KeyboardInterrupt, which a notebook kernel survives), even inside a step
+that would take hours to reach its boundary (a huge batch); the last complete checkpoint stays as it was (a save
+is atomic).
 
     stop = StopSignals().install()   # in the main thread; a no-op elsewhere (a notebook's worker thread)
     stop.deferring = True            # when the step loop starts
@@ -51,7 +52,10 @@ class StopSignals:
         if not self.deferring:
             _pass_on(signum, self._previous.get(signum), frame)
         elif self.received:  # stopping already: what the signal would have done without us, now
-            _pass_on(signum, self._previous.get(signum), frame)
+            previous = self._previous.get(signum)
+            if not callable(previous) and previous != signal.SIG_IGN:
+                raise StopNow(signum)  # the trainer writes the end event, then act_now: the default action
+            _pass_on(signum, previous, frame)
         else:
             self.received.append(signum)
 
@@ -74,6 +78,12 @@ class StopSignals:
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
         self._chain_to, self._previous = self._previous, {}
 
+    def act_now(self, signum: int) -> None:
+        """After restore(): what `signum` would have done without us (the default action ends the process, with
+        the exit status of that signal: 143 for SIGTERM); exits with 128 + signum should the process survive it."""
+        _pass_on(signum, self._chain_to.get(signum), None)
+        raise SystemExit(128 + signum)
+
     def chain(self) -> None:
         """Give each received signal to the handler installed before ours, if that was a Python function
         (submitit's checkpoint-and-requeue handler, which may exit the process)."""
@@ -81,6 +91,19 @@ class StopSignals:
             previous = self._chain_to.get(s)
             if callable(previous) and s != signal.SIGINT:  # Python's SIGINT handler would raise KeyboardInterrupt
                 previous(s, None)
+
+
+class StopNow(BaseException):
+    """A second stop signal while the run stops, whose default action ends the process (SIGTERM, SIGUSR1 without a
+    handler of its own): raised in the middle of a step so that the trainer writes the attempt's end event (no
+    checkpoint at this step: the last complete one stays) before StopSignals.act_now ends the process.
+
+        except StopNow as e: writer.emit(EndEvent(...)); stop.restore(); stop.act_now(e.signum)
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"a second {signal.Signals(signum).name} while the run stopped")
+        self.signum = signum
 
 
 def _pass_on(signum: int, previous, frame) -> None:

@@ -44,7 +44,7 @@ from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
 from moelab.config.schedule import lr_at
 from moelab.train.optim import build_optimizer, set_lr
-from moelab.train.signals import StopSignals
+from moelab.train.signals import StopNow, StopSignals
 from moelab.train.stats import StatsPack
 from moelab.contract.summary import summarize
 
@@ -341,9 +341,15 @@ class Trainer:
         # the stop handlers live exactly as long as run() (restored in `finally`): a Trainer only set up (bench,
         # tests) leaves none behind, whose pass-on a later run's chain() would reach
         self.stop.install()
+        now = None
         try:
             self.setup()
             summary = self._loop()
+        except StopNow as e:  # a second stop signal mid-step: the end is recorded, then the signal acts
+            now = e
+            if self.writer:
+                self.writer.emit(EndEvent(step=self.step, status="CANCELLED" if self.cancelled() else "PREEMPTED",
+                                          summary={"stopped_by": str(e), "checkpoint_step": self.saved_step}))
         except BaseException as e:
             self._report_error(e)
             raise
@@ -353,6 +359,8 @@ class Trainer:
             if self.mirror:
                 self.mirror.stop()
             self.stop.restore()
+        if now is not None:
+            self.stop.act_now(now.signum)
         if summary["status"] == "PREEMPTED":
             self.stop.chain()  # e.g. submitit's handler: requeues the job (which resumes) and exits
         return summary

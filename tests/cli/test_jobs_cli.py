@@ -92,3 +92,17 @@ def test_sbatch_template_runs_two_tasks_and_is_followed_from_its_folder(slurm_cl
     # a layout that does not fit the task count fails before any task starts, with the fix in the message
     rc, bad = sbatch("bad", 3, "--set", "parallel.ep=2", wait=True)
     assert rc != 0 and "config error: parallel.ep" in (tmp_path / f"bad-{bad}.out").read_text()
+
+
+def test_status_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """Issue 42.13: `moelab status RUNS | head -1` ended in a BrokenPipeError traceback. 1,500 finished runs give
+    more lines than a pipe buffers, so the writer meets the closed pipe."""
+    import json
+
+    for i in range(1500):
+        (tmp_path / f"run{i:04d}").mkdir()
+        (tmp_path / f"run{i:04d}" / "run.json").write_text(json.dumps({"executor": "inline", "status": "COMPLETED"}))
+    p = subprocess.run(f"{sys.executable} -m moelab status {tmp_path} | head -1; echo rc=${{PIPESTATUS[0]}}",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=300)
+    assert p.stdout.splitlines()[0].startswith(str(tmp_path / "run0000")) and "rc=0" in p.stdout, p.stdout
+    assert p.stderr == "", p.stderr

@@ -111,6 +111,9 @@ def test_run_refuses_multi_gpu_entry_without_gpus(gallery, capsys):
 def test_tiny_cpu_entry_runs_end_to_end(gallery, tmp_path, capsys):
     assert main(["gallery", "run", "tiny-cpu", "--steps", "3", "--warmup", "1", "--dir", str(gallery),
                  "--out", str(tmp_path / "run")]) == 0
+    said = capsys.readouterr().out.strip()  # issue 42.18: where the result went, in one line (not its JSON)
+    assert said.count("\n") == 0 and str(gallery / "results" / "tiny-cpu--moelab.json") in said, said
+    assert "tokens/s per rank" in said
     result = json.loads((gallery / "results" / "tiny-cpu--moelab.json").read_text())
     for key in RESULT_FIELDS:
         assert key in result, key

@@ -129,3 +129,16 @@ def test_session_from_an_hf_folder_and_its_refusals(tmp_path):
     with pytest.raises(ConfigError, match="train.init_from=.*model.embed_tokens.weight' is missing"):
         s.submit("inline", folder=tmp_path / "run")
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+@pytest.mark.parametrize("executor", ["local", pytest.param("slurm", marks=pytest.mark.slurm)])
+def test_a_failing_setup_line_is_the_runs_error(tmp_path, small_session, request, executor):
+    """Issue 42.13: a setup line that fails without a word (`false`, an env that is not there) ended the job
+    FAILED without an error message; now the job stops at that line and the run's error names it."""
+    if executor == "slurm":
+        request.getfixturevalue("slurm_cluster")
+    run = small_session(train={"steps": 2}).submit(executor, folder=tmp_path / "a", time=5,
+                                                   setup=["true", "test -d /no/such/env"])
+    assert run.wait(240).status == "FAILED"
+    assert "the setup line `test -d /no/such/env` failed with exit code 1" in (run.error or ""), run.error
+    assert not run.events, "no rank started"

@@ -21,6 +21,55 @@ SMALL = ["train.steps=4", "train.seq_len=32", "train.global_batch_size=8", "trai
          "model.moe.bias_update_rate=0.01"]
 
 
+F32_EPS = torch.finfo(torch.float32).eps  # 2**-23: float32's relative rounding unit
+
+
+def layout_bounds(cfg):
+    """How far a layout may move a run from one process's when all it changes is the order of float32 sums,
+    derived from what it reorders (no CPU's figures in it; the golden-loss test's ulps argument, over a run):
+
+    - tokens = global_batch_size x seq_len: the sums a data-, expert- or FSDP-parallel layout splits over ranks
+      and adds up in another order (each step's loss, aux loss, every replicated weight's gradient). Two orders
+      of a sum of n terms differ by at most about n float32 roundings (relative; the classic gamma_n bound).
+    - steps: every step's rounding is carried into the parameters and from them into the next step's sums, so
+      after `steps` steps the bound is steps x tokens x eps (relative): for the losses, aux losses, gradient
+      norms and each parameter tensor's relative norm difference. Adam passes a relative gradient error into
+      its normalised update about unchanged.
+    - abs: Adam's update of an element whose gradient is rounding noise (near zero) has any sign and a size of
+      up to about lr, so two runs' element can part by up to 2 lr per step: 2 x steps x lr.
+
+    For the tiny SMALL config (256 tokens, 4 steps) rel = 1.2e-4: a layout that drops one rank's gradient term
+    moves the parameters far past it (test_equivalence.test_the_bounds_catch_a_dropped_gradient_term)."""
+    import types
+
+    tokens, steps = cfg.train.global_batch_size * cfg.train.seq_len, cfg.train.steps
+    return types.SimpleNamespace(tokens=tokens, steps=steps, rel=steps * tokens * F32_EPS,
+                                 abs=2 * steps * cfg.train.lr)
+
+
+def param_differences(params, ref_params) -> dict:
+    """{name: (max abs difference, relative norm difference)} of two full parameter sets of the same shapes."""
+    assert params.keys() == ref_params.keys()
+    out = {}
+    for key, ref in ref_params.items():
+        assert params[key].shape == ref.shape, key
+        d = params[key] - ref
+        out[key] = (d.abs().max().item(), (d.norm() / ref.norm().clamp(min=1e-12)).item())
+    return out
+
+
+def assert_within(params, ref_params, bounds, max_abs=None, max_rel=None) -> dict:
+    """Every parameter within `bounds` (layout_bounds; max_abs / max_rel replace its figures where a test has
+    another derivation); returns the differences (the worst are in the message when it fails)."""
+    diff = param_differences(params, ref_params)
+    max_abs = bounds.abs if max_abs is None else max_abs
+    max_rel = bounds.rel if max_rel is None else max_rel
+    worst = sorted(diff.items(), key=lambda kv: -kv[1][1])[:3]
+    assert max(d[0] for d in diff.values()) < max_abs, (max_abs, max(diff.items(), key=lambda kv: kv[1][0]))
+    assert max(d[1] for d in diff.values()) < max_rel, (max_rel, worst)
+    return diff
+
+
 def small_config(*overrides):
     return load_config("tiny", SMALL + list(overrides))
 
@@ -70,4 +119,6 @@ def helpers():
     import types
 
     return types.SimpleNamespace(small_config=small_config, run_multi=run_multi, run_single=run_single,
-                                 step_losses=step_losses, step_events=step_events, here=HERE)
+                                 step_losses=step_losses, step_events=step_events, here=HERE,
+                                 layout_bounds=layout_bounds, param_differences=param_differences,
+                                 assert_within=assert_within)

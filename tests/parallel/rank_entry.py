@@ -15,7 +15,8 @@ TEST_TRITON_MIN_NUMEL=N lowers TritonAdamW.MIN_NUMEL (train.optimizer=adamw_trit
 the tiny model's tensors go through the Triton kernel rather than torch's step.
 
 Fault injection (tests only, never in moelab): TEST_FAULT="RANK:STEP:exit" makes that rank os._exit(13) when it
-starts STEP; "RANK:STEP:hang" makes it sleep instead, like a stuck GPU.
+starts STEP; "RANK:STEP:hang" makes it sleep instead, like a stuck GPU. TEST_RANK_OVERRIDES="RANK:key=value,..."
+trains that rank with other config values (a bug confined to one rank: a dropped loss term).
 """
 import json
 import os
@@ -134,7 +135,11 @@ def main(run_dir: Path) -> None:
         from moelab.train.adamw_triton import TritonAdamW
 
         TritonAdamW.MIN_NUMEL = int(os.environ["TEST_TRITON_MIN_NUMEL"])
-    trainer = Trainer(load_config(run_dir / "config.yaml"), run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    wrong = os.environ.get("TEST_RANK_OVERRIDES")  # "RANK:key=value,...": a bug on one rank (the bounds' test)
+    if wrong and int(os.environ.get("RANK", "0")) == int(wrong.split(":", 1)[0]):
+        cfg = load_config(cfg, wrong.split(":", 1)[1].split(","))
+    trainer = Trainer(cfg, run_dir)
     fault = os.environ.get("TEST_FAULT")
     if fault:
         rank, at_step, kind = fault.split(":")

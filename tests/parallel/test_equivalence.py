@@ -49,17 +49,15 @@ OVERLAPPED = {"ep2overlap": "ep2", "ep2xfsdp2overlap": "ep2xfsdp2"}  # overlappe
 PLAIN = {"ep2": "experts", "ep2overlap": "experts", "ep4": "experts", "pp2xep2": "experts", "cp2xep2": "experts", "pp2": "all",
          "pp2vp2": "all", "ep2-chunks": "experts", "pp2-chunks": "all", "cp2xep2-chunks": "experts",
          "ep2-selective": "experts", "pp2xep2-selective": "experts"}
-# Parameters after 4 AdamW steps: Adam turns rounding noise in near-zero gradients into updates of up to lr,
-# so no per-element rtol. Layouts that run the one-process kernels get a tight bound. CP computes attention per
-# query chunk (other rounding than one whole-sequence kernel), and its bound is what a kernel change does to this
-# same run: switching one process from SDPA to eager attention moves parameters by up to 3e-4 absolute and 5e-4
-# relative norm (measured). CP's losses, routing counts, aux losses and gradient norms are still held tightly.
+# Parameters after 4 AdamW steps (conftest.layout_bounds): every layout that only reorders float32 sums (over
+# the step's tokens, across ranks) is held to steps x tokens x eps relative (1.2e-4 here) and Adam's 2 x steps x lr
+# absolute (elements whose gradient is rounding noise). Expert parallelism also weights the expert outputs at
+# combine, one process before the down projection (moelab.model.moe.Dispatcher.row_weights): the same products in
+# another order, within the same bound. CP computes attention per query chunk, other arithmetic than one
+# whole-sequence kernel, and its bound is what a kernel change does to this same run: switching one process from
+# SDPA to eager attention moves parameters by up to 3e-4 absolute and 5e-4 relative norm (measured). CP's losses,
+# routing counts, aux losses and gradient norms are held to the derived bounds.
 PARAM_TOL = {"cp2": (5e-4, 1e-3), "cp2xep2": (5e-4, 1e-3), "cp2xep2-chunks": (5e-4, 1e-3)}  # (max abs difference, relative norm difference)
-# Expert parallelism weights the expert outputs at combine (the weights stay on the source rank), one process
-# weights each row's activation before the down projection (moelab.model.moe.Dispatcher.row_weights): the same
-# products in another order. Adam lifts that rounding to 2.2e-5 at most in near-zero-gradient elements (measured:
-# ep2xfsdp2-step, 4 steps; 9.4e-6 when both weighted at combine); the relative norm bound stays 1e-5.
-EP_PARAM_TOL = (4e-5, 1e-5)
 
 
 # cp2 (CP with FSDP2 over the two CP ranks, no EP) with the learned router matched one process on one CPU kind and
@@ -73,25 +71,34 @@ def test_layout_reproduces_single_process(name, reference, layout_run, helpers):
     nproc, overrides, shared = LAYOUTS[name]
     ref_losses, ref_params, ref_dir = reference(*shared)
     losses, params, run_dir = layout_run(name)
+    bounds = helpers.layout_bounds(helpers.small_config(*shared, *overrides))
     assert len(losses) == len(ref_losses) == 4
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert losses == pytest.approx(ref_losses, rel=bounds.rel, abs=0)
     # the statistics sum: global routing counts, the mean aux loss, every rank's memory
     ref_ev, ev = helpers.step_events(ref_dir), helpers.step_events(run_dir)
     assert [e["routing"]["tokens_per_expert"] for e in ev] == [e["routing"]["tokens_per_expert"] for e in ref_ev]
     assert [e["routing"]["dropped_tokens"] for e in ev] == [e["routing"]["dropped_tokens"] for e in ref_ev]
-    assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in ref_ev], rel=1e-5)
-    assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=1e-4)
+    assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in ref_ev], rel=bounds.rel, abs=0)
+    assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=bounds.rel, abs=0)
     assert all(len(e["memory"]["per_rank"]) == nproc for e in ev)
-    assert params.keys() == ref_params.keys()
-    max_abs, max_rel = PARAM_TOL.get(name, EP_PARAM_TOL if any(o.startswith("parallel.ep=") for o in overrides) else (2e-5, 1e-5))
-    worst = {}
-    for key, ref in ref_params.items():
-        assert params[key].shape == ref.shape, key
-        diff = (params[key] - ref).abs().max().item()
-        worst[key] = ((params[key] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-        assert diff < max_abs, (key, diff)
-    assert max(worst.values()) < max_rel, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    max_abs, max_rel = PARAM_TOL.get(name, (bounds.abs, bounds.rel))
+    diff = helpers.assert_within(params, ref_params, bounds, max_abs, max_rel)
+    print(f"{name}: worst relative norm {max(d[1] for d in diff.values()):.3g} (bound {max_rel:.3g})")
     check_placement(name, run_dir)
+
+
+def test_the_bounds_catch_a_dropped_gradient_term(reference, helpers, tmp_path):
+    """The derived bounds are no blanket: EP=2 with rank 1 dropping its z-loss term (TEST_RANK_OVERRIDES in
+    rank_entry: its share of the router's gradient loses one term, as a loss computed on local tokens only and
+    never reduced would) lands outside them, while the same layout without the bug is inside (above)."""
+    ref_losses, ref_params, _ = reference()
+    cfg = helpers.small_config("parallel.ep=2")
+    bounds = helpers.layout_bounds(cfg)
+    losses, params = helpers.run_multi(cfg, tmp_path, 2, env={"TEST_RANK_OVERRIDES": "1:model.moe.z_loss_coeff=0"})
+    diff = helpers.param_differences(params, ref_params)
+    worst = max(d[1] for d in diff.values())
+    print(f"dropped z-loss term on rank 1: worst relative norm {worst:.3g} (bound {bounds.rel:.3g})")
+    assert worst > 3 * bounds.rel, sorted(diff.items(), key=lambda kv: -kv[1][1])[:3]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ def test_a_step_sync_checkpoint_continues_exactly_on_one_process(helpers, tmp_pa
     shutil.rmtree(run / "checkpoints/step_000004")  # as if stopped after step 2's checkpoint
     trainer = run_one_thread(cfg, run)  # parallel.fsdp=-1: one data-parallel rank here
     assert trainer.start_step == 2
-    assert helpers.step_losses(run) == pytest.approx(losses, rel=1e-5)  # steps 1-2 kept, 3-4 trained again
+    bounds = helpers.layout_bounds(cfg)  # FSDP2 against one process: reordered sums (conftest.layout_bounds)
+    assert helpers.step_losses(run) == pytest.approx(losses, rel=bounds.rel, abs=0)  # steps 1-2 kept, 3-4 again
     got = {k.replace("_checkpoint_wrapped_module.", ""): v.detach().float() for k, v in trainer.model.named_parameters()}
-    assert got.keys() == params.keys()
-    for key, want in params.items():
-        assert (got[key] - want).abs().max().item() < 2e-5, key
+    helpers.assert_within(got, params, bounds)

@@ -15,7 +15,10 @@ def test_cli_nproc_2_with_ep_2_matches_one_process(helpers, tmp_path):
     assert main(args + ["--out", str(tmp_path / "one")]) == 0
     assert main(args + ["--out", str(tmp_path / "two"), "--nproc", "2", "--set", "parallel.ep=2"]) == 0
     one, two = helpers.step_losses(tmp_path / "one"), helpers.step_losses(tmp_path / "two")
-    assert len(one) == 6 and two == pytest.approx(one, rel=1e-5)
+    from moelab.config import load_config
+
+    bounds = helpers.layout_bounds(load_config(tmp_path / "two" / "config.yaml"))  # (conftest.layout_bounds)
+    assert len(one) == 6 and two == pytest.approx(one, rel=bounds.rel, abs=0)
     assert sorted((tmp_path / "two" / "logs").iterdir()) == [tmp_path / "two" / "logs" / f"rank{r}.{s}"
                                                              for r in range(2) for s in ("err", "out")]
     ev = helpers.step_events(tmp_path / "two")[-1]

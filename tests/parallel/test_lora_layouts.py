@@ -15,7 +15,9 @@ LORA = ("train.lora.rank=4", "train.lora.alpha=8", "train.lora.targets=attention
 
 CP = ("model.moe.capacity_factor=0", "backend.attention=eager")  # as test_equivalence's cp2xep2
 LAYOUTS = {"fsdp2": ([], ()), "ep2": (["parallel.ep=2"], ()), "cp2xep2": (["parallel.cp=2", "parallel.ep=2"], CP)}
-# (max abs, relative norm) parameter differences; CP's per-chunk attention rounds otherwise (test_equivalence)
+# CP computes attention per query chunk: other arithmetic than one whole-sequence kernel, not only another order,
+# so its parameter bound is test_equivalence's for CP (what a kernel change does to this run); every other
+# bound, and CP's losses, come from what the layout reorders (conftest.layout_bounds)
 PARAM_TOL = {"cp2xep2": (5e-4, 1e-3)}
 
 
@@ -24,22 +26,21 @@ def test_lora_layout_reproduces_single_process(name, reference, helpers, tmp_pat
     overrides, shared = LAYOUTS[name]
     ref_losses, ref_params, _ = reference(*LORA, *shared)
     base_losses, base_params, _ = reference(*shared)
-    losses, params = helpers.run_multi(helpers.small_config(*LORA, *shared, *overrides), tmp_path, 2)
+    cfg = helpers.small_config(*LORA, *shared, *overrides)
+    bounds = helpers.layout_bounds(cfg)
+    losses, params = helpers.run_multi(cfg, tmp_path, 2)
     assert len(losses) == len(ref_losses) == 4
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert losses == pytest.approx(ref_losses, rel=bounds.rel, abs=0)
     assert losses != pytest.approx(base_losses, rel=1e-3)  # the adapters did train (and differ from full training)
     assert params.keys() == ref_params.keys()
     adapters = [k for k in params if is_adapter(k)]
     assert any(".experts.lora_" in k for k in adapters) and any("q_proj.lora_A" in k for k in adapters)
-    # as test_equivalence: Adam turns rounding noise in near-zero gradients (A's, while B is near zero) into
-    # updates of up to lr, so a bound on the absolute difference and a tight one on the relative norm
-    worst = {}
-    max_abs, max_rel = PARAM_TOL.get(name, (1e-4, 1e-5))
-    for key, ref in ref_params.items():
-        assert params[key].shape == ref.shape, key
-        assert (params[key] - ref).abs().max().item() < max_abs, key
-        worst[key] = ((params[key] - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-    assert max(worst.values()) < max_rel, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    # Adam turns rounding noise in near-zero gradients (A's, while B is near zero) into updates of up to lr: a
+    # bound on the absolute difference from lr, and the relative norm from the reductions (layout_bounds)
+    max_abs, max_rel = PARAM_TOL.get(name, (bounds.abs, bounds.rel))
+    diff = helpers.assert_within(params, ref_params, bounds, max_abs, max_rel)
+    print(f"{name}: worst relative norm {max(d[1] for d in diff.values()):.3g} (bound {max_rel:.3g}), "
+          f"max abs {max(d[0] for d in diff.values()):.3g} (bound {max_abs:.3g})")
     fresh = helpers.small_config(*shared).replace(**{"train.steps": 1})
     from moelab.model import build_model
 

@@ -193,3 +193,56 @@ def test_a_read_only_or_full_folder_is_a_folder_write_error_and_no_lock_stays_he
     holder = _holder(disk / "old")  # another process takes it: nothing was left held here
     holder.kill()
     holder.wait()
+
+
+def test_a_second_thread_of_the_owning_process_is_refused_and_the_run_stays_completed(tmp_path):
+    """Issue 42.11: two threads of one process submitting to one folder. The lock is re-entrant only in the thread
+    that took it (its inline run takes it again as rank 0); the second thread is refused like a second process,
+    writes nothing, and the first run ends COMPLETED."""
+    import threading
+
+    from moelab import Session
+    from moelab.contract.stream import read_events
+    from moelab.run.run import Run
+
+    folder = tmp_path / "run"
+    small = {"model": {"num_layers": 2, "hidden_size": 32, "moe": {"num_experts": 4, "expert_ffn_size": 32}},
+             "train": {"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu",
+                       "warmup_steps": 1, "steps": 40, "save_checkpoints": False}}
+    session = Session("tiny", **small)
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(run=session.submit("inline", folder=folder)))
+    t.start()
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "step" for e in read_events(folder / "metrics.jsonl", live=True)
+                  if (folder / "metrics.jsonl").exists()):
+        assert time.monotonic() < deadline and t.is_alive(), "the first run never stepped"
+        time.sleep(0.05)
+    with pytest.raises(FolderLocked, match="another thread of this process") as e:
+        session.submit("inline", folder=folder)
+    assert "moelab cancel" not in str(e.value)
+    t.join()
+    assert first["run"].status == "COMPLETED" and Run.load(folder).status == "COMPLETED"
+    assert sum(e["event"] == "start" for e in read_events(folder / "metrics.jsonl")) == 1
+    assert folder_module._HELD == {}
+
+
+INLINE_HOLD = ("import sys, time, json, os, socket\nfrom moelab.contract.folder import lock_folder, RunFolder\n"
+               "l = lock_folder(sys.argv[1], 'rank 0')\nRunFolder(sys.argv[1]).write_info({'executor': 'inline', "
+               "'status': 'RUNNING', 'pid': os.getpid(), 'host': socket.gethostname()})\nprint('held', flush=True)\n"
+               "time.sleep(600)\n")
+
+
+def test_a_refusal_for_a_folder_of_an_inline_run_says_what_stops_it(tmp_path):
+    """Issue 42.13: `moelab cancel` cannot stop an inline run; the refusal says what does (Ctrl-C in its process)."""
+    p = subprocess.Popen([sys.executable, "-c", INLINE_HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(FolderLocked) as e:
+            lock_folder(tmp_path / "run", "submit")
+        assert "moelab cancel" not in str(e.value) and f"kill -INT {p.pid}" in str(e.value)
+        cli = moelab_cli("run", "tiny", *SMALL_CLI, "--steps", 1, "--out", tmp_path / "run")
+        assert cli.returncode == 2 and "moelab cancel" not in cli.stderr and "Ctrl-C" in cli.stderr, cli.stderr
+    finally:
+        p.kill()
+        p.wait()

@@ -73,9 +73,15 @@ def test_a_second_sigterm_while_stopping_ends_the_process_at_once(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
-    steps = [e for e in read_events(out / "metrics.jsonl", live=True) if e["event"] == "step"]
+    events = read_events(out / "metrics.jsonl", live=True)
+    steps = [e for e in events if e["event"] == "step"]
     assert p.returncode == -signal.SIGTERM and took < 5, (p.returncode, took, p.stderr.read()[-2000:])
     assert not steps and not list((out / "checkpoints").glob("step_*"))  # no step finished, nothing saved
+    # issue 42.13: the attempt's end is still recorded (resumable from the last checkpoint: none here)
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "PREEMPTED", events[-1]
+    assert "second SIGTERM" in events[-1]["summary"]["stopped_by"]
+    from moelab.run.run import Run
+    assert Run.load(out).status == "PREEMPTED"
 
 
 ABANDONED_THEN_STOPPED = """
