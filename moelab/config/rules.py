@@ -223,11 +223,51 @@ def _check_parallel(cfg: "Config") -> None:
     if p.pp_schedule == "interleaved_1f1b" and p.vp == 1 and p.pp > 1:
         _fail("parallel.pp_schedule", p.pp_schedule, "needs parallel.vp > 1; use '1f1b' or set parallel.vp")
     if p.tp > 1:
-        _fail("parallel.tp", p.tp, "tensor parallel is not supported yet; use parallel.ep and parallel.fsdp "
-              "(supported: ep, fsdp, pp with vp)")
+        _check_tensor_parallel(cfg)
     _check_replication(p, t)
     _check_ep_overlap(p, cfg.backend)
     _check_grad_sync(p)
+
+
+def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
+    """(field, value, fix) of each setting tensor parallelism (moelab.parallel.tensor) does not run with yet."""
+    m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.backend
+    return [(name, value, fix) for name, value, bad, fix in [
+        ("parallel.pp", p.pp, p.pp > 1, "set parallel.pp=1 (pipeline stages with TP are not implemented yet)"),
+        ("parallel.cp", p.cp, p.cp > 1, "set parallel.cp=1 (context parallelism with TP is not implemented yet)"),
+        ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
+        ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
+        ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
+         "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
+        ("model.attention", m.attention, m.attention != "gqa", "set parallel.tp=1 (MLA under TP is not "
+         "implemented yet)"),
+        ("model.attention_sinks", m.attention_sinks, m.attention_sinks, "set parallel.tp=1 (per-head sink "
+         "logits under TP are not implemented yet)"),
+        ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "
+         "are not TP-sharded)"),
+        ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "
+         "of a vocabulary-parallel embedding is not implemented yet)"),
+        ("model.tie_embeddings", m.tie_embeddings, m.tie_embeddings, "set model.tie_embeddings=false"),
+        ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
+         "TP are not implemented yet)"),
+        ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing != "none",
+         "set train.activation_checkpointing=none"),
+        ("train.compile", t.compile, t.compile, "set train.compile=false"),
+        ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
+        ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
+         "TP-sharded yet)"),
+        ("backend.fake_balanced_gate", b.fake_balanced_gate, b.fake_balanced_gate, "set "
+         "backend.fake_balanced_gate=false (its round-robin assignment counts a rank's sequence shard)"),
+    ] if bad]
+
+
+def _check_tensor_parallel(cfg: "Config") -> None:
+    """parallel.tp > 1: what moelab.parallel.tensor does not run with yet, each refused by name (the divisibility
+    rules need no world size either, but live with the layout: moelab.layout.dims)."""
+    unsupported = _tp_unsupported(cfg)
+    if unsupported:
+        name, value, fix = unsupported[0]
+        _fail(name, value, f"does not run with parallel.tp={cfg.parallel.tp} yet; {fix}")
 
 
 def _check_grad_sync(p: ParallelConfig) -> None:
