@@ -105,15 +105,17 @@ def materialize(model: nn.Module, cfg: Config, device) -> None:
 
 
 def write_rows(p: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a drawn single-process tensor into parameter `p`: whole, or the rows of `p`'s shard when `p` is a
-    DTensor (FSDP2: Shard(0), possibly under Replicate)."""
+    """Copy a drawn single-process tensor into parameter `p`: whole, or the part of it `p` holds when `p` is a
+    DTensor: the block its placements give (FSDP2: rows, Shard(0); TP: columns or rows)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(p, DTensor):
         p.copy_(value.to(p.device, p.dtype))
         return
-    local, start = p.to_local(), shard_start("parameter", p)
-    local.copy_((value[start:start + local.shape[0]] if local.dim() else value).to(local.device, local.dtype))
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    block = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    p.to_local().copy_(block.to(p.device, p.dtype))
 
 
 def shard_start(name: str, t) -> int:

@@ -1,0 +1,113 @@
+"""Tensor parallelism (parallel.tp) with DTensor, applied to a model that has none (torchtitan's plan).
+
+    apply_tensor_parallel(model_on_meta, cfg, meshes)   # before EP and FSDP2 (moelab.parallel.distributed)
+
+Shapes: B batch, L sequence, Lr = L / tp this rank's sequence share, D hidden, V vocabulary.
+
+The residual stream is sequence-parallel: between the sublayers each TP rank holds Lr positions of every
+sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (SequenceParallel, weights replicated).
+
+- Embedding: vocabulary-parallel (RowwiseParallel: each rank looks up its vocabulary rows, the partial sums are
+  reduce-scattered to sequence shards).
+- Attention: the input is all-gathered (PrepareModuleInput), q/k/v column-parallel (each rank computes
+  num_heads / tp query heads and num_kv_heads / tp key/value heads: the model reshapes by -1 heads), o row-
+  parallel, reduce-scattered back to sequence shards. QK norms act per head: their weights are replicated and
+  their gradients summed over the heads of all ranks (SequenceParallel over the heads dimension).
+- Dense MLPs: gate/up column-parallel, down row-parallel, between the same gather and reduce-scatter.
+- MoE layers take the sequence shard as plain tokens: each TP rank routes its own Lr tokens like a
+  data-parallel rank (the router replicated, routed experts on EP carved from dp*cp*tp, moelab.layout.dims). The
+  parameters of the layer (router, experts, shared experts) are FSDP2-sharded over all the ranks that route
+  (moelab.parallel.fsdp), and their gradients are scaled by tp (``_moe_gradients``): FSDP2 averages over the
+  dp*cp*tp ranks where the TP ranks' shares of one loss must add. The routers' loss means are taken over the TP
+  ranks of each sequence (moelab.parallel.context.mean_over_ranks), so the aux loss is the one-process value.
+- LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
+  sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from moelab.config import Config
+from moelab.parallel.context import mean_over_ranks
+from moelab.parallel.expert_parallel import _ScaleGrad
+from moelab.parallel.mesh import Meshes
+
+
+def _gathered(n_args: int) -> PrepareModuleInput:
+    """All-gather the sequence shards of a sublayer's first argument; the others (rotary tables, documents)
+    pass as they are."""
+    return PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_args - 1),
+                              desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1))
+
+
+def _attention_plan(attention: nn.Module) -> dict:
+    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    if attention.q_norm is not None:  # [B, L, heads, Dh]: the local heads of a replicated norm
+        plan["q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _mlp_plan() -> dict:
+    return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+            "down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+
+
+def _moe_gradients(moe: nn.Module, tp_mesh, tokens_mesh) -> None:
+    """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens, its output back as
+    a sequence shard; its parameters' gradients x tp (the TP ranks' token shares of one loss add up, FSDP2
+    averages), its input's gradient unchanged; the routers' loss means over the ranks of each sequence."""
+    tp = tp_mesh.size()
+
+    def pre_hook(module, args):
+        x_BLrD = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        return (_ScaleGrad.apply(x_BLrD, 1.0 / tp),) + tuple(args[1:])
+
+    def post_hook(module, args, y_BLrD):
+        return DTensor.from_local(_ScaleGrad.apply(y_BLrD, float(tp)), tp_mesh, (Shard(1),), run_check=False)
+
+    moe.register_forward_pre_hook(pre_hook)
+    moe.register_forward_hook(post_hook)
+    group, size = tokens_mesh.get_group(), tokens_mesh.size()
+    moe.router.token_mean = lambda x: mean_over_ranks(x, group, size)
+
+
+def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
+    """Shard the meta-device `model` (or pipeline stage) over meshes.tp, in place (see the module docstring)."""
+    tp = meshes.tp
+    if model.tok_embeddings is not None:
+        parallelize_module(model.tok_embeddings, tp, RowwiseParallel(input_layouts=Replicate(),
+                                                                     output_layouts=Shard(1), use_local_output=False))
+    for block in model.layers.values():
+        parallelize_module(block, tp, {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        parallelize_module(block.attention, tp, _gathered(4))
+        parallelize_module(block.attention, tp, _attention_plan(block.attention))
+        if block.is_moe:
+            _moe_gradients(block.ffn, tp, meshes.tokens)
+        else:
+            parallelize_module(block.ffn, tp, _gathered(1))
+            parallelize_module(block.ffn, tp, _mlp_plan())
+    if model.norm is not None:
+        parallelize_module(model.norm, tp, SequenceParallel())
+    if model.output is not None:
+        parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                             use_local_output=False))
+
+
+def place_tp_gradients(model: nn.Module, tp_mesh) -> None:
+    """Gradients of the parameters left on the TP mesh alone (no FSDP2 unit took them: a one-rank dense mesh)
+    placed as their parameters: autograd leaves a replicated weight fed by sequence shards (the norms) with a
+    Partial gradient, and the vocabulary-parallel embedding with a Replicate one; the optimizer and the gradient
+    norm read local shards, so each is redistributed (all-reduce, local slice) after it is accumulated."""
+    def hook(p):
+        if p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad and p.device_mesh == tp_mesh:
+            p.register_post_accumulate_grad_hook(hook)
