@@ -239,8 +239,6 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
         ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
         ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
          "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
-        ("model.attention", m.attention, m.attention != "gqa", "set parallel.tp=1 (MLA under TP is not "
-         "implemented yet)"),
         ("model.attention_sinks", m.attention_sinks, m.attention_sinks, "set parallel.tp=1 (per-head sink "
          "logits under TP are not implemented yet)"),
         ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "

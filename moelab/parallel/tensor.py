@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from moelab.config import Config
@@ -44,7 +44,62 @@ def _gathered(n_args: int) -> PrepareModuleInput:
                               desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1))
 
 
-def _attention_plan(attention: nn.Module) -> dict:
+class _ReplicatedPartialGrad(torch.autograd.Function):
+    """A local tensor that every TP rank holds whole, as a Replicate DTensor whose gradient comes back as this
+    rank's partial sum (not all-reduced): the input of a computation each rank repeats for its own heads."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            grad = grad.redistribute(ctx.mesh, (Partial(),)).to_local()
+        return grad, None
+
+
+def _partial_input(x, mesh):
+    """`x` (local, or a Replicate DTensor) as a Replicate DTensor whose gradient stays this rank's partial sum."""
+    if isinstance(x, DTensor):
+        x = x.to_local(grad_placements=(Partial(),))
+    return _ReplicatedPartialGrad.apply(x, mesh)
+
+
+class RepeatedPerHeads(ParallelStyle):
+    """A module every TP rank computes whole (MLA's low-rank projections and their norms) for its own heads:
+    weights replicated, and their gradients and the input's summed over the ranks (Partial), since each rank's
+    backward holds only its heads' share (torchtitan's NoParallel, with the sums left partial)."""
+
+    def _apply(self, module: nn.Module, mesh) -> nn.Module:
+        return distribute_module(
+            module, mesh, None,
+            input_fn=lambda mod, inputs, m: tuple(_partial_input(x, m) if isinstance(x, torch.Tensor) else x
+                                                  for x in inputs),
+            output_fn=lambda mod, out, m: out.to_local(grad_placements=(Partial(),)))
+
+
+def _mla_plan(attention: nn.Module, mesh) -> dict:
+    """MLA: query (q_proj, or q_b_proj after the low-rank q_a) and key/value up-projection kv_b column-parallel by
+    heads; the latent projections q_a/kv_a and their norms repeated on every rank (RepeatedPerHeads); the shared
+    rotary key is a slice of kv_a's output, used by each rank's heads."""
+    for name in ("q_b_proj", "kv_b_proj", "q_proj"):
+        up = getattr(attention, name, None)
+        if up is not None:  # its input (a repeated latent) keeps a partial gradient; registered before TP's hooks
+            up.register_forward_pre_hook(lambda mod, args: (_partial_input(args[0], mesh),) + tuple(args[1:]))
+    plan = {"kv_a_proj": RepeatedPerHeads(), "kv_a_norm": RepeatedPerHeads(), "kv_b_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    if attention.q_proj is not None:
+        plan["q_proj"] = ColwiseParallel()
+    else:
+        plan.update(q_a_proj=RepeatedPerHeads(), q_a_norm=RepeatedPerHeads(), q_b_proj=ColwiseParallel())
+    return plan
+
+
+def _attention_plan(attention: nn.Module, mesh) -> dict:
+    if attention.__class__.__name__ == "MLAttention":
+        return _mla_plan(attention, mesh)
     plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
             "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     if attention.q_norm is not None:  # [B, L, heads, Dh]: the local heads of a replicated norm
@@ -86,7 +141,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     for block in model.layers.values():
         parallelize_module(block, tp, {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block.attention, tp, _gathered(4))
-        parallelize_module(block.attention, tp, _attention_plan(block.attention))
+        parallelize_module(block.attention, tp, _attention_plan(block.attention, tp))
         if block.is_moe:
             _moe_gradients(block.ffn, tp, meshes.tokens)
         else:
