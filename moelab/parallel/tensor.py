@@ -70,7 +70,10 @@ def _partial_input(x, mesh):
 class RepeatedPerHeads(ParallelStyle):
     """A module every TP rank computes whole (MLA's low-rank projections and their norms) for its own heads:
     weights replicated, and their gradients and the input's summed over the ranks (Partial), since each rank's
-    backward holds only its heads' share (torchtitan's NoParallel, with the sums left partial)."""
+    backward holds only its heads' share (torchtitan's NoParallel, with the sums left partial).
+
+        parallelize_module(attention, meshes.tp, {"kv_a_proj": RepeatedPerHeads(), "kv_b_proj": ColwiseParallel()})
+    """
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         return distribute_module(
