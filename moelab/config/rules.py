@@ -234,13 +234,10 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.backend
     return [(name, value, fix) for name, value, bad, fix in [
         ("parallel.pp", p.pp, p.pp > 1, "set parallel.pp=1 (pipeline stages with TP are not implemented yet)"),
-        ("parallel.cp", p.cp, p.cp > 1, "set parallel.cp=1 (context parallelism with TP is not implemented yet)"),
         ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
         ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
         ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
          "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
-        ("model.attention_sinks", m.attention_sinks, m.attention_sinks, "set parallel.tp=1 (per-head sink "
-         "logits under TP are not implemented yet)"),
         ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "
          "are not TP-sharded)"),
         ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "

@@ -179,9 +179,10 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
     cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
     exchange = place_stage(model, cfg, env, meshes, cp)
     if layout.tp > 1:
-        from moelab.parallel.tensor import place_tp_gradients
+        from moelab.parallel.tensor import place_tp_gradients, set_token_means
 
         place_tp_gradients(model, meshes.tp)
+        set_token_means(model, meshes.tokens)
     par = DistributedParallelized(model, cfg, env, layout, meshes, cp)
     if exchange is not None:
         par.grad_exchange, par.comm_counters = exchange, [exchange]

@@ -12,7 +12,9 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
 - Attention: the input is all-gathered (PrepareModuleInput), q/k/v column-parallel (each rank computes
   num_heads / tp query heads and num_kv_heads / tp key/value heads: the model reshapes by -1 heads), o row-
   parallel, reduce-scattered back to sequence shards. QK norms act per head: their weights are replicated and
-  their gradients summed over the heads of all ranks (SequenceParallel over the heads dimension).
+  their gradients summed over the heads of all ranks (SequenceParallel over the heads dimension). GPT-OSS's sink
+  logits are sharded with the heads. MLA: the query and kv up-projections column-parallel by heads, the latent
+  down-projections and their norms repeated on every rank (RepeatedPerHeads).
 - Dense MLPs: gate/up column-parallel, down row-parallel, between the same gather and reduce-scatter.
 - MoE layers take the sequence shard as plain tokens: each TP rank routes its own Lr tokens like a
   data-parallel rank (the router replicated, routed experts on EP carved from dp*cp*tp, moelab.layout.dims). The
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -111,15 +113,34 @@ def _attention_plan(attention: nn.Module, mesh) -> dict:
     return plan
 
 
+def _shard_sinks(attention: nn.Module, mesh) -> None:
+    """GPT-OSS's per-head sink logits [H] sharded with the heads (Shard(0)); the attention reads them as a plain
+    tensor of its own heads: during its forward the parameter's local shard stands in for it (after FSDP2's
+    gather, which runs on the enclosing block), and the parameter is put back after."""
+    attention.sinks = nn.Parameter(distribute_tensor(attention.sinks, mesh, (Shard(0),)))
+
+    held = {}  # the parameter, while its local shard stands in
+
+    def pre_hook(module, args):
+        held["sinks"] = module._parameters["sinks"]
+        module._parameters["sinks"] = held["sinks"].to_local()
+
+    def post_hook(module, args, output):
+        module._parameters["sinks"] = held.pop("sinks")
+
+    attention.register_forward_pre_hook(pre_hook)
+    attention.register_forward_hook(post_hook)
+
+
 def _mlp_plan() -> dict:
     return {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
             "down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
 
 
-def _moe_gradients(moe: nn.Module, tp_mesh, tokens_mesh) -> None:
+def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
     """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens, its output back as
     a sequence shard; its parameters' gradients x tp (the TP ranks' token shares of one loss add up, FSDP2
-    averages), its input's gradient unchanged; the routers' loss means over the ranks of each sequence."""
+    averages), its input's gradient unchanged."""
     tp = tp_mesh.size()
 
     def pre_hook(module, args):
@@ -131,8 +152,14 @@ def _moe_gradients(moe: nn.Module, tp_mesh, tokens_mesh) -> None:
 
     moe.register_forward_pre_hook(pre_hook)
     moe.register_forward_hook(post_hook)
+
+
+def set_token_means(model: nn.Module, tokens_mesh) -> None:
+    """The routers' loss means over every rank holding a share of the same sequences (the cp*tp ranks of a
+    data-parallel rank; after CP's own, which covers its ranks only)."""
     group, size = tokens_mesh.get_group(), tokens_mesh.size()
-    moe.router.token_mean = lambda x: mean_over_ranks(x, group, size)
+    for moe in model.moe_layers():
+        moe.router.token_mean = lambda x: mean_over_ranks(x, group, size)
 
 
 def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
@@ -145,8 +172,10 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
         parallelize_module(block, tp, {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block.attention, tp, _gathered(4))
         parallelize_module(block.attention, tp, _attention_plan(block.attention, tp))
+        if block.attention.sinks is not None:
+            _shard_sinks(block.attention, tp)
         if block.is_moe:
-            _moe_gradients(block.ffn, tp, meshes.tokens)
+            _moe_gradients(block.ffn, tp)
         else:
             parallelize_module(block.ffn, tp, _gathered(1))
             parallelize_module(block.ffn, tp, _mlp_plan())

@@ -22,18 +22,26 @@ pytestmark = pytest.mark.slow
 
 SHARED = ("model.moe.capacity_factor=0", "model.moe.bias_update_rate=0")
 # the model families at tiny's sizes (as tests/hf/test_export_hf.py): Qwen3-MoE's QK norms; DeepSeek-V3's MLA
-# with low-rank queries, sigmoid group-limited routing and a shared expert
+# (Kimi-K2's too) with low-rank queries, sigmoid group-limited routing and a shared expert
 FAMILY = {
     "qwen3": ("model.qk_norm=true",),
     "deepseek": ("model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=12", "model.kv_lora_rank=8",
                  "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=8",
                  "model.moe.score_func=sigmoid", "model.moe.num_shared_experts=1", "model.moe.num_groups=4",
                  "model.moe.topk_groups=2", "model.moe.route_scale=2.5"),
+    # GPT-OSS: sinks, sliding windows, attention/router/expert biases, eager attention (sinks)
+    "gptoss": ("model.attention_sinks=true", "model.sliding_window=4", "model.num_dense_layers=0",
+               "model.attention_bias=true", "model.moe.router_bias=true", "model.moe.expert_proj_bias=true",
+               "model.moe.score_func=softmax_topk", "model.moe.norm_topk_prob=false", "model.moe.activation=gpt_oss",
+               "backend.attention=eager"),
+    "eager": ("backend.attention=eager",),  # CP's per-chunk attention rounds like one eager kernel
 }
 LAYOUTS = {  # name: (processes, layout overrides); a family's name ends the layout's
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-qwen3": (2, ["parallel.tp=2"]),
     "tp2-deepseek": (2, ["parallel.tp=2"]),
+    "tp2-gptoss": (2, ["parallel.tp=2"]),
+    "tp2xcp2-eager": (4, ["parallel.tp=2", "parallel.cp=2"]),  # router loss means over the 4 ranks of a sequence
     "tp2xfsdp2": (4, ["parallel.tp=2"]),  # FSDP2 on the 2-D (dp_cp, tp) mesh
     "tp2xep2": (4, ["parallel.tp=2", "parallel.ep=2"]),  # EP carved from the TP pair, expert-FSDP over the dp ranks
 }
