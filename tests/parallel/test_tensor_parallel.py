@@ -96,3 +96,25 @@ def test_tensor_parallel_loss_is_the_full_loss():
     assert resolve_loss(load_config("tiny", ["parallel.tp=2"]), gpus=2, on_cuda=False) == "full"
     with pytest.raises(ConfigError, match="backend.loss='chunked'.*parallel.tp=2"):
         load_config("tiny", ["parallel.tp=2", "backend.loss=chunked"])
+
+
+def tp_collectives_per_step(cfg, micro_batches: int) -> int:
+    """The sequence-parallel all-gathers (and as many reduce-scatters) of one TP rank per step, for the planner
+    (moelab.planner): per micro batch, forward gathers each attention's and each dense MLP's input and the head's,
+    and reduce-scatters their outputs and the embedding's; backward does the reverse of each. Each moves the
+    activations [micro_batch, seq_len / cp, hidden] (a rank sends (tp - 1) / tp of them)."""
+    m = cfg.model
+    return micro_batches * (2 * (m.num_layers + m.num_dense_layers) + 2)
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2xfsdp2"])
+def test_tensor_parallel_collectives_follow_the_formula(name, tp_run, helpers):
+    nproc, overrides = LAYOUTS[name]
+    cfg = helpers.small_config(*shared(name), *overrides)
+    run_dir = tp_run(name)[2]
+    dp = nproc // 2
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    steps = json.loads((run_dir / "placement_rank0.json").read_text())["collectives"]
+    assert len(steps) == 4
+    for got in steps:
+        assert got["tp_all_gathers"] == got["tp_reduce_scatters"] == tp_collectives_per_step(cfg, micro), got
