@@ -233,7 +233,6 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
     """(field, value, fix) of each setting tensor parallelism (moelab.parallel.tensor) does not run with yet."""
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.backend
     return [(name, value, fix) for name, value, bad, fix in [
-        ("parallel.pp", p.pp, p.pp > 1, "set parallel.pp=1 (pipeline stages with TP are not implemented yet)"),
         ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
         ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
         ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "

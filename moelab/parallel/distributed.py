@@ -170,19 +170,10 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
                             loss_fn=None) -> Parallelized:
     layout = dims.layout
     meshes = build_meshes(dims, env.rank, "cuda" if env.is_cuda else "cpu")
-    if layout.tp > 1:  # on the meta device, before EP and FSDP2 (torchtitan's order)
-        from moelab.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(model, cfg, meshes)
     if layout.pp > 1:
         return parallelize_pipeline(model, cfg, env, dims, meshes, loss_fn)
     cp = ContextParallel(meshes.cp_group) if layout.cp > 1 else None
     exchange = place_stage(model, cfg, env, meshes, cp)
-    if layout.tp > 1:
-        from moelab.parallel.tensor import place_tp_gradients, set_token_means
-
-        place_tp_gradients(model, meshes.tp)
-        set_token_means(model, meshes.tokens)
     par = DistributedParallelized(model, cfg, env, layout, meshes, cp)
     if exchange is not None:
         par.grad_exchange, par.comm_counters = exchange, [exchange]
@@ -192,7 +183,12 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
 def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp: ContextParallel | None = None):
     """EP, CP, activation checkpointing, FSDP2 and materialisation with the single-process weights, in order.
     FSDP2 wraps the meta-device model, so each rank allocates only its shards (torchtitan's order); DDP and
-    replicated experts need their weights before wrapping, so those layouts materialise first."""
+    replicated experts need their weights before wrapping, so those layouts materialise first. Tensor
+    parallelism comes first, on the meta device (moelab.parallel.tensor; it runs with FSDP2 only)."""
+    if meshes.tp is not None:
+        from moelab.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, cfg, meshes)
     apply_expert_parallel(model, cfg, meshes)
     replicated = (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp")
     if replicated:
@@ -209,6 +205,11 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
         return apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
     apply_fsdp(model, cfg, meshes)
     materialize(model, cfg, env.device)
+    if meshes.tp is not None:
+        from moelab.parallel.tensor import place_tp_gradients, set_token_means
+
+        place_tp_gradients(model, meshes.tp)
+        set_token_means(model, meshes.tokens)  # after CP's (cp.apply above)
 
 
 def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims, meshes: Meshes,
@@ -222,6 +223,10 @@ def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: Para
     stages = build_stage_modules(model, stage_layers(cfg.model, num_stages), stage_ids)
     for stage in stages:
         place_stage(stage, cfg, env, meshes)
+        if meshes.tp is not None:  # activations cross stages as this rank's plain sequence shard
+            from moelab.parallel.tensor import sequence_shard_boundaries
+
+            sequence_shard_boundaries(stage, meshes.tp)
     t = cfg.train
     n_micro = dims.n_microbatches
     par = DistributedParallelized(PipelineModel(stages, cfg.model.num_layers), cfg, env, layout, meshes)

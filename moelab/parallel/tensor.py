@@ -198,3 +198,16 @@ def place_tp_gradients(model: nn.Module, tp_mesh) -> None:
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad and p.device_mesh == tp_mesh:
             p.register_post_accumulate_grad_hook(hook)
+
+
+def sequence_shard_boundaries(stage: nn.Module, tp_mesh) -> None:
+    """A pipeline stage's hidden-state input and output as plain tensors (this rank's sequence shard
+    [B, Lr, D]: what torch's pipeline schedule sends between ranks), DTensors Shard(1) inside the stage."""
+    if stage.tok_embeddings is None:
+        def pre_hook(module, args):
+            h_BLrD = args[0]
+            return (DTensor.from_local(h_BLrD, tp_mesh, (Shard(1),), run_check=False),) + tuple(args[1:])
+
+        stage.register_forward_pre_hook(pre_hook)
+    if stage.output is None:
+        stage.register_forward_hook(lambda module, args, h_BLD: h_BLD.to_local())

@@ -42,6 +42,7 @@ LAYOUTS = {  # name: (processes, layout overrides); a family's name ends the lay
     "tp2-deepseek": (2, ["parallel.tp=2"]),
     "tp2-gptoss": (2, ["parallel.tp=2"]),
     "tp2xcp2-eager": (4, ["parallel.tp=2", "parallel.cp=2"]),  # router loss means over the 4 ranks of a sequence
+    "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),  # stages pass their sequence shards (1F1B, 4 micro batches)
     "tp2xfsdp2": (4, ["parallel.tp=2"]),  # FSDP2 on the 2-D (dp_cp, tp) mesh
     "tp2xep2": (4, ["parallel.tp=2", "parallel.ep=2"]),  # EP carved from the TP pair, expert-FSDP over the dp ranks
 }
