@@ -244,8 +244,9 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
         ("model.tie_embeddings", m.tie_embeddings, m.tie_embeddings, "set model.tie_embeddings=false"),
         ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
          "TP are not implemented yet)"),
-        ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing != "none",
-         "set train.activation_checkpointing=none"),
+        ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing == "selective",
+         "set train.activation_checkpointing=full or none (selective recompute calls the router and the routed "
+         "experts apart, outside the MoE layer's sequence-shard boundary)"),
         ("train.compile", t.compile, t.compile, "set train.compile=false"),
         ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
         ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "

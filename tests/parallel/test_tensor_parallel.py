@@ -35,12 +35,14 @@ FAMILY = {
                "model.moe.score_func=softmax_topk", "model.moe.norm_topk_prob=false", "model.moe.activation=gpt_oss",
                "backend.attention=eager"),
     "eager": ("backend.attention=eager",),  # CP's per-chunk attention rounds like one eager kernel
+    "full": ("train.activation_checkpointing=full",),  # each block recomputed in backward, hooks and all
 }
 LAYOUTS = {  # name: (processes, layout overrides); a family's name ends the layout's
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-qwen3": (2, ["parallel.tp=2"]),
     "tp2-deepseek": (2, ["parallel.tp=2"]),
     "tp2-gptoss": (2, ["parallel.tp=2"]),
+    "tp2-full": (2, ["parallel.tp=2"]),
     "tp2xcp2-eager": (4, ["parallel.tp=2", "parallel.cp=2"]),  # router loss means over the 4 ranks of a sequence
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),  # stages pass their sequence shards (1F1B, 4 micro batches)
     "tp2xfsdp2": (4, ["parallel.tp=2"]),  # FSDP2 on the 2-D (dp_cp, tp) mesh
