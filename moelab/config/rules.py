@@ -241,7 +241,6 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
          "are not TP-sharded)"),
         ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "
          "of a vocabulary-parallel embedding is not implemented yet)"),
-        ("model.tie_embeddings", m.tie_embeddings, m.tie_embeddings, "set model.tie_embeddings=false"),
         ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
          "TP are not implemented yet)"),
         ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing == "selective",

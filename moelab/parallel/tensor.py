@@ -184,6 +184,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     if model.output is not None:
         parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                              use_local_output=False))
+    model.tie_weights()  # tied: the head IS the embedding again (both sharded by vocabulary rows, Shard(0))
 
 
 def place_tp_gradients(model: nn.Module, tp_mesh) -> None:
