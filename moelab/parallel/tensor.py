@@ -20,8 +20,13 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   data-parallel rank (the router replicated, routed experts on EP carved from dp*cp*tp, moelab.layout.dims). The
   parameters of the layer (router, experts, shared experts) are FSDP2-sharded over all the ranks that route
   (moelab.parallel.fsdp), and their gradients are scaled by tp (``_moe_gradients``): FSDP2 averages over the
-  dp*cp*tp ranks where the TP ranks' shares of one loss must add. The routers' loss means are taken over the TP
-  ranks of each sequence (moelab.parallel.context.mean_over_ranks), so the aux loss is the one-process value.
+  dp*cp*tp ranks where the TP ranks' shares of one loss must add. The routers' loss means are taken over the
+  cp*tp ranks of each sequence (``set_token_means``), so the aux loss is the one-process value. Shared experts
+  run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
+  products, their weights FSDP2-sharded over the dp*cp*tp ranks.
+- Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
+- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
+  (moelab.config.rules refuses each by name).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
 """
@@ -34,6 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from moelab.config import Config
+from moelab.model.mla import MLAttention
 from moelab.parallel.context import mean_over_ranks
 from moelab.parallel.expert_parallel import _ScaleGrad
 from moelab.parallel.mesh import Meshes
@@ -103,7 +109,7 @@ def _mla_plan(attention: nn.Module, mesh) -> dict:
 
 
 def _attention_plan(attention: nn.Module, mesh) -> dict:
-    if attention.__class__.__name__ == "MLAttention":
+    if isinstance(attention, MLAttention):
         return _mla_plan(attention, mesh)
     plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
             "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
