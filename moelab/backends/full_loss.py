@@ -10,11 +10,13 @@ H200).
 
     loss = cross_entropy(logits_BLV, targets_BL, compiled=cfg.train.compile, pad_token_id=cfg.model.pad_token_id)
 
-Targets equal to -100 or to `pad_token_id` are left out (the mean is over the others).
+Targets equal to -100 or to `pad_token_id` are left out (the mean is over the others). Logits that are a DTensor
+sharded on the vocabulary (tensor parallelism) take moelab.backends.vocab_parallel: the same loss, no gather.
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,13 @@ def _masked_cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) ->
     return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
 
 
+def _is_dtensor(x: torch.Tensor) -> bool:
+    """Whether `x` is a DTensor, without importing torch.distributed.tensor on the one-process path (a DTensor
+    exists only once that module is loaded)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
 @functools.cache
 def _compiled_cross_entropy():
     # built on first use: importing torch's compiler costs seconds, which runs that never compile should not pay
@@ -49,6 +58,12 @@ def _compiled_cross_entropy():
 
 def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, compiled: bool = False,
                   pad_token_id: int = -1) -> torch.Tensor:
+    if _is_dtensor(logits_BLV):  # vocabulary-sharded logits (tensor parallelism's loss parallel)
+        from moelab.backends.vocab_parallel import vocab_parallel_cross_entropy
+
+        if pad_token_id >= 0:
+            targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
+        return vocab_parallel_cross_entropy(logits_BLV, targets_BL)
     if pad_token_id >= 0:
         return _masked_cross_entropy(logits_BLV, targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX))
     if compiled and logits_BLV.is_cuda:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
 from dataclasses import fields
 from typing import Any
@@ -232,21 +231,39 @@ def _check_parallel(cfg: "Config") -> None:
     _check_grad_sync(p)
 
 
+def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
+    """(field, value, fix) of each setting tensor parallelism (moelab.parallel.tensor) does not run with yet."""
+    m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.backend
+    return [(name, value, fix) for name, value, bad, fix in [
+        ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
+        ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
+        ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
+         "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
+        ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "
+         "are not TP-sharded)"),
+        ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "
+         "of a vocabulary-parallel embedding is not implemented yet)"),
+        ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
+         "TP are not implemented yet)"),
+        ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing == "selective",
+         "set train.activation_checkpointing=full or none (selective recompute calls the router and the routed "
+         "experts apart, outside the MoE layer's sequence-shard boundary)"),
+        ("train.compile", t.compile, t.compile, "set train.compile=false"),
+        ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
+        ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
+         "TP-sharded yet)"),
+        ("backend.fake_balanced_gate", b.fake_balanced_gate, b.fake_balanced_gate, "set "
+         "backend.fake_balanced_gate=false (its round-robin assignment counts a rank's sequence shard)"),
+    ] if bad]
+
+
 def _check_tensor_parallel(cfg: "Config") -> None:
-    """parallel.tp > 1: every dimension TP splits across its ranks divides by it (attention heads, GQA's
-    key/value heads, the dense MLP's width, the vocabulary of the vocabulary-parallel embedding and head)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    split = [("model.num_heads", m.num_heads)]
-    if m.attention == "gqa":
-        split.append(("model.num_kv_heads", m.num_kv_heads))
-    if m.num_dense_layers:
-        split.append(("model.dense_ffn_size", m.dense_ffn_size))
-    split.append(("model.vocab_size", m.vocab_size))
-    common = math.gcd(*(size for _, size in split))
-    for name, size in split:
-        if size % tp:
-            _fail("parallel.tp", tp, f"must divide {name}={size} (tensor parallelism splits it across its ranks); "
-                  f"try tp in {_divisors(common)[:8]}")
+    """parallel.tp > 1: what moelab.parallel.tensor does not run with yet, each refused by name (the divisibility
+    rules need no world size either, but live with the layout: moelab.layout.dims)."""
+    unsupported = _tp_unsupported(cfg)
+    if unsupported:
+        name, value, fix = unsupported[0]
+        _fail(name, value, f"does not run with parallel.tp={cfg.parallel.tp} yet; {fix}")
 
 
 def _check_grad_sync(p: ParallelConfig) -> None:

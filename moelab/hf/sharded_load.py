@@ -29,7 +29,7 @@ from moelab.config import Config, ConfigError
 from moelab.hf import adapter_for
 from moelab.hf.safetensors_folder import SafetensorsFolder, ignorable, quantization
 from moelab.hf.source import checkpoint_folder, read_hf_config
-from moelab.parallel.place import shard_start
+from moelab.parallel.place import shard_offsets
 
 FIELD = "train.init_from"
 
@@ -79,8 +79,8 @@ def check_init(cfg: Config) -> None:
 
 
 def owned_slices(model: nn.Module):
-    """(single-process name, this rank's local tensor, its first row in the full tensor) for every parameter
-    and buffer of a placed model (each once; tied ones too)."""
+    """(single-process name, this rank's local tensor, its first row in the full tensor, the slices of its other
+    dimensions: TP's column shards) for every parameter and buffer of a placed model (each once; tied ones too)."""
     from torch.distributed.tensor import DTensor
 
     seen: set[int] = set()
@@ -91,11 +91,12 @@ def owned_slices(model: nn.Module):
                 continue
             seen.add(id(t))
             full = f"{mod_name}.{name}" if mod_name else name
-            start = 0
+            offsets = (0,) * t.dim()
             if isinstance(t, DTensor):
-                start, t = shard_start(full, t), t.to_local()
+                offsets, t = shard_offsets(t), t.to_local()
             is_param = isinstance(mod._parameters.get(name), nn.Parameter)
-            yield full, t, start + (expert_offset if is_param else 0)
+            columns = tuple(slice(o, o + n) for o, n in zip(offsets[1:], t.shape[1:]))
+            yield full, t, (offsets[0] if offsets else 0) + (expert_offset if is_param else 0), columns
 
 
 @torch.no_grad()
@@ -105,16 +106,16 @@ def load_into(model: nn.Module, cfg: Config, progress: bool = False) -> dict:
     {"path", "bytes_read", "bytes_read_per_rank", "tensors", "checkpoint_bytes"}: what this rank (and every
     rank: a collective when torch.distributed is initialised) read, and the whole checkpoint's tensor bytes."""
     path, sources, folder = open_checkpoint(cfg)
-    targets = [(n, t, s) for n, t, s in owned_slices(model) if n in sources]
+    targets = [(n, t, s, c) for n, t, s, c in owned_slices(model) if n in sources]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(t.numel() * t.element_size() for _, t, _ in targets), unit="B", unit_scale=True,
+        bar = tqdm(total=sum(t.numel() * t.element_size() for _, t, _, _ in targets), unit="B", unit_scale=True,
                    desc=f"loading {path.name}")
-    for name, local, start in targets:
+    for name, local, start, columns in targets:
         src = sources[name]
-        value = src.read(start, start + local.shape[0]) if local.dim() else src.read()
+        value = src.read(start, start + local.shape[0])[(slice(None), *columns)] if local.dim() else src.read()
         if tuple(value.shape) != tuple(local.shape):
             raise ConfigError(f"{FIELD}={cfg.train.init_from!r}: {name} rows {start}..{start + len(local)} have "
                               f"shape {list(value.shape)}, this rank holds {list(local.shape)}")

@@ -3,18 +3,20 @@
     dims = ParallelDims.build(load_config("tiny", ["parallel.ep=2"]), world_size=4)
     dims.fsdp, dims.ep              # 4, 2 (fsdp=-1 filled in from the world size)
     dims.layout                     # the resolved ParallelConfig the trainer and the planner use
-    dims.coords(3)                  # Coords(pp=0, dp=3, cp=0, ep=1, efsdp=1)
-    dims.world_shape                # (pp, dp, cp): the shape of the ranks' DeviceMesh (moelab.parallel.mesh)
+    dims.coords(3)                  # Coords(pp=0, dp=3, cp=0, ep=1, efsdp=1, tp=0)
+    dims.world_shape                # (pp, dp, cp, tp): the shape of the ranks' DeviceMesh (moelab.parallel.mesh)
 
 Like torchtitan's ParallelDims, one object holds the validation and the shapes derived from it. Everything
 the ranks would reject is rejected here, before anything is submitted: the planner, Session.submit, the
 `moelab` command and the trainer all build one. Every error is a ConfigError naming the field, the value and
 the fix. Torch-free (only moelab.config), so it imports anywhere.
 
-Rank order (innermost last): rank = (pp_rank * dp + dp_rank) * cp + cp_rank, tp being 1. Within a pipeline
-stage the dp*cp ranks are numbered s = dp_rank * cp + cp_rank; expert parallelism carves them as
-s = efsdp_rank * ep + ep_rank, so EP peers are neighbours (one node when ep <= GPUs per node), borrowed from
-the CP ranks first and then from the data-parallel ranks (torchtitan's and NeMo's convention).
+Rank order (innermost last): rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel
+peers are neighbours (one node). Within a pipeline stage the dp*cp*tp ranks are numbered
+s = (dp_rank * cp + cp_rank) * tp + tp_rank; expert parallelism carves them as s = efsdp_rank * ep + ep_rank, so
+EP peers are neighbours (one node when ep <= GPUs per node), borrowed from the TP ranks first, then the CP ranks
+and then the data-parallel ranks (torchtitan's and NeMo's convention: the MoE layer takes the sequence-parallel
+tokens, so a TP rank routes its own share like a data-parallel rank).
 """
 from __future__ import annotations
 
@@ -28,15 +30,16 @@ from moelab.config.rules import _divisors, _fail
 @dataclass(frozen=True)
 class Coords:
     """This rank's position: pipeline stage, data-parallel index, context-parallel index, EP index and
-    expert-FSDP index (the last two within the stage's dp*cp ranks).
+    expert-FSDP index (the last two within the stage's dp*cp*tp ranks) and tensor-parallel index.
 
-        ParallelDims.build(cfg, 4).coords(1)    # Coords(pp=0, dp=1, cp=0, ep=1, efsdp=0) with ep=2
+        ParallelDims.build(cfg, 4).coords(1)    # Coords(pp=0, dp=1, cp=0, ep=1, efsdp=0, tp=0) with ep=2
     """
     pp: int
     dp: int
     cp: int
     ep: int
     efsdp: int
+    tp: int = 0
 
 
 def _batch_fixes(gbs: int, mbs: int, dp: int) -> str:
@@ -76,6 +79,8 @@ class ParallelDims:
         if (fsdp * p.cp * p.tp) % p.ep:
             _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from "
                   f"the non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")
+        if p.tp > 1:
+            _check_tp_divides(cfg, p.tp)
         dp = fsdp
         if t.global_batch_size % (t.micro_batch_size * dp):
             _fail("train.global_batch_size", t.global_batch_size,
@@ -139,24 +144,35 @@ class ParallelDims:
         return self.layout.vp
 
     @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
     def num_stages(self) -> int:
         return self.layout.pp * self.layout.vp
 
     # ------------------------------------------------------------------ mesh shapes
     @property
-    def world_shape(self) -> tuple[int, int, int]:
-        """("pp", "dp", "cp"): every rank."""
-        return self.pp, self.dp, self.cp
+    def world_shape(self) -> tuple[int, int, int, int]:
+        """("pp", "dp", "cp", "tp"): every rank."""
+        return self.pp, self.dp, self.cp, self.tp
 
     @property
-    def dense_shape(self) -> tuple[int, int]:
-        """("pp", "dp_cp"): FSDP2 shards dense parameters over a stage's dp*cp ranks."""
-        return self.pp, self.dp * self.cp
+    def dense_shape(self) -> tuple[int, int, int]:
+        """("pp", "dp_cp", "tp"): FSDP2 shards dense parameters over a stage's dp*cp ranks, on top of TP's shards
+        (the 2-D mesh FSDP2 takes for DTensor parameters)."""
+        return self.pp, self.dp * self.cp, self.tp
 
     @property
     def expert_shape(self) -> tuple[int, int, int]:
         """("pp", "efsdp", "ep"): EP peers innermost, expert-FSDP over the ranks that hold the same experts."""
-        return self.pp, self.dp * self.cp // self.ep, self.ep
+        return self.pp, self.dp * self.cp * self.tp // self.ep, self.ep
+
+    @property
+    def token_shape(self) -> tuple[int, int, int]:
+        """("pp", "dp", "cp_tp"): the ranks that share one data-parallel rank's sequences (each holds a share of
+        the tokens: CP's chunks, TP's sequence-parallel shards); the routers' loss means are taken over them."""
+        return self.pp, self.dp, self.cp * self.tp
 
     def coords(self, rank: int) -> Coords:
         return coords_of(self.layout, rank)
@@ -164,11 +180,31 @@ class ParallelDims:
 
 def coords_of(layout: ParallelConfig, rank: int) -> Coords:
     """Where `rank` sits in a resolved layout (see the rank order in the module docstring)."""
-    dp, cp, ep = layout.fsdp, layout.cp, layout.ep
-    pp_rank, s = divmod(rank, dp * cp)
-    dp_rank, cp_rank = divmod(s, cp)
+    dp, cp, ep, tp = layout.fsdp, layout.cp, layout.ep, layout.tp
+    pp_rank, s = divmod(rank, dp * cp * tp)
+    dp_rank, rest = divmod(s, cp * tp)
+    cp_rank, tp_rank = divmod(rest, tp)
     efsdp_rank, ep_rank = divmod(s, ep)
-    return Coords(pp_rank, dp_rank, cp_rank, ep_rank, efsdp_rank)
+    return Coords(pp_rank, dp_rank, cp_rank, ep_rank, efsdp_rank, tp_rank)
+
+
+def _check_tp_divides(cfg: Config, tp: int) -> None:
+    """What tensor parallelism splits over `tp` ranks must divide evenly (moelab.parallel.tensor), one rule each."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    shared = m.moe.expert_ffn_size * m.moe.num_shared_experts
+    rules = [("model.num_heads", m.num_heads, "query heads are split over the TP ranks"),
+             ("model.vocab_size", m.vocab_size, "the embedding and the LM head are split by vocabulary rows"),
+             ("model.dense_ffn_size", m.dense_ffn_size if m.num_dense_layers else 0,
+              "dense MLPs are split column/row-wise"),
+             ("model.moe.num_shared_experts", shared, f"shared experts (width expert_ffn_size*num_shared_experts="
+              f"{shared}) are split column/row-wise"),
+             ("train.seq_len", t.seq_len // p.cp, "sequence parallelism splits each (CP-local) sequence of "
+              f"seq_len/cp={t.seq_len // p.cp} tokens")]
+    if m.attention == "gqa":
+        rules.append(("model.num_kv_heads", m.num_kv_heads, "key/value heads are split over the TP ranks"))
+    for name, value, why in rules:
+        if value % tp:
+            _fail("parallel.tp", tp, f"must divide {name}'s {value} ({why}); try tp in {_divisors(value)}")
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelConfig:

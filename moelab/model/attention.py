@@ -150,9 +150,9 @@ class GQAttention(nn.Module):
     def forward(self, x_BLD, cos_LD, sin_LD, documents_BL=None):
         """`documents_BL`: Long [B, L], packed documents (moelab.model.batch_context); None: plain causal."""
         B, L, _ = x_BLD.shape
-        q = self.q_proj(x_BLD).view(B, L, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BLD).view(B, L, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_BLD).view(B, L, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x_BLD).view(B, L, -1, self.head_dim)  # -1: the heads this rank computes (TP)
+        k = self.k_proj(x_BLD).view(B, L, -1, self.head_dim)
+        v = self.v_proj(x_BLD).view(B, L, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHLD = apply_rope(q.transpose(1, 2), cos_LD, sin_LD)

@@ -67,11 +67,12 @@ class MLAttention(nn.Module):
     def forward(self, x_BLD, cos_LD, sin_LD, documents_BL=None):
         """`documents_BL`: Long [B, L], packed documents (moelab.model.batch_context); None: plain causal."""
         B, L, _ = x_BLD.shape
-        H, Dn, Dr = self.num_heads, self.nope_dim, self.rope_dim
+        Dn, Dr = self.nope_dim, self.rope_dim  # heads: -1, those this rank computes (all of them without TP)
         q = self.q_proj(x_BLD) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BLD)))
-        q_nope_BHLDn, q_rope_BHLDr = q.view(B, L, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)
+        q_nope_BHLDn, q_rope_BHLDr = q.view(B, L, -1, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)
+        H = q_nope_BHLDn.shape[1]
         kv_c_BLC, k_rope_BLDr = self.kv_a_proj(x_BLD).split([self.kv_rank, Dr], dim=-1)
-        kv_BHL2 = self.kv_b_proj(self.kv_a_norm(kv_c_BLC)).view(B, L, H, Dn + self.v_dim).transpose(1, 2)
+        kv_BHL2 = self.kv_b_proj(self.kv_a_norm(kv_c_BLC)).view(B, L, -1, Dn + self.v_dim).transpose(1, 2)
         k_nope_BHLDn, v_BHLDv = kv_BHL2.split([Dn, self.v_dim], dim=-1)
         q_rope_BHLDr = apply_rope(q_rope_BHLDr, cos_LD, sin_LD)
         k_rope_B1LDr = apply_rope(k_rope_BLDr[:, None], cos_LD, sin_LD)

@@ -78,6 +78,11 @@ class _MeanOverRanks(torch.autograd.Function):
         return grad / ctx.size, None, None
 
 
+def mean_over_ranks(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The mean of `x` over the `size` ranks of `group`, on every rank (its gradient: see _MeanOverRanks)."""
+    return _MeanOverRanks.apply(x, group, size)
+
+
 class ContextParallel:
     """Context parallelism over one process group: shard sequences, give positions, attend over all chunks.
 
@@ -98,7 +103,7 @@ class ContextParallel:
         return _GatherSequence.apply(x_BGLD, self.group, self.cp, self.rank)
 
     def token_mean(self, x: torch.Tensor) -> torch.Tensor:
-        return _MeanOverRanks.apply(x, self.group, self.cp)
+        return mean_over_ranks(x, self.group, self.cp)
 
     def apply(self, model: nn.Module, seq_len: int) -> None:
         """Replace every attention's core by the CP one and make the routers' loss means global."""

@@ -3,7 +3,8 @@ meta device.
 
     par = parallelize_distributed(model_on_meta, cfg, env, dims)   # called by moelab.parallel.apply.parallelize
 
-Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (1) keep only this rank's experts and
+Order per pipeline stage (the whole model when pp = 1; torchtitan's order): (0) tensor parallelism on the meta
+device (moelab.parallel.tensor), (1) keep only this rank's experts and
 install the EP dispatcher, (2) materialise and initialise what is left (moelab.model seeds every parameter by
 name, and stacked experts per expert, so the weights equal the single-process ones), (3) context parallelism
 (moelab.parallel.context), (4) activation checkpointing, (5) FSDP2 (moelab.parallel.fsdp): experts over the
@@ -13,11 +14,12 @@ reduced in parallel.reduce_dtype). Pipeline stages: moelab.parallel.pipeline.
 
 The weights of the trainer's statistics sum (``DistributedParallelized``) follow from who holds what: every rank
 of a pipeline stage routes its own tokens (so routing counts add up to global counts), the loss lives on the last
-stage (CP ranks each hold an equal share of it), and no gradient is replicated (tp = 1), so squared gradient norms
-add up over all ranks.
+stage (CP ranks each hold an equal share of it, TP ranks the same value), and a gradient replicated over TP (the
+norms' weights) counts once in the squared gradient norm summed over all ranks.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -88,8 +90,9 @@ class DistributedParallelized(Parallelized):
         params = [p for p in model.parameters() if p.grad is not None]
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         sq = torch.zeros((), device=self.env.device)
-        if local:  # a replicated gradient (DDP, replicated experts) counts once: 1/replicas on each holder
-            share = torch.tensor([1.0 / getattr(p, REPLICAS, 1) for p in params], device=self.env.device)
+        if local:  # a replicated gradient (DDP, replicated experts, TP's norms) counts once: 1/replicas each
+            share = torch.tensor([1.0 / (getattr(p, REPLICAS, 1) * _replicas(p)) for p in params],
+                                 device=self.env.device)
             sq = (torch.stack([n.float() for n in torch._foreach_norm(local)]).square() * share).sum()
         dist.all_reduce(sq)
         total = sq.sqrt()
@@ -111,17 +114,27 @@ class DistributedParallelized(Parallelized):
             self.grad_exchange.load_state_dict(state["expert_grad_residuals"])
 
     def loss_contribution(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        return loss_sum.reshape(1) / self.layout.cp  # CP ranks hold equal shares of the same sequences
+        # CP ranks hold equal shares of the same sequences; TP ranks the same loss (computed on sharded logits)
+        return loss_sum.reshape(1) / (self.layout.cp * self.layout.tp)
 
     def grad_norm_weight(self) -> float:
         return 1.0 / self.env.world_size  # every rank holds the same global norm
 
     def stat_weight(self) -> float:
-        return 1.0 / (self.layout.fsdp * self.layout.cp)  # mean over the ranks of a stage
+        return 1.0 / (self.layout.fsdp * self.layout.cp * self.layout.tp)  # mean over the ranks of a stage
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
+
+
+def _replicas(p: torch.Tensor) -> int:
+    """How many ranks hold the same local values of DTensor `p` (its Replicate mesh dimensions: TP's norm
+    weights); 1 for a plain tensor."""
+    if not isinstance(p, DTensor):
+        return 1
+    mesh = p.device_mesh
+    return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_replicate())
 
 
 def build_dispatcher(kind: str, group, hidden: int, overlap: bool = False):
@@ -176,7 +189,12 @@ def parallelize_distributed(model: nn.Module, cfg: Config, env: DistEnv, dims: P
 def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp: ContextParallel | None = None):
     """EP, CP, activation checkpointing, FSDP2 and materialisation with the single-process weights, in order.
     FSDP2 wraps the meta-device model, so each rank allocates only its shards (torchtitan's order); DDP and
-    replicated experts need their weights before wrapping, so those layouts materialise first."""
+    replicated experts need their weights before wrapping, so those layouts materialise first. Tensor
+    parallelism comes first, on the meta device (moelab.parallel.tensor; it runs with FSDP2 only)."""
+    if meshes.tp is not None:
+        from moelab.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, cfg, meshes)
     apply_expert_parallel(model, cfg, meshes)
     replicated = (cfg.parallel.data_parallel, cfg.parallel.expert_dp) != ("fsdp", "fsdp")
     if replicated:
@@ -193,6 +211,11 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
         return apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
     apply_fsdp(model, cfg, meshes)
     materialize(model, cfg, env.device)
+    if meshes.tp is not None:
+        from moelab.parallel.tensor import place_tp_gradients, set_token_means
+
+        place_tp_gradients(model, meshes.tp)
+        set_token_means(model, meshes.tokens)  # after CP's (cp.apply above)
 
 
 def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,
@@ -206,6 +229,10 @@ def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: Para
     stages = build_stage_modules(model, stage_layers(cfg.model, num_stages), stage_ids)
     for stage in stages:
         place_stage(stage, cfg, env, meshes)
+        if meshes.tp is not None:  # activations cross stages as this rank's plain sequence shard
+            from moelab.parallel.tensor import sequence_shard_boundaries
+
+            sequence_shard_boundaries(stage, meshes.tp)
     t = cfg.train
     n_micro = dims.n_microbatches
     par = DistributedParallelized(PipelineModel(stages, cfg.model.num_layers), cfg, env, layout, meshes)

@@ -4,7 +4,11 @@ are reduced, and how all-gathers are prefetched.
     apply_fsdp(model, cfg, meshes)   # after EP, materialisation, CP, activation checkpointing and compile
 
 - Units: every block over the dense (dp*cp) mesh, and under EP a block's experts as their own unit over the
-  expert-FSDP mesh; the root (embedding, final norm, LM head) over the dense mesh.
+  expert-FSDP mesh; the root (embedding, final norm, LM head) over the dense mesh. Under TP (parallel.tp > 1)
+  the dense mesh is the dp*cp dimension of the 2-D (dp_cp, tp) mesh whose tp dimension holds TP's DTensor shards,
+  and the MoE layers, which route each TP rank's sequence share like a data-parallel rank's, are their own units:
+  experts over expert-FSDP (dp*cp*tp/ep ranks, also when ep = 1), router and shared experts over all dp*cp*tp
+  ranks (moelab.parallel.tensor).
 - One-rank meshes: a unit whose mesh has one rank is left plain (a torch.Tensor, not a DTensor): there is
   nothing to shard or reduce, and fully_shard would only copy the weights into and out of its buffers every
   micro batch. Such layouts: EP = dp*cp (each rank's experts are its own: expert-FSDP has one rank) and
@@ -64,13 +68,18 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes, ignored_params: set | None
     blocks = list(model.layers.values())
     experts: list[nn.Module | None] = []  # each block's experts when they are their own FSDP2 unit
     for i, block in enumerate(blocks):
-        unit = block.ffn.experts if p.ep > 1 and getattr(block, "is_moe", False) and not ignored_params else None
+        moe = getattr(block, "is_moe", False)
+        unit = block.ffn.experts if (p.ep > 1 or p.tp > 1) and moe and not ignored_params else None
         if unit is not None and not wraps(meshes.efsdp, cfg):
             ignored |= set(unit.parameters())  # plain: the block's unit must not take them in
             unit = None
         if unit is not None:
             fully_shard(unit, mesh=meshes.efsdp, mp_policy=mp,
                         reshard_after_forward=reshard_after_forward(p.expert_reshard_after_forward, p.pp,
+                                                                    i == len(blocks) - 1))
+        if p.tp > 1 and moe:  # the router and shared experts, replicated over TP: reduced over every routing rank
+            fully_shard(block.ffn, mesh=meshes.moe_dp, mp_policy=mp, ignored_params=ignored or None,
+                        reshard_after_forward=reshard_after_forward(p.reshard_after_forward, p.pp,
                                                                     i == len(blocks) - 1))
         experts.append(unit)
     if not wraps(meshes.dense, cfg):  # one rank per stage, nothing to cast: the whole stage stays plain

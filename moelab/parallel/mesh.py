@@ -2,8 +2,9 @@
 
     meshes = build_meshes(ParallelDims.build(cfg, 4), rank=r, device_type="cpu")   # every rank calls it
     meshes.dense      # 1-D, the dp*cp ranks of this pipeline stage: FSDP2 shards dense parameters over it
+    meshes.tp         # 1-D, this rank's tensor-parallel peers (a sibling of `dense`: FSDP2's 2-D mesh)
     meshes.ep_group   # the process group of this rank's EP peers (None when ep == 1)
-    meshes.efsdp      # 1-D, the (dp*cp)/ep ranks that hold the same experts: FSDP2 shards experts over it
+    meshes.efsdp      # 1-D, the (dp*cp*tp)/ep ranks that hold the same experts: FSDP2 shards experts over it
 
 The shapes and the rank order come from the layout validator (moelab.layout.dims.ParallelDims); this module
 turns them into DeviceMeshes.
@@ -31,10 +32,13 @@ class Meshes:
     """
     layout: ParallelConfig
     coords: Coords
-    world: DeviceMesh  # ("pp", "dp", "cp")
+    world: DeviceMesh  # ("pp", "dp", "cp", "tp")
     dense: DeviceMesh  # 1-D "dp_cp": FSDP for dense parameters
     efsdp: DeviceMesh  # 1-D "efsdp": FSDP for this rank's experts
     ep_mesh: DeviceMesh  # 1-D "ep": the expert-parallel peers
+    tp: DeviceMesh | None = None  # 1-D "tp", sliced from the same 2-D mesh as `dense` (None when tp == 1)
+    moe_dp: DeviceMesh | None = None  # 1-D "dp_cp_tp": FSDP for the MoE layers' router and shared experts under TP
+    tokens: DeviceMesh | None = None  # 1-D "cp_tp": the ranks sharing one dp rank's sequences (None: only this one)
 
     @property
     def ep_group(self):
@@ -48,18 +52,27 @@ class Meshes:
     def pp_group(self):
         return self.world.get_group("pp") if self.layout.pp > 1 else None
 
+    @property
+    def tp_group(self):
+        return self.tp.get_group() if self.tp is not None else None
+
 
 def build_meshes(dims: ParallelDims, rank: int, device_type: str) -> Meshes:
     """All meshes of the validated layout (collective: every rank calls it with the same dims)."""
     ranks = torch.arange(dims.world_size)
     coords = dims.coords(rank)
 
-    def sub(shape, names, keep):
-        """The 1-D mesh along `keep` of a DeviceMesh with `shape` over all ranks, containing this rank."""
-        mesh = DeviceMesh(device_type, ranks.view(*shape), mesh_dim_names=names)
-        return mesh[keep]
+    def mesh(shape, names):
+        return DeviceMesh(device_type, ranks.view(*shape), mesh_dim_names=names)
 
-    world = DeviceMesh(device_type, ranks.view(*dims.world_shape), mesh_dim_names=("pp", "dp", "cp"))
-    dense = sub(dims.dense_shape, ("pp", "dp_cp"), "dp_cp")
-    experts = DeviceMesh(device_type, ranks.view(*dims.expert_shape), mesh_dim_names=("pp", "efsdp", "ep"))
-    return Meshes(dims.layout, coords, world, dense, experts["efsdp"], experts["ep"])
+    world = mesh(dims.world_shape, ("pp", "dp", "cp", "tp"))
+    if dims.tp == 1:  # the layouts before TP: the same meshes as ever
+        dense, tp = mesh(dims.dense_shape[:2], ("pp", "dp_cp"))["dp_cp"], None
+        moe_dp = None
+    else:  # FSDP2 over TP's DTensors needs both 1-D meshes sliced from one parent
+        dense_tp = mesh(dims.dense_shape, ("pp", "dp_cp", "tp"))
+        dense, tp = dense_tp["dp_cp"], dense_tp["tp"]
+        moe_dp = mesh((dims.pp, dims.dp * dims.cp * dims.tp), ("pp", "dp_cp_tp"))["dp_cp_tp"]
+    experts = mesh(dims.expert_shape, ("pp", "efsdp", "ep"))
+    tokens = mesh(dims.token_shape, ("pp", "dp", "cp_tp"))["cp_tp"] if dims.tp > 1 else None
+    return Meshes(dims.layout, coords, world, dense, experts["efsdp"], experts["ep"], tp, moe_dp, tokens)

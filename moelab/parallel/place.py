@@ -105,27 +105,24 @@ def materialize(model: nn.Module, cfg: Config, device) -> None:
 
 
 def write_rows(p: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a drawn single-process tensor into parameter `p`: whole, or the rows of `p`'s shard when `p` is a
-    DTensor (FSDP2: Shard(0), possibly under Replicate)."""
+    """Copy a drawn single-process tensor into parameter `p`: whole, or the part of it `p` holds when `p` is a
+    DTensor: the block its placements give (FSDP2: rows, Shard(0); TP: columns or rows)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
         p.copy_(value.to(p.device, p.dtype))
         return
-    local, start = p.to_local(), shard_start("parameter", p)
-    local.copy_((value[start:start + local.shape[0]] if local.dim() else value).to(local.device, local.dtype))
+    local = p.to_local()
+    block = value[tuple(slice(o, o + n) for o, n in zip(shard_offsets(p), local.shape))]
+    local.copy_(block.to(local.device, local.dtype))
 
 
-def shard_start(name: str, t) -> int:
-    """The global first row of a DTensor's local shard (FSDP2: Shard(0) over its mesh)."""
-    from torch.distributed.tensor import Replicate, Shard
+def shard_offsets(t) -> tuple[int, ...]:
+    """Where a DTensor's local block starts in the full tensor, per dimension (FSDP2's rows, TP's columns)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in t.placements):
-        raise NotImplementedError(f"{name} is placed as {t.placements}; only Shard(0) "
-                                  f"and Replicate are read by rows")
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return int(offset[0]) if offset else 0
+    return tuple(int(o) for o in offset)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> None:

@@ -70,9 +70,9 @@ class SourceVanished(Exception):
 
 def copy_checkpoint(src: Path, dst: Path) -> None:
     """Copy (hard-link where possible) the checkpoint folder `src` to `dst`, then verify the copy against its own
-    metadata (sizes and crc32 of every file: moelab.train.checkpoint.verify). SourceVanished when a file
+    metadata (sizes and crc32 of every file: moelab.contract.checkpoints.verify). SourceVanished when a file
     vanished mid-copy or the copy is not intact; OSError (errno kept) for a write that failed."""
-    from moelab.train.checkpoint import verify
+    from moelab.contract.checkpoints import verify
 
     try:
         files = sorted(p for p in src.rglob("*") if not p.is_dir())

@@ -96,9 +96,11 @@ def test_export_loads_in_transformers_with_moelabs_logits(family, tmp_path, qwen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"parallel.ep": 2}, {"parallel.pp": 2}], ids=["ep2", "pp2"])
+@pytest.mark.parametrize("layout", [{"parallel.ep": 2}, {"parallel.pp": 2}, {"parallel.tp": 2}],
+                         ids=["ep2", "pp2", "tp2"])
 def test_export_of_a_two_process_run(layout, tmp_path):
-    """Checkpoints written by 2 gloo ranks (EP: each rank's experts; PP: each rank's layers) export whole."""
+    """Checkpoints written by 2 gloo ranks (EP: each rank's experts; PP: each rank's layers; TP: each rank's
+    heads, columns and vocabulary rows) export whole."""
     from moelab.launch.local import run_local_processes
 
     cfg = config("qwen3_moe", **layout)

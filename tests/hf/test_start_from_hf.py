@@ -101,6 +101,20 @@ def test_ep2_and_fsdp2_from_hf_read_only_their_share(qwen, tmp_path, hfm, layout
 
 
 @pytest.mark.slow
+def test_tp2_from_hf(qwen, tmp_path, hfm):
+    """TP=2: each rank fills its heads' rows of q/k/v, its columns of o and of the MLPs' down projections, its
+    vocabulary rows of the embedding and the head; the run's logits are the checkpoint's."""
+    path, ids, logits = qwen
+    run = Session(f"hf:{path}", train=RUN, parallel={"tp": 2}).submit("local", nproc=2, folder=tmp_path / "r")
+    run.wait()
+    assert run.status == "COMPLETED", (run.error, run.logs(rank=0))
+    loaded = check_run(tmp_path / "r", path, ids, logits, hfm)
+    per_rank, total = loaded["bytes_read_per_rank"], loaded["checkpoint_bytes"]
+    # row shards read once between them; column shards read their rows whole (the files hold rows)
+    assert total <= sum(per_rank) < 2 * total and max(per_rank) < total, (per_rank, total)
+
+
+@pytest.mark.slow
 def test_pp2_from_hf_on_the_command_line(qwen, tmp_path, hfm):
     path, ids, logits = qwen
     sets = [f"train.{k}={v}" for k, v in RUN.items()] + ["parallel.pp=2"]

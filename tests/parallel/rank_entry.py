@@ -79,6 +79,22 @@ def record_allocation() -> None:
 COLLECTIVES: list[dict] = []  # per training step: FSDP2's all-gathers and reduce-scatters on this rank
 
 
+def count_dtensor_collectives(now: dict) -> None:
+    """Count DTensor's sequence-parallel all-gathers and reduce-scatters (tensor parallelism: its functional
+    collectives, which FSDP2 does not use) into now["tp_all_gathers"] / now["tp_reduce_scatters"]."""
+    import torch.distributed._functional_collectives as funcol
+
+    for name, key in (("all_gather_single", "tp_all_gathers"), ("reduce_scatter_single", "tp_reduce_scatters")):
+        inner = getattr(funcol, name)
+        now[key] = 0
+
+        def counted(*args, _inner=inner, _key=key, **kwargs):
+            now[_key] += 1
+            return _inner(*args, **kwargs)
+
+        setattr(funcol, name, counted)
+
+
 def count_collectives(trainer) -> None:
     """Count, per training step, the calls FSDP2 makes to torch.distributed.all_gather_single and
     reduce_scatter_single (its collectives) on groups of two or more ranks, and the bytes each sends ((n - 1) / n
@@ -117,6 +133,7 @@ def count_collectives(trainer) -> None:
         return inner_a2a(output, input, *args, **kwargs)
 
     dist.all_to_all_single = counted_a2a
+    count_dtensor_collectives(now)
     step_fn = trainer.train_step
 
     def counted_step(step, *args, **kwargs):

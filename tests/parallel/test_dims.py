@@ -48,7 +48,7 @@ def test_the_dims_hold_the_mesh_shapes_and_rank_order():
     dims = ParallelDims.build(load_config("tiny", ["parallel.pp=2", "parallel.ep=2", "train.micro_batch_size=2",
                                                "train.global_batch_size=32"]), 8)
     assert (dims.pp, dims.dp, dims.cp, dims.ep) == (2, 4, 1, 2)
-    assert dims.world_shape == (2, 4, 1) and dims.dense_shape == (2, 4) and dims.expert_shape == (2, 2, 2)
+    assert dims.world_shape == (2, 4, 1, 1) and dims.dense_shape == (2, 4, 1) and dims.expert_shape == (2, 2, 2)
     assert dims.num_stages == 2 and dims.n_microbatches == 32 // (2 * 4)
     # pipeline stage outermost, EP peers neighbours
     assert [(dims.coords(r).pp, dims.coords(r).ep) for r in range(4)] == [(0, 0), (0, 1), (0, 0), (0, 1)]
@@ -59,3 +59,40 @@ def test_fsdp_minus_one_fills_the_world():
     assert ParallelDims.build(load_config("tiny", ["train.micro_batch_size=2"]), 4).layout.fsdp == 4
     with pytest.raises(ConfigError, match="parallel.fsdp=3"):
         ParallelDims.build(load_config("tiny", ["parallel.fsdp=3"]), 4)
+
+
+def test_tensor_parallel_ranks_are_innermost_and_lend_ep():
+    """TP peers are neighbours; EP is carved from fsdp*cp*tp, borrowing the TP ranks first (torchtitan's order);
+    the MoE layer's expert-FSDP and token meshes span the TP ranks."""
+    dims = ParallelDims.build(load_config("tiny", ["parallel.tp=2", "parallel.ep=2", "train.micro_batch_size=2"]), 8)
+    assert (dims.tp, dims.dp, dims.ep) == (2, 4, 2)
+    assert dims.world_shape == (1, 4, 1, 2) and dims.dense_shape == (1, 4, 2) and dims.expert_shape == (1, 4, 2)
+    assert dims.token_shape == (1, 4, 2)
+    coords = [dims.coords(r) for r in range(8)]
+    assert [(c.dp, c.tp) for c in coords] == [(d, t) for d in range(4) for t in range(2)]
+    assert [c.ep for c in coords] == [0, 1] * 4 and [c.efsdp for c in coords] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # ep=4 spans two data-parallel ranks' TP pairs
+    dims4 = ParallelDims.build(load_config("tiny", ["parallel.tp=2", "parallel.ep=4", "train.micro_batch_size=2"]), 8)
+    assert [dims4.coords(r).ep for r in range(8)] == [0, 1, 2, 3] * 2 and dims4.expert_shape == (1, 2, 4)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["parallel.tp=8"], "model.num_heads"),  # tiny: 4 query heads
+    (["parallel.tp=4", "model.num_kv_heads=2"], "model.num_kv_heads"),
+    (["parallel.tp=2", "model.vocab_size=255"], "model.vocab_size"),
+    (["parallel.tp=2", "model.dense_ffn_size=191"], "model.dense_ffn_size"),
+    (["parallel.tp=2", "train.seq_len=63"], "train.seq_len"),
+])
+def test_tensor_parallel_divisibility_names_the_split(overrides, field):
+    cfg = load_config("tiny", overrides)
+    with pytest.raises(ConfigError, match=f"parallel.tp.*{field}"):
+        ParallelDims.build(cfg, 8)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.activation_checkpointing=selective", "train.activation_checkpointing"), ("backend.loss=chunked", "backend.loss"),
+    ("train.compile=true", "train.compile"), ("train.lora.rank=4", "train.lora.rank"),
+])
+def test_tensor_parallel_refuses_what_it_does_not_run_yet(override, field):
+    with pytest.raises(ConfigError, match=f"{field}.*parallel.tp=2"):
+        load_config("tiny", ["parallel.tp=2", override])

@@ -31,7 +31,7 @@ def test_cli_nproc_2_with_ep_2_matches_one_process(helpers, tmp_path):
     (["parallel.ep=4"], 2, "parallel.ep=4: must divide fsdp\\*cp\\*tp=2"),
     (["parallel.pp=3"], 2, "tp\\*pp\\*cp=3 must divide the world size 2"),
     (["train.global_batch_size=4", "train.micro_batch_size=4"], 2, "must be a multiple of micro_batch_size\\*dp"),
-    (["parallel.tp=3"], 3, "parallel.tp=3: must divide model.num_heads=4"),
+    (["parallel.tp=8"], 8, "parallel.tp=8: must divide model.num_heads"),
     (["parallel.cp=2", "parallel.pp=2"], 4, "does not compose with pipeline stages yet"),
     (["parallel.cp=2", "train.seq_len=34"], 2, "train.seq_len=34: must be a multiple of 2\\*cp=4"),
     (["parallel.pp=2", "train.micro_batch_size=8"], 2, "1 micro batches per data-parallel rank; the pipeline"),
