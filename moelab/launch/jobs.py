@@ -315,7 +315,8 @@ class LocalJob(SubmititJob):
 
 
 class SlurmJob(SubmititJob):
-    """A run on submitit's SlurmExecutor: the state is sacct's (through submitit), cancel is scancel.
+    """A run on submitit's SlurmExecutor: the state is squeue's and sacct's (moelab.contract.status's
+    slurm_job_state), cancel is scancel.
 
         job = SlurmJob(RunFolder("runs/a"))
         job.state()     # PENDING until the scheduler starts it
