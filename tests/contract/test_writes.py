@@ -7,7 +7,6 @@ which need root (the CI machine runs tests as root, where chmod would not stop a
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,21 +19,7 @@ from moelab.contract.events import EndEvent, StartEvent, StepEvent
 from moelab.contract.folder import RunFolder, write_json
 from moelab.contract.stream import MetricsWriter
 from moelab.contract.writes import FolderWriteError, append_line, write_atomic, write_if_possible
-
-def fill(folder: Path) -> None:
-    """Fill the file system of `folder` up to the last byte."""
-    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (1 << 16, 4096, 1):
-            while True:
-                try:
-                    if os.write(fd, b"x" * size) < size:
-                        break
-                except OSError:
-                    break
-    finally:
-        os.close(fd)
-
+from support import fill_disk
 
 def test_a_full_disk_is_a_clear_error_and_leaves_the_files_as_they_were(tmpfs):
     disk = tmpfs(256 * 1024)
@@ -45,7 +30,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_files_as_they_were(tmpfs):
     w.emit(StartEvent(config={"name": "x"}, total_steps=3))
     w.emit(StepEvent(step=1, loss=2.0))
     before = {p.name: p.read_bytes() for p in run.path.iterdir()}
-    fill(disk)
+    fill_disk(disk)
 
     with pytest.raises(FolderWriteError) as e:
         run.update_info(status="COMPLETED", note="x" * 20_000)
@@ -70,7 +55,7 @@ def test_append_line_takes_back_a_line_cut_short_by_a_full_disk(tmpfs):
     disk = tmpfs(64 * 1024)
     path = disk / "metrics.jsonl"
     path.write_bytes(b'{"event": "start"}\n')
-    fill(disk)
+    fill_disk(disk)
     with pytest.raises(FolderWriteError):
         append_line(path, b"x" * 100_000 + b"\n")
     assert path.read_bytes() == b'{"event": "start"}\n'

@@ -16,7 +16,7 @@ from moelab.contract.writes import FolderWriteError
 from moelab.run import fork as fork_module
 from moelab.run.fork import default_folder, fork_label, prepare_fork
 from moelab.run.run import Run
-from support import moelab_cli
+from support import fill_disk, moelab_cli
 
 SMALL = {"model": {"num_layers": 2, "hidden_size": 32, "moe": {"num_experts": 4, "expert_ffn_size": 32}},
          "train": {"seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu",
@@ -99,24 +99,10 @@ def test_a_checkpoint_rewritten_mid_copy_is_caught_by_verifying_the_copy(parent,
 
 
 def test_without_interference_the_copy_is_whole(parent, tmp_path):
-    from moelab.train.checkpoint import verify
+    from moelab.contract.checkpoints import verify
 
     dest, _, _ = prepare_fork(parent, 2, tmp_path / "fork", {})
     assert verify(dest.checkpoints / "step_000002") == []
-
-
-def _fill(disk: Path) -> None:
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        for size in (1 << 20, 1 << 16, 1 << 12, 1 << 8, 1):
-            while True:
-                try:
-                    if os.write(fd, b"x" * size) < size:
-                        break
-                except OSError:
-                    break
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("empty_folder_there", [False, True])
@@ -125,7 +111,7 @@ def test_a_fork_into_a_full_disk_is_one_line_and_leaves_nothing(parent, tmpfs, e
     dest = disk / "fork"
     if empty_folder_there:
         dest.mkdir()
-    _fill(disk)
+    fill_disk(disk)
     with pytest.raises(FolderWriteError) as e:
         prepare_fork(parent, 2, dest, {"aux_loss_coeff": 0.02})
     text = str(e.value)
