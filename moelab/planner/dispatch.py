@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moelab.planner.node_dispatch import nodes_per_token
+
 @dataclass(frozen=True)
 class ExchangeRows:
     """Rows of hidden size one token sends in one exchange, by link, and the dispatcher they were counted for.
@@ -40,13 +42,6 @@ class ExchangeRows:
     inter: float  # rows to other nodes (InfiniBand)
     dispatcher: str  # "flat", "hierarchical" or "deepep"
     stages: int  # collectives in line per exchange (hierarchical: between nodes, then inside)
-
-
-def resolve_ep_dispatch(setting: str, ep: int, ranks_per_node: int) -> str:
-    """parallel.ep_dispatch as it runs: auto is hierarchical when the EP group spans nodes, flat inside one."""
-    if setting == "auto":
-        return "hierarchical" if ep > ranks_per_node else "flat"
-    return setting
 
 
 def _blocks_reached(E: int, K: int, n: int) -> float:
@@ -80,14 +75,15 @@ def destinations(moe, blocks: int, fake_balanced: bool, noise: bool = False, nod
 def exchange_rows(moe, ep: int, ranks_per_node: int, dispatcher: str, fake_balanced: bool,
                   noise: bool = False) -> ExchangeRows:
     """Rows per token of one exchange on a rank of an EP group of `ep` ranks, `ranks_per_node` GPUs a node;
-    `dispatcher`: "flat", "hierarchical" (resolved: resolve_ep_dispatch) or "deepep" (once per rank)."""
+    `dispatcher`: "flat", "hierarchical" (as it runs: moelab.layout.dims.hierarchical_dispatch) or "deepep" (once
+    per rank)."""
     K, g = moe.top_k, ranks_per_node
     if ep <= 1:
         return ExchangeRows(0.0, 0.0, dispatcher, 1)
     on_node = min(ep, g)  # the group's ranks on this rank's node
     nodes = max(ep // g, 1)
-    if dispatcher == "hierarchical" and nodes > 1:
-        reached = destinations(moe, nodes, fake_balanced, noise, nodes)
+    if dispatcher == "hierarchical" and nodes > 1:  # the nodes reached: the dispatcher's own count
+        reached = destinations(moe, nodes, True, noise) if fake_balanced else nodes_per_token(moe, nodes)
         return ExchangeRows(K * (g - 1) / g, reached * (nodes - 1) / nodes, dispatcher, 2)
     rows = destinations(moe, ep, fake_balanced, noise, nodes) if dispatcher == "deepep" else float(K)
     return ExchangeRows(rows * (on_node - 1) / ep, rows * (ep - on_node) / ep,

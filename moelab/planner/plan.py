@@ -49,12 +49,12 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import Config, ConfigError
-from moelab.layout.dims import ParallelDims, grad_sync
+from moelab.layout.dims import ParallelDims, grad_sync, hierarchical_dispatch
 from moelab.planner.comm import (_replication_comm, check_one_rank, dispatch_ranks_per_token, fsdp_traffic,
                                  fsdp_units, wrapped)
 from moelab.planner.flops import FLOPS_CONVENTION, block_params, count_params, flops_per_token
 from moelab.planner.loading import loading_bytes
-from moelab.planner.dispatch import exchange_rows, resolve_ep_dispatch
+from moelab.planner.dispatch import exchange_rows
 from moelab.planner.fixes import fitting_change, set_text
 from moelab.planner.loss import logits_bytes, loss_assumption
 from moelab.planner.lora import lora_params
@@ -556,8 +556,10 @@ def exchanges_per_moe_layer(checkpointing: str) -> int:
 def _exchange(z: "_Sizes"):
     """Rows one token sends per exchange by link, for the dispatcher that runs (moelab.planner.dispatch)."""
     cfg, p = z.cfg, z.p
-    setting = getattr(p, "ep_dispatch", "auto")  # parallel.ep_dispatch (issue 39); auto where the config has none
-    dispatcher = "deepep" if cfg.backend.dispatcher == "deepep" else resolve_ep_dispatch(setting, p.ep, z.g)
+    if cfg.backend.dispatcher == "deepep":
+        dispatcher = "deepep"
+    else:
+        dispatcher = "hierarchical" if hierarchical_dispatch(p, z.g) else "flat"
     return exchange_rows(cfg.model.moe, p.ep, z.g, dispatcher, cfg.backend.fake_balanced_gate,
                          cfg.backend.fake_gate_noise > 0)
 

@@ -10,7 +10,9 @@ import torch
 from moelab.config import load_config
 from moelab.config.schema import MoEConfig
 from moelab.model.router import Router
-from moelab.planner.dispatch import destinations, exchange_rows, resolve_ep_dispatch
+from moelab.layout.dims import hierarchical_dispatch
+from moelab.planner.dispatch import destinations, exchange_rows
+from moelab.planner.node_dispatch import nodes_per_token
 from moelab.planner.plan import plan
 
 SEED = 0
@@ -72,7 +74,10 @@ def test_hierarchical_sends_a_token_once_per_other_node_and_fans_out_inside():
     assert hier.inter < moe.topk_groups and hier.inter < flat.inter / 2
     assert hier.intra == pytest.approx(8 * 7 / 8) and hier.stages == 2
     # inside one node nothing crosses the fabric and auto keeps the flat exchange
-    assert resolve_ep_dispatch("auto", 8, 8) == "flat" and resolve_ep_dispatch("auto", 16, 8) == "hierarchical"
+    auto = load_config("deepseek-v3", {"parallel.ep": 8}).parallel
+    assert not hierarchical_dispatch(auto, 8) and hierarchical_dispatch(load_config("deepseek-v3").parallel, 8)
+    # the planner's nodes per token are the dispatcher's own count (moelab.planner.node_dispatch)
+    assert hier.inter == pytest.approx(nodes_per_token(moe, 8) * 7 / 8)
     assert exchange_rows(moe, 8, 8, "flat", False).inter == 0
 
 

@@ -24,8 +24,9 @@ def test_the_published_deepseek_v3_tp_layout_plans_with_its_collectives():
 
 def _pair(**over):
     """The proxy on 4 GPUs as tp=2 x fsdp=2 and as fsdp=4: the same ranks share each dense weight."""
-    tp = plan(load_config(PROXY, {**BF16, "parallel.tp": 2, "parallel.fsdp": 2, **over}), gpus=4)
-    dp = plan(load_config(PROXY, {**BF16, "parallel.fsdp": 4, "train.global_batch_size": 8, **over}), gpus=4)
+    full = {"backend.loss": "full"}  # what TP runs (the loss on vocabulary-sharded logits), for both
+    tp = plan(load_config(PROXY, {**BF16, **full, "parallel.tp": 2, "parallel.fsdp": 2, **over}), gpus=4)
+    dp = plan(load_config(PROXY, {**BF16, **full, "parallel.fsdp": 4, "train.global_batch_size": 8, **over}), gpus=4)
     return tp, dp
 
 
@@ -72,7 +73,7 @@ def test_tp_routes_the_sequence_shard_through_the_experts():
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_naming_the_field():
-    with pytest.raises(ConfigError, match="parallel.tp=3: must divide model.num_heads=32"):
+    with pytest.raises(ConfigError, match="parallel.tp=3: must divide model.num_heads's 32"):
         plan(load_config(PROXY, {"parallel.tp": 3}), gpus=3)
-    with pytest.raises(ConfigError, match="parallel.tp=8: must divide model.num_kv_heads=4"):
+    with pytest.raises(ConfigError, match="parallel.tp=8: must divide model.num_kv_heads's 4"):
         plan(load_config(PROXY, {"parallel.tp": 8}), gpus=8)
