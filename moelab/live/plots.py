@@ -99,7 +99,7 @@ def rolling_mean(values: list, window: int = ROUTING_WINDOW) -> list:
 
 def draw_throughput(ax, st: DashState) -> None:
     """Every step faint, the mean of the last ROUTING_WINDOW steps, and the run's average dashed."""
-    draw_series(ax, st, st.tokens_per_s_per_gpu, "tokens/s per GPU", "", "tab:green")
+    draw_series(ax, st, st.tokens_per_s_per_gpu, f"tokens/s per {st.per}", "", "tab:green")
     if not any(v is not None for v in st.tokens_per_s_per_gpu):
         return
     ax.lines[0].set(alpha=0.3, lw=0.8, label="each step")
@@ -185,7 +185,7 @@ def draw_balance_history(ax, st: DashState) -> None:
 
 def draw_tflops(ax, st: DashState) -> None:
     mfu = st.last.mfu if st.last is not None else None
-    title = "TFLOPs per GPU" + (f" (MFU {100 * mfu:.1f}% at the last step)" if mfu is not None else "")
+    title = f"TFLOPs per {st.per}" + (f" (MFU {100 * mfu:.1f}% at the last step)" if mfu is not None else "")
     draw_series(ax, st, st.tflops_per_gpu, title, "", "tab:purple")
 
 
@@ -329,8 +329,9 @@ def sweep_figure(states: list, labels: list, dpi: int = 80) -> Figure:
     max/mean load (mean over layers), one line per run."""
     fig = new_figure(12, 2.4, dpi)
     axes = fig.subplots(1, 3)
+    per = states[0].per if states else "GPU"
     panels = [(lambda st: st.loss, "loss", ""), (lambda st: rolling_mean(st.tokens_per_s_per_gpu),
-              f"tokens/s per GPU (mean of last {ROUTING_WINDOW})", ""),
+              f"tokens/s per {per} (mean of last {ROUTING_WINDOW})", ""),
               (lambda st: [b["max_over_mean"] if b else None for b in st.balance_I], "max/mean load per step", "")]
     for ax, (values, title, ylabel) in zip(axes, panels):
         drawn = False

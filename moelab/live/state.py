@@ -325,6 +325,11 @@ class DashState:
         return {"last": values[-1] if values else None, "recent": mean(values[-ROUTING_WINDOW:]),
                 "run": mean(timed_steps(values))}
 
+    @property
+    def per(self) -> str:
+        """What the throughput is per: "GPU" on CUDA devices, "rank" elsewhere (a CPU rank is no GPU)."""
+        return "GPU" if self.device.startswith("cuda") else "rank"
+
     def mfu_text(self) -> str:
         """MFU of the last step as a percentage, or why there is none."""
         mfu = self.last.mfu if self.last is not None else None
@@ -376,7 +381,7 @@ class DashState:
 
     def status_line(self) -> str:
         """One line for terminals and logs, e.g.
-        `tiny  RUNNING  step 12/50 (24%)  loss 3.214  1,234 tok/s/GPU  0.012 TFLOPs/GPU  mem 0.32 GB  ETA 0:20`"""
+        `tiny  RUNNING  step 12/50 (24%)  loss 3.214  1,234 tok/s/rank  0.012 TFLOPs/rank (per GPU on CUDA)  mem 0.32 GB  ETA 0:20`"""
         parts = [self.name or "run", self.status]
         if self.total_steps:
             parts.append(f"step {self.step}/{self.total_steps} ({100 * self.step / self.total_steps:.0f}%)")
@@ -384,9 +389,9 @@ class DashState:
         if last.loss is not None:
             parts.append(f"loss {last.loss:.4g}")
         if last.tokens_per_s_per_gpu is not None:
-            parts.append(f"{last.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+            parts.append(f"{last.tokens_per_s_per_gpu:,.0f} tok/s/{self.per}")
         if last.tflops_per_gpu is not None:
-            parts.append(f"{fmt_tflops(last.tflops_per_gpu)} TFLOPs/GPU")
+            parts.append(f"{fmt_tflops(last.tflops_per_gpu)} TFLOPs/{self.per}")
         if last.mfu is not None:
             parts.append(f"MFU {100 * last.mfu:.1f}%")
         if self.peak_memory_gb() is not None:

@@ -43,8 +43,8 @@ def stats_html(st: DashState) -> str:
                else f"max {max(per):.2f} (r{per.index(max(per))}) · min {min(per):.2f}") + " GB"
     sps = st.seconds_per_step()
     cells = [_cell("loss", num("loss", lambda x: f"{x:.4g}")),
-             _rate_cell(st, "tokens_per_s_per_gpu", "tokens/s/GPU", lambda x: f"{x:,.0f}"),
-             _rate_cell(st, "tflops_per_gpu", "TFLOPs/GPU", fmt_tflops),
+             _rate_cell(st, "tokens_per_s_per_gpu", f"tokens/s/{st.per}", lambda x: f"{x:,.0f}"),
+             _rate_cell(st, "tflops_per_gpu", f"TFLOPs/{st.per}", fmt_tflops),
              _cell("MFU", html.escape(st.mfu_text())),
              _cell("peak memory per rank", mem),
              _cell("dropped", f"{st.dropped_pct:.1f}%" if st.dropped_pct is not None else "–"),
@@ -260,7 +260,8 @@ def sweep_labels(names: list) -> tuple:
 
 
 def sweep_table_html(states: list, labels: "list | None" = None) -> str:
-    head = ("run", "status", "step", "loss", "tokens/s/GPU", "max/mean", "cv", "entropy", "dead")
+    per = states[0].per if states else "GPU"
+    head = ("run", "status", "step", "loss", f"tokens/s/{per}", "max/mean", "cv", "entropy", "dead")
     rows = []
     for st, label in zip(states, labels or [st.name for st in states]):
         b = st.balance_summary()

@@ -132,7 +132,7 @@ def test_the_snapshot_is_static_html_of_the_final_dashboard(stream):
     view.update([st], final=True)
     snap = view.snapshot_html()
     assert "class='moelab-snapshot'" in snap and snap.count("data:image/png;base64,") == 2
-    assert "COMPLETED" in snap and "tokens/s/GPU" in snap and "3</b> / 3 steps" in snap
+    assert "COMPLETED" in snap and "tokens/s/rank" in snap and "3</b> / 3 steps" in snap
     sweep = WidgetView(["00-a=1", "01-a=2"], [None, None])
     sweep.update([st, st], final=True)
     snap = sweep.snapshot_html()

@@ -120,3 +120,20 @@ def test_balance_is_measured_on_the_routers_demand_before_capacity_drops(stream)
     assert st.dropped_pct == pytest.approx(20.0)
     older = fold([stream.start(total=2), stream.step(1)])  # a stream from before routed_per_expert
     assert older.routing_total_ME == stream.COUNTS_LE and older.dropped_pct == 0.0
+
+
+@pytest.mark.parametrize("device,per", [("cpu", "rank"), (None, "rank"), ("cuda:0", "GPU")])
+def test_throughput_is_labelled_per_gpu_only_on_gpus(stream, device, per):
+    """A CPU rank is no GPU: the status line, the dashboard's cells and the plots say per rank there."""
+    from moelab.live.plots import plot_throughput
+    from moelab.live.widget import stats_html
+
+    start = stream.start(total=5)
+    if device:
+        start["env"] = {"device": device, "world_size": 1}
+    st = fold([start, *(stream.step(s) for s in range(1, 4))])
+    other = "GPU" if per == "rank" else "rank"
+    assert f"tok/s/{per}" in st.status_line() and f"tok/s/{other}" not in st.status_line()
+    assert f"tokens/s/{per}" in stats_html(st) and f"TFLOPs/{other}" not in stats_html(st)
+    titles = [ax.get_title(loc="left") for ax in plot_throughput(st).axes]
+    assert f"tokens/s per {per}" in titles and not any(f"per {other}" in t for t in titles)

@@ -158,7 +158,7 @@ def test_widget_view_fills_progress_stats_and_charts(stream):
     p = view.panels[0]
     assert (p.progress.value, p.progress.max, p.progress.bar_style) == (4, 10, "info")
     assert "ETA 0:06" in p.progress_text.value
-    for label in ("loss", "tokens/s/GPU", "TFLOPs/GPU", "MFU", "peak memory per rank", "r0 0.50 · r1 0.70 GB"):
+    for label in ("loss", "tokens/s/rank", "TFLOPs/rank", "MFU", "peak memory per rank", "r0 0.50 · r1 0.70 GB"):
         assert label in p.stats.value
     assert png(p.train_chart) and png(p.routing_chart)
     assert p.layer.options == (("MoE layer 0", 0), ("MoE layer 1", 1)) and p.layer.value == 0  # the skewed layer
