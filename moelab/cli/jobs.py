@@ -261,6 +261,22 @@ def add_parsers(sub) -> None:
     _cluster_argument(p)
     p.set_defaults(func=cmd_resume)
 
+    _add_control_parsers(sub)
+    p = sub.add_parser("fork", help="start a new run from a run's checkpoint, with changes")
+    p.add_argument("folder")
+    p.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
+                   help="a change from the fork step on (repeatable); without any, the parent's steps again")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--name", help="the fork's name (its folder: PARENT-fork<step>-<name> beside the parent)")
+    p.add_argument("--out", help="the fork's folder")
+    p.add_argument("--executor", choices=list(EXECUTORS), help="default: the parent's")
+    p.add_argument("--nproc", type=int, help="ranks (default: as many as the parent had)")
+    _cluster_argument(p)
+    p.set_defaults(func=cmd_fork)
+
+
+def _add_control_parsers(sub) -> None:
+    """The commands that look at or steer existing runs: status, cancel, unlock, set."""
     p = sub.add_parser("status", help="status of a run folder, a sweep, or every run under a folder",
                        description="One line per run: [STATUS] step N/M, the last step's loss and tok/s (the last "
                                    "step's throughput; the summary at the end gives the mean), executor and job id; "
@@ -286,17 +302,6 @@ def add_parsers(sub) -> None:
                         "checkpoint=true (save one at the next boundary)")
     p.add_argument("--wait", type=float, help="seconds to wait until the ranks applied it (default: do not wait)")
     p.set_defaults(func=cmd_set)
-    p = sub.add_parser("fork", help="start a new run from a run's checkpoint, with changes")
-    p.add_argument("folder")
-    p.add_argument("--set", dest="changes", action="append", default=[], metavar="KEY=VALUE",
-                   help="a change from the fork step on (repeatable); without any, the parent's steps again")
-    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    p.add_argument("--name", help="the fork's name (its folder: PARENT-fork<step>-<name> beside the parent)")
-    p.add_argument("--out", help="the fork's folder")
-    p.add_argument("--executor", choices=list(EXECUTORS), help="default: the parent's")
-    p.add_argument("--nproc", type=int, help="ranks (default: as many as the parent had)")
-    _cluster_argument(p)
-    p.set_defaults(func=cmd_fork)
 
 
 def _cluster_argument(p) -> None:

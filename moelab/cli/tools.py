@@ -149,21 +149,7 @@ def add_parsers(sub) -> None:
                        add_help=False)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="a sweep folder or run folders; --out FIG.png; --last N")
     p.set_defaults(func=cmd_compare)
-    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B), or "
-                                      "its newest checkpoint in transformers' layout (--to hf OUT)")
-    p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
-    p.add_argument("dest", nargs="?", help="output folder (the same as --out; required for --to hf)")
-    p.add_argument("--to", nargs="+", default=["tensorboard"], metavar=("KIND", "OUT"),
-                   help=f"{' | '.join(EXPORT_KINDS)} (default tensorboard), optionally followed by OUT")
-    p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
-    p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf: weight dtype (default: the checkpoint's)")
-    p.add_argument("--max-shard-size", default="5GB", help="hf: shard past this size, with an index (default 5GB)")
-    p.add_argument("--lora", choices=["merged", "adapters"],
-                   help="hf: LoRA adapters folded into the weights, or alone in PEFT's layout (default: merged)")
-    p.add_argument("--base", help="hf: the HF checkpoint folder the run started from (default: from its config)")
-    p.add_argument("--force", action="store_true", help="hf: write into an output folder that is not empty")
-    p.set_defaults(func=cmd_export)
+    _add_export_parser(sub)
 
     p = sub.add_parser("bench", help="time training steps: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory")
     config_args(p)
@@ -182,3 +168,22 @@ def add_parsers(sub) -> None:
 
     add_arguments(p)
     p.set_defaults(func=cmd_gallery)
+
+
+def _add_export_parser(sub) -> None:
+    """`moelab export`: a run's metrics to TensorBoard or W&B, or its newest checkpoint in HF's layout."""
+    p = sub.add_parser("export", help="write a run's metrics stream as TensorBoard event files (or to W&B), or "
+                                      "its newest checkpoint in transformers' layout (--to hf OUT)")
+    p.add_argument("folder", help="a run folder (holds metrics.jsonl)")
+    p.add_argument("dest", nargs="?", help="output folder (the same as --out; required for --to hf)")
+    p.add_argument("--to", nargs="+", default=["tensorboard"], metavar=("KIND", "OUT"),
+                   help=f"{' | '.join(EXPORT_KINDS)} (default tensorboard), optionally followed by OUT")
+    p.add_argument("--out", help="output folder (default FOLDER/tensorboard; for wandb, FOLDER)")
+    p.add_argument("--wandb-mode", choices=["offline", "online"], default="offline")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="hf: weight dtype (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: shard past this size, with an index (default 5GB)")
+    p.add_argument("--lora", choices=["merged", "adapters"],
+                   help="hf: LoRA adapters folded into the weights, or alone in PEFT's layout (default: merged)")
+    p.add_argument("--base", help="hf: the HF checkpoint folder the run started from (default: from its config)")
+    p.add_argument("--force", action="store_true", help="hf: write into an output folder that is not empty")
+    p.set_defaults(func=cmd_export)

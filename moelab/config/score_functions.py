@@ -64,6 +64,7 @@ class Softmax(ScoreFunction):
     name = "softmax"
 
     def scores(self, logits_TE):
+        """Softmax of the logits over the experts."""
         return logits_TE.softmax(-1)
 
 
@@ -76,9 +77,11 @@ class Sigmoid(ScoreFunction):
     name = "sigmoid"
 
     def scores(self, logits_TE):
+        """Sigmoid of each logit, independently per expert."""
         return logits_TE.sigmoid()
 
     def aux_probs(self, scores_TE):
+        """The sigmoid scores normalised to sum to 1 per token."""
         return scores_TE / scores_TE.sum(-1, keepdim=True)
 
 
@@ -93,9 +96,11 @@ class SoftmaxTopk(Softmax):
     group_limited = False
 
     def selection(self, logits_TE, scores_TE):
+        """The raw logits: the top-k is chosen by logit."""
         return logits_TE
 
     def weights(self, logits_TE, scores_TE, experts_TK, moe):
+        """Softmax over the chosen experts' logits, times model.moe.route_scale."""
         return logits_TE.gather(1, experts_TK).softmax(-1) * moe.route_scale
 
 

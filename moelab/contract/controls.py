@@ -83,6 +83,7 @@ def who(origin: str) -> str:
 
 
 def encode(record: dict) -> bytes:
+    """One controls.jsonl line: `record` stamped with the current time, as strict JSON ending in a newline."""
     return (json.dumps({"time": time.time(), **record}, allow_nan=False) + "\n").encode()
 
 
@@ -98,6 +99,7 @@ class Held:
         self.path, self.fd = path, fd
 
     def size(self) -> int:
+        """The file's current size in bytes."""
         return os.fstat(self.fd).st_size
 
     def last(self) -> "dict | None":
@@ -211,6 +213,8 @@ class ControlsFile:
         self.damaged: list[str] = []
 
     def read(self) -> "ControlsFile":
+        """Parse the complete lines appended since the last read (from the top when the file was replaced or
+        shrank; reset when it is gone) and return self."""
         with self.lock:
             try:
                 st = os.stat(self.path)

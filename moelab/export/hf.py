@@ -240,6 +240,27 @@ def copy_tokenizer(run_dir: Path, cfg: Config, base: Path | None, out: Path) -> 
     return []
 
 
+def _state_and_model(cfg: Config, path: Path, lora: str | None, base: "Path | None", hf_base: "dict | None"):
+    """The checkpoint's model state (LoRA's frozen base filled in) and the model built from it with any LoRA
+    adapters merged, or None for the model when only the adapters are exported (lora="adapters")."""
+    state = read_model_state(path)
+    lora_on = has_lora(cfg, state)
+    if lora is not None and not lora_on:
+        raise ConfigError(f"lora={lora!r}: the run has no LoRA adapters (train.lora is off and {path} holds no "
+                          f"adapter tensors); export without lora")
+    if lora_on:
+        fill_base(state, cfg, base, read_metadata(path).get("base") or {})
+    model = None
+    if not (lora_on and lora == "adapters"):
+        if lora_on:
+            from moelab.model.lora import merge_lora_state
+
+            state = merge_lora_state(state, cfg)
+        model = model_from_state(cfg, state, path)
+        model.hf_config = hf_base
+    return state, model
+
+
 # ---------------------------------------------------------------------- the export
 def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_size: "int | str" = "5GB",
               lora: str | None = None, force: bool = False, base: "str | Path | None" = None) -> Path:
@@ -269,21 +290,7 @@ def export_hf(run_dir: "str | Path", out: "str | Path", dtype=None, max_shard_si
                           f"; restore the run's own config.yaml")
     out = _out_folder(out, force)
 
-    state = read_model_state(path)
-    lora_on = has_lora(cfg, state)
-    if lora is not None and not lora_on:
-        raise ConfigError(f"lora={lora!r}: the run has no LoRA adapters (train.lora is off and {path} holds no "
-                          f"adapter tensors); export without lora")
-    if lora_on:
-        fill_base(state, cfg, base, read_metadata(path).get("base") or {})
-    model = None
-    if not (lora_on and lora == "adapters"):
-        if lora_on:
-            from moelab.model.lora import merge_lora_state
-
-            state = merge_lora_state(state, cfg)
-        model = model_from_state(cfg, state, path)
-        model.hf_config = hf_base
+    state, model = _state_and_model(cfg, path, lora, base, hf_base)
     with _writing_export(out):
         out.mkdir(parents=True, exist_ok=True)
         _clear(out)

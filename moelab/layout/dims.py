@@ -54,6 +54,20 @@ def _batch_fixes(gbs: int, mbs: int, dp: int) -> str:
     return ", or ".join(fixes)
 
 
+def _fsdp_degree(p: ParallelConfig, world_size: int) -> int:
+    """The data-parallel (FSDP) degree: what tp*pp*cp leaves of the world size (parallel.fsdp=-1) or the given
+    parallel.fsdp, checked to fill the world size exactly."""
+    rest = p.tp * p.pp * p.cp
+    if world_size % rest:
+        _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
+              f"tp*pp*cp={rest} must divide the world size {world_size}")
+    fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
+    if p.tp * p.pp * p.cp * fsdp != world_size:
+        _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
+              f"set parallel.fsdp={world_size // rest} or -1")
+    return fsdp
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """A validated layout on `world_size` ranks (build it with ParallelDims.build) and its mesh shapes.
@@ -68,14 +82,7 @@ class ParallelDims:
     @classmethod
     def build(cls, cfg: Config, world_size: int) -> "ParallelDims":
         p, t = cfg.parallel, cfg.train
-        rest = p.tp * p.pp * p.cp
-        if world_size % rest:
-            _fail("parallel", f"tp={p.tp} pp={p.pp} cp={p.cp}",
-                  f"tp*pp*cp={rest} must divide the world size {world_size}")
-        fsdp = world_size // rest if p.fsdp == -1 else p.fsdp
-        if p.tp * p.pp * p.cp * fsdp != world_size:
-            _fail("parallel.fsdp", p.fsdp, f"tp*pp*cp*fsdp = {rest * fsdp} but the world size is {world_size}; "
-                  f"set parallel.fsdp={world_size // rest} or -1")
+        fsdp = _fsdp_degree(p, world_size)
         if (fsdp * p.cp * p.tp) % p.ep:
             _fail("parallel.ep", p.ep, f"must divide fsdp*cp*tp={fsdp * p.cp * p.tp} (EP groups are carved from "
                   f"the non-pipeline ranks); try ep in {_divisors(fsdp * p.cp * p.tp)}")

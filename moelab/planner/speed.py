@@ -188,14 +188,8 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
     fsdp = _fsdp(cfg, p, r, bw, slowest)
     parts.update({"fsdp": fsdp["exposed"], "fsdp_copies": fsdp["copies"], "replicated": fsdp["replicated"]})
     hidden.update({"fsdp": fsdp["hidden"], "replicated": fsdp["replicated_hidden"]})
-    pb = 2 if t.param_dtype == "bfloat16" else 4
-    mem = p.memory
-    trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
-    opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
-    parts["optimizer"] = 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]
-    parts["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
-    a = 2 if t.dtype == "bfloat16" else 4
-    parts["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0
+    passes, opt_kind = _memory_passes(cfg, p, r, m)
+    parts.update(passes)
     step = sum(parts.values())
     comm = sum(parts[k] for k in COMM_PARTS) + sum(hidden.values())
     compute = sum(parts[k] for k in COMPUTE_PARTS)
@@ -212,6 +206,22 @@ def predict(cfg, p, gpu: "str | GPUKind") -> Speed:
                  extrapolated=extrapolated(cfg),
                  comm_hidden_tokens_per_s_per_gpu=tokens * step / bound_step,
                  recompute_s=m * slowest["recompute_s"] / (1 - f))
+
+
+def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
+    """The memory-bound passes of a step outside its `m` micro batches: ({"optimizer": the optimizer step,
+    "grad_accumulate": adding later micro batches' gradients, "casts": on one GPU, parameters cast to a narrower
+    compute dtype every micro batch} in seconds, the optimizer kind timed)."""
+    t = cfg.train
+    pb = 2 if t.param_dtype == "bfloat16" else 4
+    mem = p.memory
+    trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
+    opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
+    passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]}
+    passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
+    a = 2 if t.dtype == "bfloat16" else 4
+    passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0
+    return passes, opt_kind
 
 
 def _accumulated_bytes(cfg, p) -> float:
