@@ -363,8 +363,14 @@ inline takes it again as rank 0), refused to the process' other threads as to an
         self.acquired = True
         self.path.mkdir(parents=True, exist_ok=True)
         key = str(self.path.resolve())
-        if key in _HELD and _HELD[key][2] != threading.get_ident():  # another thread of this process writes it
+        start = time.monotonic()
+        while key in _HELD and _HELD[key][2] != threading.get_ident():  # another thread of this process has it
             owner = read_owner(self.path)
+            # a job started by a submit in another thread (a rank waiting with wait_s) waits for that submit to
+            # end, as a rank process waits for a submitting one; without wait_s (a second submit) it is refused
+            if time.monotonic() - start < self.wait_s:
+                time.sleep(0.05)
+                continue
             raise FolderLocked(self.path, owner, f"another thread of this process holds it (its run or submit is "
                                                  f"under way there): wait for that to end, or choose another folder")
         if key in _HELD:
