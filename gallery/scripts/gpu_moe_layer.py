@@ -259,14 +259,16 @@ def case(kind, T, K, E, D, dev, dt, gen, w1, w2):
     return {"x_TD": x_TD, "wts": wts, "experts_TK": experts_TK, "g_TD": g_TD, "ref": ref, "loads": loads}
 
 
-def measure(name, f, c, params, sonic, timer, reps, dev, flop) -> dict:
-    """Check against the reference, time (median of reps after 2 warm-up steps), count the saved bytes."""
+def measure(name, f, c, params, sonic, timer, reps, dev, flop, later: bool = False) -> dict:
+    """Check against the reference, time (median of reps after 2 warm-up steps), count the saved bytes. `later`:
+    time a later micro batch of a step (the weights' gradients kept between steps, so each step adds into them),
+    and check that a second step on the same inputs doubles the weights' gradients."""
     impl = VARIANTS[name][0]
     x_TD, wts, experts_TK, g_TD, ref = c["x_TD"], c["wts"], c["experts_TK"], c["g_TD"], c["ref"]
     leaves = [x_TD, wts, *(sonic if impl.startswith("sonic") else params)]
 
     def step(_=0):
-        for t in leaves:
+        for t in (leaves[:2] if later else leaves):
             t.grad = None
         y = f(x_TD, wts, experts_TK)
         y.backward(g_TD.to(y.dtype))
@@ -280,6 +282,11 @@ def measure(name, f, c, params, sonic, timer, reps, dev, flop) -> dict:
     if impl.startswith("sonic"):  # its weights are [out, in]
         grads[2], grads[3] = grads[2].transpose(1, 2), grads[3].transpose(1, 2)
     errs = {k: rel(v, ref[k]) for k, v in zip(ref, [y.detach()] + grads)}
+    doubled = None
+    if later:  # the first step's weight gradients, then a second step adds the same again
+        first = [t.grad.clone() for t in leaves[2:]]
+        step()
+        doubled = {n: rel(t.grad, 2 * g) for n, t, g in zip(("dw_gate_up", "dw_down"), leaves[2:], first)}
     for _ in range(2):
         step()
     ms = statistics.median(timer.time(step, reps))
@@ -295,7 +302,8 @@ def measure(name, f, c, params, sonic, timer, reps, dev, flop) -> dict:
     y.backward(g_TD.to(y.dtype))
     del y
     return {"fwd_bwd_ms": ms, "tflops": flop / (ms * 1e-3) / 1e12, "rel_err_vs_fp32": errs,
-            "first_step_s": first_s, "saved_bytes_hooks_total": saved.total,
+            "first_step_s": first_s, "later_micro_batch": later, "second_step_vs_twice_the_first": doubled,
+            "saved_bytes_hooks_total": saved.total,
             "saved_bytes_hooks_activations": saved.activations, "saved_bytes_allocator": grown}
 
 
@@ -343,6 +351,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--label", default="moe-layer", help="the record's variant and file name (LABEL.json)")
     ap.add_argument("--no-sweep", action="store_true", help="skip triton_fused's block-size sweep")
+    ap.add_argument("--later-micro-batch", action="store_true",
+                    help="time steps that add into the weights' existing gradients (a later micro batch of a step)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     T, K, E, D, F = SHAPES[args.shape] if not args.small else (64, 2, 8, 64, 32)
@@ -403,7 +413,8 @@ def main() -> int:
                     signal.alarm(int(os.environ.get("SONIC_TIMEOUT_S", "120")))
                     print(f"[{stamp()}] moe-layer {kind} {name}: first step starts", flush=True)
                 try:
-                    res[name] = measure(name, fns[name], c, params, sonic, timer, reps, dev, flop)
+                    res[name] = measure(name, fns[name], c, params, sonic, timer, reps, dev, flop,
+                                        later=args.later_micro_batch)
                     print(f"[{stamp()}] moe-layer {kind} {name}: {json.dumps(res[name])}", flush=True)
                 except Exception as exc:
                     rec["errors"][f"{kind} {name}"] = "".join(traceback.format_exception(exc))[-3000:]

@@ -15,7 +15,10 @@ Backward (four kernels; only x_TD, h_NF2 and the routing weights are kept, not x
           weighted activation a_NF again (for dW2)
     dW2[e] = a_NF^T @ g_TD[tok_N],  dW1[e] = x_TD[tok_N]^T @ dh_NF2   (rows of expert e; gathers in the loads)
     dx:   dx_(TK)D[order_N] = dh_NF2 @ W1[e]^T, then the sum over K
-Each kernel accumulates in fp32 and rounds once. The expert of each M block is found on the device (no host sync).
+Each kernel accumulates in fp32 and rounds once. When a weight already holds a gradient (the second and later micro
+batches of a step, eager), the weight-gradient kernels start their fp32 sums from it and write the total into
+`.grad` in place (one rounding; no new gradient tensor and no separate `.grad +=` pass over the weights); see
+`accumulates_into`. The expert of each M block is found on the device (no host sync).
 
     y_TD = fused_experts(x_TD, w_flat, w_gate_up_EDF2, w_down_EFD, order_N, counts_E, K)
 
@@ -161,10 +164,11 @@ if triton is not None:
     @triton.jit
     def _wgrad_kernel(a_ptr, a_idx_ptr, b_ptr, b_idx_ptr, out_ptr, starts_ptr, ends_ptr,
                       I, J, s_a, s_b, s_oe, s_oi,
-                      GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+                      GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BI: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
-        """out[e] = A[rows of e]^T @ B[rows of e] ([I, J]), A's / B's rows read through a_idx / b_idx when
-        GATHER_A / GATHER_B; rows of no expert leave zeros."""
+        """out[e] = A[rows of e]^T @ B[rows of e] ([I, J]) (+ out[e] when ACCUMULATE, summed in fp32 and rounded
+        once), A's / B's rows read through a_idx / b_idx when GATHER_A / GATHER_B; experts without rows write zeros
+        (or leave out as it was)."""
         pid, e = tl.program_id(0), tl.program_id(1)  # an expert's tiles together: its rows stay in L2
         n_j = tl.cdiv(J, BJ)
         ci = (pid // n_j) * BI + tl.arange(0, BI)
@@ -172,7 +176,11 @@ if triton is not None:
         imask, jmask = ci < I, cj < J
         start = tl.load(starts_ptr + e)
         end = tl.load(ends_ptr + e)
+        o_ptrs = out_ptr + e.to(tl.int64) * s_oe + ci[:, None] * s_oi + cj[None, :]
+        omask = imask[:, None] & jmask[None, :]
         acc = tl.zeros((BI, BJ), dtype=tl.float32)
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
         for r0 in range(start, end, BK):
             rows = r0 + tl.arange(0, BK)
             rmask = rows < end
@@ -185,8 +193,7 @@ if triton is not None:
             at = tl.load(a_ptr + ra[None, :] * s_a + ci[:, None], mask=imask[:, None] & rmask[None, :], other=0.0)
             bt = tl.load(b_ptr + rb[:, None] * s_b + cj[None, :], mask=rmask[:, None] & jmask[None, :], other=0.0)
             acc = tl.dot(at, bt, acc)
-        tl.store(out_ptr + e.to(tl.int64) * s_oe + ci[:, None] * s_oi + cj[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=imask[:, None] & jmask[None, :])
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 def _blocks(counts_E: torch.Tensor, n_rows: int, bm: int):
@@ -244,10 +251,9 @@ def _(x_TD, scale_N, w1, w2, tok_N, order_N, counts_E, K):
             x_TD.new_empty(N, 2 * F))
 
 
-@torch.library.custom_op("moelab::fused_experts_bwd", mutates_args=())
-def _bwd(g_TD: torch.Tensor, x_TD: torch.Tensor, h_NF2: torch.Tensor, scale_N: torch.Tensor, w1: torch.Tensor,
-         w2: torch.Tensor, tok_N: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
-         K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_kernels(g_TD, x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E, K: int, dw1=None, dw2=None):
+    """The backward's six kernels: (dx_TD, dscale_N, dw1, dw2). Given dw1 / dw2 (the weights' `.grad`), the
+    weight gradients are added into them in place and returned as they are."""
     T, D = x_TD.shape
     N, F = tok_N.shape[0], w2.shape[1]
     E = w1.shape[0]
@@ -266,18 +272,27 @@ def _bwd(g_TD: torch.Tensor, x_TD: torch.Tensor, h_NF2: torch.Tensor, scale_N: t
         dh_NF2, tok_N, w1, dx_ND, order_N, blk_e, blk_start, ends_E, 2 * F, D, dh_NF2.stride(0), w1.stride(0),
         w1.stride(2), w1.stride(1), dx_ND.stride(0), GATHER=False, SCATTER=True, BM=BM, BN=BN, BK=BK,
         num_warps=warps, num_stages=stages)  # W1[e]^T: [2F, D]
-    dw2 = torch.empty_like(w2)
+    accumulate2, accumulate1 = dw2 is not None, dw1 is not None
+    dw2 = dw2 if accumulate2 else torch.empty_like(w2)
     BI = BJ = min(BN, 128)
     _wgrad_kernel[(triton.cdiv(F, BI) * triton.cdiv(D, BJ), E)](
         a_NF, tok_N, g_TD, tok_N, dw2, starts_E, ends_E, F, D, a_NF.stride(0), g_TD.stride(0), dw2.stride(0),
-        dw2.stride(1), GATHER_A=False, GATHER_B=True, BI=BI, BJ=BJ, BK=BK, num_warps=warps, num_stages=stages)
-    dw1 = torch.empty_like(w1)
+        dw2.stride(1), GATHER_A=False, GATHER_B=True, ACCUMULATE=accumulate2, BI=BI, BJ=BJ, BK=BK,
+        num_warps=warps, num_stages=stages)
+    dw1 = dw1 if accumulate1 else torch.empty_like(w1)
     _wgrad_kernel[(triton.cdiv(D, BI) * triton.cdiv(2 * F, BJ), E)](
         x_TD, tok_N, dh_NF2, tok_N, dw1, starts_E, ends_E, D, 2 * F, x_TD.stride(0), dh_NF2.stride(0),
-        dw1.stride(0), dw1.stride(1), GATHER_A=True, GATHER_B=False, BI=BI, BJ=BJ, BK=BK, num_warps=warps,
-        num_stages=stages)
+        dw1.stride(0), dw1.stride(1), GATHER_A=True, GATHER_B=False, ACCUMULATE=accumulate1, BI=BI, BJ=BJ, BK=BK,
+        num_warps=warps, num_stages=stages)
     dx_TD = dx_ND.view(T, K, D).sum(1, dtype=x_TD.dtype)
     return dx_TD, dscale_N.to(scale_N.dtype), dw1, dw2
+
+
+@torch.library.custom_op("moelab::fused_experts_bwd", mutates_args=())
+def _bwd(g_TD: torch.Tensor, x_TD: torch.Tensor, h_NF2: torch.Tensor, scale_N: torch.Tensor, w1: torch.Tensor,
+         w2: torch.Tensor, tok_N: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
+         K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_kernels(g_TD, x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E, K)
 
 
 @_bwd.register_fake
@@ -291,8 +306,22 @@ def _setup(ctx, inputs, output):
     ctx.K = K
 
 
+def accumulates_into(w: torch.Tensor) -> bool:
+    """Whether the backward adds w's gradient into w.grad itself (eager only): w is a leaf that requires grad,
+    already holds a gradient of its own dtype, shape and layout, and has no hooks that autograd's accumulation
+    would have run (FSDP's and DDP's, a user's). Then autograd gets None for w, so nothing is added twice."""
+    g = w.grad if w.is_leaf and w.requires_grad else None
+    return (g is not None and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and type(g) is torch.Tensor and g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+            and g.device == w.device and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
+
+
 def _backward(ctx, g_TD, g_h):
     x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E = ctx.saved_tensors
+    if accumulates_into(w1) and accumulates_into(w2):  # a later micro batch: add into .grad in the kernels
+        dx, dscale, _, _ = _bwd_kernels(g_TD, x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E, ctx.K,
+                                        dw1=w1.grad, dw2=w2.grad)
+        return dx, dscale, None, None, None, None, None, None
     dx, dscale, dw1, dw2 = _bwd(g_TD, x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E, ctx.K)
     return dx, dscale, dw1, dw2, None, None, None, None
 

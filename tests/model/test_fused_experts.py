@@ -33,7 +33,7 @@ def test_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
                        capture_output=True, text=True, timeout=900)
-    n_run = 3 + 1 + 1 + 1 + 1  # the inner tests, test_not_applied_on_cpu_without_the_interpreter, the lean ones
+    n_run = 3 + 1 + 1 + 2 + 1 + 1  # the inner tests, test_not_applied_on_cpu_without_the_interpreter, the lean ones
     assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -130,6 +130,65 @@ def test_compiled_matches_eager():
     compiled = value_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), x_TD, weights_TK, w1, w2)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def micro_batches(fn, w1, w2, batches, hook=False):
+    """The weights' gradients after one backward per micro batch (x, weights, experts), autograd accumulating
+    across them as a training step does; with `hook`, a post-accumulate-grad hook on each weight (counted)."""
+    a, b = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    calls = []
+    if hook:
+        for w in (a, b):
+            w.register_post_accumulate_grad_hook(lambda w: calls.append(1))
+    for i, (x_TD, weights_TK, experts_TK) in enumerate(batches):
+        y = fn(x_TD, weights_TK, experts_TK, a, b)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + i)))
+    return a.grad, b.grad, len(calls)
+
+
+def fused(x, w, experts_TK, a, b):
+    from moelab.model.fused_experts import fused_experts
+
+    order_N = torch.argsort(experts_TK.reshape(-1), stable=True)
+    return fused_experts(x, w, a, b, order_N, torch.bincount(experts_TK.reshape(-1), minlength=a.shape[0]))
+
+
+@inner
+def test_later_micro_batches_add_into_grad_in_the_kernels(monkeypatch):
+    # from the second micro batch on, the weight-gradient kernels start from .grad and write the sum into it:
+    # the autograd op's backward (_bwd, which returns fresh gradients) runs once, for the first micro batch only;
+    # the sums match the reference's autograd accumulation (fp32: the same products, the old gradient added first
+    # instead of last, a few ulp: TOL)
+    import moelab.model.fused_experts as fe
+
+    batches = [problem(37, 2, 6, 48, 40, 5, seed=s)[:3] for s in range(3)]
+    _, _, _, w1, w2 = problem(37, 2, 6, 48, 40, 5)
+    op_calls = []
+    op = fe._bwd
+    monkeypatch.setattr(fe, "_bwd", lambda *a: op_calls.append(1) or op(*a))
+    got1, got2, _ = micro_batches(fused, w1, w2, batches)
+    assert len(op_calls) == 1
+    want1, want2, _ = micro_batches(lambda x, w, e, a, b: reference(x, w, e, a, b), w1, w2, batches)
+    torch.testing.assert_close(got1, want1, **TOL)
+    torch.testing.assert_close(got2, want2, **TOL)
+
+
+@inner
+def test_weights_with_hooks_keep_autograds_accumulation(monkeypatch):
+    # a post-accumulate-grad hook (FSDP's, an optimizer-in-backward's) must see every micro batch's accumulation:
+    # such weights get their gradients from the op and autograd adds them, hooks called once per micro batch
+    import moelab.model.fused_experts as fe
+
+    batches = [problem(29, 2, 6, 32, 24, 4, seed=s)[:3] for s in range(2)]
+    _, _, _, w1, w2 = problem(29, 2, 6, 32, 24, 4)
+    op_calls = []
+    op = fe._bwd
+    monkeypatch.setattr(fe, "_bwd", lambda *a: op_calls.append(1) or op(*a))
+    got1, got2, hooks = micro_batches(fused, w1, w2, batches, hook=True)
+    assert len(op_calls) == 2 and hooks == 4
+    want1, want2, _ = micro_batches(lambda x, w, e, a, b: reference(x, w, e, a, b), w1, w2, batches)
+    torch.testing.assert_close(got1, want1, **TOL)
+    torch.testing.assert_close(got2, want2, **TOL)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm")
