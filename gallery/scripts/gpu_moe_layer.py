@@ -273,6 +273,8 @@ def measure(name, f, c, params, sonic, timer, reps, dev, flop, later: bool = Fal
         y = f(x_TD, wts, experts_TK)
         y.backward(g_TD.to(y.dtype))
         return y
+    for t in leaves:  # the variants share the weights: no gradient of another variant's steps
+        t.grad = None
     t0 = time.time()
     y = step()
     if dev == "cuda":
