@@ -311,8 +311,9 @@ def measure(name, f, c, params, sonic, timer, reps, dev, flop, later: bool = Fal
 
 def fused_sweep(res, f, c, params, timer, reps):
     """triton_fused's block sizes, eager, on one routing."""
-    sweep = res["fused_block_sweep (BM,BN,BK,warps,stages): fwd_bwd_ms"] = {}
-    for blocks in ("128,128,64,8,3", "128,128,64,8,4", "128,128,32,8,4", "64,128,64,4,3"):
+    sweep = res["fused_block_sweep (BM,BN,BK,warps,stages,BN_da): fwd_bwd_ms"] = {}
+    for blocks in ("128,128,64,8,3,128", "128,128,64,8,3,64", "128,128,64,8,4,64", "64,128,64,4,3,64",
+                   "128,128,64,8,3,32"):
         os.environ["MOELAB_FUSED_BLOCKS"] = blocks
 
         def fused_step(_=0):

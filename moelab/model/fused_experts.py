@@ -213,13 +213,17 @@ def _blocks(counts_E: torch.Tensor, n_rows: int, bm: int):
 
 
 def _config(n_cols: int):
-    """Block sizes: (BM, BN, BK, warps, stages). Small under the interpreter (tests), Hopper-sized on a GPU;
-    $MOELAB_FUSED_BLOCKS="BM,BN,BK,warps,stages" overrides them (gallery/scripts/gpu_moe_layer.py's sweep)."""
+    """Block sizes: (BM, BN, BK, warps, stages, BN of the da kernel). Small under the interpreter (tests),
+    Hopper-sized on a GPU, the da kernel's tiles at most 64 wide (its epilogue holds the accumulator, both halves
+    of h and dSwiGLU's terms in fp32 at once, as the up kernel holds two accumulators);
+    $MOELAB_FUSED_BLOCKS="BM,BN,BK,warps,stages[,BN_da]" overrides them (gallery/scripts/gpu_moe_layer.py's sweep)."""
     if interpreted():
-        return 16, 16, 16, 1, 1
+        return 16, 16, 16, 1, 1, 16
     if os.environ.get("MOELAB_FUSED_BLOCKS"):
-        return tuple(int(v) for v in os.environ["MOELAB_FUSED_BLOCKS"].split(","))
-    return 128, 128 if n_cols >= 128 else 64, 64, 8, 3
+        v = tuple(int(x) for x in os.environ["MOELAB_FUSED_BLOCKS"].split(","))
+        return v if len(v) == 6 else (*v, min(v[1], 64))
+    bn = 128 if n_cols >= 128 else 64
+    return 128, bn, 64, 8, 3, min(bn, 64)
 
 
 @torch.library.custom_op("moelab::fused_experts_fwd", mutates_args=())
@@ -227,7 +231,7 @@ def _fwd(x_TD: torch.Tensor, scale_N: torch.Tensor, w1: torch.Tensor, w2: torch.
          order_N: torch.Tensor, counts_E: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     T, D = x_TD.shape
     N, F = tok_N.shape[0], w2.shape[1]
-    BM, BN, BK, warps, stages = _config(F)
+    BM, BN, BK, warps, stages, _ = _config(F)
     blk_e, blk_start, _, ends_E = _blocks(counts_E, N, BM)
     h_NF2 = torch.empty(N, 2 * F, dtype=x_TD.dtype, device=x_TD.device)
     a_NF = torch.empty(N, F, dtype=x_TD.dtype, device=x_TD.device)
@@ -257,15 +261,15 @@ def _bwd_kernels(g_TD, x_TD, h_NF2, scale_N, w1, w2, tok_N, order_N, counts_E, K
     T, D = x_TD.shape
     N, F = tok_N.shape[0], w2.shape[1]
     E = w1.shape[0]
-    BM, BN, BK, warps, stages = _config(F)
+    BM, BN, BK, warps, stages, BNd = _config(F)
     blk_e, blk_start, starts_E, ends_E = _blocks(counts_E, N, BM)
     g_TD = g_TD.to(x_TD.dtype).contiguous()
     dh_NF2 = torch.empty_like(h_NF2)
     a_NF = torch.empty(N, F, dtype=x_TD.dtype, device=x_TD.device)
     dscale_N = torch.zeros(N, dtype=torch.float32, device=x_TD.device)
-    _da_kernel[(triton.cdiv(F, BN), blk_e.shape[0])](
+    _da_kernel[(triton.cdiv(F, BNd), blk_e.shape[0])](
         g_TD, tok_N, w2, h_NF2, scale_N, dh_NF2, a_NF, dscale_N, blk_e, blk_start, ends_E, D, F, g_TD.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2), h_NF2.stride(0), a_NF.stride(0), BM=BM, BN=BN, BK=BK,
+        w2.stride(0), w2.stride(1), w2.stride(2), h_NF2.stride(0), a_NF.stride(0), BM=BM, BN=BNd, BK=BK,
         num_warps=warps, num_stages=stages)
     dx_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
     _rows_kernel[(triton.cdiv(D, BN), blk_e.shape[0])](
