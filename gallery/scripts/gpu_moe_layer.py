@@ -11,6 +11,9 @@ unpacked into).
         --variants moelab-grouped_mm-compiled,moelab-fp8-rowwise-compiled,moelab-fp8-rowwise-cached-compiled
     SONIC_SITE=DIR python gallery/scripts/gpu_moe_layer.py --out DIR --variants sonicmoe-default-config,sonicmoe-autotuned
 
+SONIC_SITE: the folder gallery/scripts/sonic_site.sh's tarball unpacks to (SonicMoE, QuACK, the CuTe DSL and its
+cu13 libraries, apache-tvm-ffi; cuda-bindings comes with the GPU image's torch).
+
 Shapes (--shape): qwen3-moe-30b-a3b-proxy (default): T 8192 tokens, K 8 of E 128 experts, D 2048, F 768;
 deepseek-v3-proxy (the preset's MoE layer at seq 4096, micro batch 1): T 4096, K 8 of E 64, D 7168, F 2048. SwiGLU,
 bf16 weights and tokens, fp32 routing weights (as the router hands them under autocast). FP8 variants (train.fp8=
@@ -351,7 +354,10 @@ def main() -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-moe-30b-a3b-proxy")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS + (["sonicmoe-default-config"]
+                                                                   if os.environ.get("SONIC_SITE") else [])),
+                    help=f"comma list of {list(VARIANTS)} (default: moelab's bf16 ones, and SonicMoE's default "
+                         "config where SONIC_SITE is set)")
     ap.add_argument("--label", default="moe-layer", help="the record's variant and file name (LABEL.json)")
     ap.add_argument("--no-sweep", action="store_true", help="skip triton_fused's block-size sweep")
     ap.add_argument("--later-micro-batch", action="store_true",

@@ -312,10 +312,13 @@ def _setup(ctx, inputs, output):
 
 def accumulates_into(w: torch.Tensor) -> bool:
     """Whether the backward adds w's gradient into w.grad itself (eager only): w is a leaf that requires grad,
-    already holds a gradient of its own dtype, shape and layout, and has no hooks that autograd's accumulation
-    would have run (FSDP's and DDP's, a user's). Then autograd gets None for w, so nothing is added twice."""
+    already holds a gradient of its own dtype, shape and layout, has no hooks that autograd's accumulation would
+    have run (a post-accumulate hook: tensor parallelism's, compression's, a user's), and no process group is up
+    (DDP's reducer hooks the gradient accumulator itself, where they cannot be seen from here). Then autograd gets
+    None for w, so nothing is added twice."""
     g = w.grad if w.is_leaf and w.requires_grad else None
-    return (g is not None and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return (g is not None and not distributed and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
             and type(g) is torch.Tensor and g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
             and g.device == w.device and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
 
