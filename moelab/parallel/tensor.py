@@ -160,6 +160,21 @@ def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
     moe.register_forward_hook(post_hook)
 
 
+def _shard_shared_experts(shared: nn.Module, tp_mesh) -> None:
+    """parallel.tp_shared_experts=column_row: the shared experts as a dense MLP over TP inside the MoE layer. Their
+    input, this rank's tokens [T, D] (the layer's plain sequence shard, flattened), is all-gathered to the TP
+    group's tokens (Shard(0) -> Replicate: rank-major, any token order serves a per-token MLP), gate/up column-,
+    down row-parallel, the partial sums reduce-scattered back to this rank's tokens. Their weights' gradients
+    are then sums over the TP group's tokens, as a dense MLP's, where the MoE layer's are x tp
+    (``_moe_gradients``): the gradient is divided by tp on the way in and restored on the way out."""
+    tp = tp_mesh.size()
+    shared.register_forward_pre_hook(lambda mod, args: (_ScaleGrad.apply(args[0], float(tp)),) + tuple(args[1:]))
+    shared.register_forward_hook(lambda mod, args, y_TD: _ScaleGrad.apply(y_TD, 1.0 / tp))
+    parallelize_module(shared, tp_mesh, PrepareModuleInput(input_layouts=(Shard(0),),
+                                                           desired_input_layouts=(Replicate(),)))
+    parallelize_module(shared, tp_mesh, {**_mlp_plan(), "down_proj": RowwiseParallel(output_layouts=Shard(0))})
+
+
 def set_token_means(model: nn.Module, tokens_mesh) -> None:
     """The routers' loss means over every rank holding a share of the same sequences (the cp*tp ranks of a
     data-parallel rank; after CP's own, which covers its ranks only)."""
@@ -182,6 +197,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
             _shard_sinks(block.attention, tp)
         if block.is_moe:
             _moe_gradients(block.ffn, tp)
+            if block.ffn.shared_experts is not None and cfg.parallel.tp_shared_experts == "column_row":
+                _shard_shared_experts(block.ffn.shared_experts, tp)
         else:
             parallelize_module(block.ffn, tp, _gathered(1))
             parallelize_module(block.ffn, tp, _mlp_plan())

@@ -429,7 +429,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual, z.weighting) for i in range(mdl.num_layers)]
     if p.tp > 1:  # what a rank keeps per token of its sequence shard: its share plus the gathered inputs' rest
         extra = (p.tp - 1) * tp_gathered_per_token(cfg, a)
-        acts = [{**x, "attention": x["attention"] + extra, "ffn": x["ffn"] + extra} for x in acts]
+        acts = [{**x, "attention": x["attention"] + extra,
+                 "ffn": x["ffn"] + extra * (tp_gathered_sublayers(cfg, is_moe[i]) - 1)} for i, x in enumerate(acts)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
     # vocabulary-parallel under TP: a tp-th of it
     logits_total = logits_bytes(cfg, z.T, a) // p.tp
@@ -564,11 +565,22 @@ def _exchange(z: "_Sizes"):
                          cfg.backend.fake_gate_noise > 0)
 
 
-def tp_collectives_per_layer(checkpointing: str) -> int:
-    """Sequence-parallel collectives of one block per micro batch under TP: an all-gather before attention and
-    before the MLP / MoE layer, a reduce-scatter after each, forward, and their transposes in backward (8); full
-    recompute runs the forward's 4 again, selective the 2 all-gathers of the norms it recomputes."""
-    return 8 + {"full": 4, "selective": 2}.get(checkpointing, 0)
+def tp_gathered_sublayers(cfg: Config, moe: bool) -> int:
+    """The sublayers of a block that all-gather their sequence-parallel input under TP (moelab.parallel.tensor):
+    attention, and a dense MLP; a MoE layer routes its sequence shard as it is, and gathers its tokens only for
+    column/row-parallel shared experts (parallel.tp_shared_experts=column_row)."""
+    shared = cfg.model.moe.num_shared_experts > 0 and cfg.parallel.tp_shared_experts == "column_row"
+    return 1 + (not moe or shared)
+
+
+def tp_collectives_per_layer(checkpointing: str, gathered: int = 2) -> int:
+    """Sequence-parallel collectives of one block per micro batch under TP, for its `gathered` sublayers
+    (tp_gathered_sublayers): each an all-gather before and a reduce-scatter after, forward, and their transposes
+    in backward (4); full recompute runs the forward's 2 again, but torch's checkpoint stops at the last tensor
+    backward needs, so a block whose FFN is gathered (gathered == 2) does not rerun its final reduce-scatter;
+    selective the all-gather of the norm it recomputes."""
+    return gathered * (4 + {"full": 2, "selective": 1}.get(checkpointing, 0)) - (checkpointing == "full"
+                                                                                  and gathered == 2)
 
 
 def tp_traffic(z: "_Sizes", worst: dict) -> dict:
@@ -582,7 +594,9 @@ def tp_traffic(z: "_Sizes", worst: dict) -> dict:
         return {"tp_collectives_per_step": 0, "tp_bytes_per_step": 0, "tp_bytes_per_collective": 0}
     one = int(z.T * z.cfg.model.hidden_size * z.a * (p.tp - 1) / p.tp)
     ends = 2 * ((worst["rank"] == 0) + (worst["rank"] == p.pp - 1))
-    n = z.m * (len(worst["layers"]) * tp_collectives_per_layer(t.activation_checkpointing) + ends)
+    moe = [i >= z.cfg.model.num_dense_layers for i in worst["layers"]]
+    n = z.m * (sum(tp_collectives_per_layer(t.activation_checkpointing, tp_gathered_sublayers(z.cfg, x))
+                   for x in moe) + ends)
     return {"tp_collectives_per_step": n, "tp_bytes_per_step": n * one, "tp_bytes_per_collective": one}
 
 
