@@ -22,8 +22,13 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   (moelab.parallel.fsdp), and their gradients are scaled by tp (``_moe_gradients``): FSDP2 averages over the
   dp*cp*tp ranks where the TP ranks' shares of one loss must add. The routers' loss means are taken over the
   cp*tp ranks of each sequence (``set_token_means``), so the aux loss is the one-process value. Shared experts
-  run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
-  products, their weights FSDP2-sharded over the dp*cp*tp ranks.
+  (parallel.tp_shared_experts): replicate (default) runs them there too, whole on the rank's tokens, their
+  weights FSDP2-sharded over the dp*cp*tp ranks: no collective; column_row runs them column/row-parallel
+  between an all-gather of the TP group's tokens and a reduce-scatter (``_shard_shared_experts``; an FSDP2 unit
+  of their own over dp*cp): the same FLOPs per rank and 4 more collectives per MoE layer and micro batch, for
+  FSDP2 gathering a tp-th of their weights (docs/layouts.md counts both on DeepSeek-V3: replicate pays).
+- Routed experts are EP's, split by expert over ranks that include the TP ranks; no expert TP (docs/layouts.md:
+  it doubles the all-to-all and saves no memory while ep can grow).
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
 - Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
   (moelab.config.rules refuses each by name).

@@ -14,8 +14,9 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - TP (parallel.tp, sequence parallel): a rank holds a tp-th of the dense weights, FSDP2 shards that over the
-  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention and the MLP whole,
-  and a tp-th of the logits (vocabulary-parallel head); its collectives: tp_traffic.
+  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention, a dense MLP and
+  column/row shared experts whole (a MoE layer routes its sequence shard: tp_gathered_sublayers), and a tp-th
+  of the logits (vocabulary-parallel head); its collectives: tp_traffic.
 - Expert exchange: the rows the dispatcher that runs sends per token, by link (moelab.planner.dispatch; flat,
   hierarchical across nodes, DeepEP), 4 exchanges per MoE layer and micro batch, 6 under full recompute.
 - A plan that does not fit names a setting that fits (moelab.planner.fixes) and predicts no speed.
@@ -665,10 +666,11 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
                    "of that slice on the host; the larger of this and the training peak counts")
     if p.tp > 1:
         out.append(f"TP {p.tp} with sequence parallelism: a rank keeps a tp-th of each block's activations plus "
-                   "the all-gathered inputs of attention and the MLP / MoE layer whole, a tp-th of the logits "
+                   "the all-gathered inputs of attention and a dense MLP whole, a tp-th of the logits "
                    "(vocabulary-parallel head and loss), routes its sequence shard's tokens; per block and micro "
-                   "batch an all-gather and a reduce-scatter around attention and around the MLP, forward and "
-                   "backward (tp_collectives_per_layer)")
+                   "batch an all-gather and a reduce-scatter around attention and around a dense MLP (a MoE "
+                   "layer's column/row shared experts too: parallel.tp_shared_experts), forward and backward "
+                   "(tp_collectives_per_layer)")
     if p.ep > 1:
         out.append("expert exchange (moelab.planner.dispatch): balanced routing over the EP group's ranks; the "
                    "flat all-to-all sends one row per routed expert, the hierarchical dispatch a token once per "
