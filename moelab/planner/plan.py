@@ -418,7 +418,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     # TP: a rank holds a tp-th of the dense weights (FSDP2 shards that over the fsdp*cp ranks) and of the
     # micro batch's tokens in the sequence-parallel stream (tensor_parallel_pieces, tp_gathered_per_token)
     T, dense_mesh = z.T // p.tp, z.shard // p.tp
-    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp), lora_params(cfg)
+    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp, cfg), lora_params(cfg)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
 
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
@@ -493,15 +493,23 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     return per_rank, logit_bytes
 
 
-def tensor_parallel_pieces(pieces, tp: int):
+def tensor_parallel_pieces(pieces, tp: int, cfg: Config | None = None):
     """A block's parameters as one TP rank holds them: attention, dense MLPs, shared experts, the embedding and
-    the LM head split tp ways (their norms and the router, replicated, counted split too: under 0.1% of a
-    block); the routed experts are EP's, whole."""
+    the LM head split tp ways (their norms, the router and replicated shared experts, FSDP2-sharded over tp times
+    as many ranks, counted split too: the same bytes a rank stores); the routed experts are EP's, whole. With
+    `cfg`, the MoE layer's units apart (tp_replicated, tp_shared: moelab.planner.comm.fsdp_units)."""
     if tp == 1:
         return pieces
-    return dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
-                               dense_layer=pieces.dense_layer // tp,
-                               moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+    split = dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
+                                dense_layer=pieces.dense_layer // tp,
+                                moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+    if cfg is None:
+        return split
+    moe, d = cfg.model.moe, cfg.model.hidden_size
+    router, shared = moe.num_experts * (d + moe.router_bias), 3 * d * moe.expert_ffn_size * moe.num_shared_experts
+    column_row = cfg.parallel.tp_shared_experts == "column_row"
+    return dataclasses.replace(split, tp_replicated=(router + shared * (not column_row)) // tp,
+                               tp_shared=shared * column_row // tp)
 
 
 def tp_gathered_per_token(cfg: Config, a: int) -> int:

@@ -117,7 +117,10 @@ def test_tp_collectives_counted_on_the_ranks_are_the_planners(name, tp_run, help
     """TP's all-gathers and reduce-scatters (DTensor's functional collectives, counted per step on every rank by
     rank_entry) are the planner's tp_collectives_per_step (moelab.planner.plan.tp_traffic): per micro batch and
     block those of attention, of a dense MLP and of column/row shared experts, forward and backward (and full
-    recompute's rerun), and the vocabulary-parallel embedding's and head's."""
+    recompute's rerun), and the vocabulary-parallel embedding's and head's. FSDP2's all-gathers and reduce-scatters
+    are the plan's too (moelab.planner.comm.fsdp_units: under TP a MoE layer's router and replicated shared
+    experts are a unit over dp*cp*tp, column/row shared experts one over dp*cp, the experts one over
+    expert-FSDP)."""
     from moelab.planner.plan import plan, tp_gathered_sublayers
 
     nproc, overrides = LAYOUTS[name]
@@ -134,6 +137,8 @@ def test_tp_collectives_counted_on_the_ranks_are_the_planners(name, tp_run, help
             assert got["tp_all_gathers"] - got["tp_reduce_scatters"] == unmatched, got
             assert got["tp_all_gathers"] + got["tp_reduce_scatters"] == planned.comm["tp_collectives_per_step"], \
                 (rank, got, planned.comm["tp_collectives_per_step"])
+            assert (got["all_gathers"], got["reduce_scatters"]) == (
+                planned.comm["fsdp_all_gathers_per_step"], planned.comm["fsdp_reduce_scatters_per_step"]), (rank, got)
 
 
 def test_live_controls_land_on_both_tp_ranks(helpers, tmp_path):

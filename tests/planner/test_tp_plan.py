@@ -39,10 +39,14 @@ def test_tp_splits_dense_weights_gathered_blocks_activations_and_logits():
     tp_ep, dp_ep = _pair(**{"parallel.ep": 2})
     units = {u["name"]: u for u in dp_ep.comm["fsdp_units"]}
     halves = {u["name"]: u for u in tp_ep.comm["fsdp_units"]}
-    assert halves["blocks"]["params"] == units["blocks"]["params"] // 2 and halves["blocks"]["ranks"] == 2
+    # ... but the router, which every TP rank holds whole, in a unit of its own over the fsdp*cp*tp ranks
+    router = halves["moe layers"]["params"]
+    assert router == 2048 * 128 and halves["moe layers"]["ranks"] == 4
+    assert halves["blocks"]["params"] + router // 2 == units["blocks"]["params"] // 2
+    assert halves["blocks"]["ranks"] == 2
     assert halves["root"]["params"] == units["root"]["params"] // 2
     assert halves["experts"] == units["experts"]  # EP's, whole
-    biggest = halves["blocks"]["params"] + halves["experts"]["params"]
+    biggest = halves["blocks"]["params"] + router + halves["experts"]["params"]
     assert tp_ep.memory["gathered_params"] == (2 * 2 + 4) * biggest < dp_ep.memory["gathered_params"]
     assert tp.memory["logits"] == pytest.approx(dp.memory["logits"] / 2, rel=1e-3)
     # the same micro batch (2 x 4096 tokens) a tp-th per rank, the gathered input of attention whole (the MoE
