@@ -199,7 +199,8 @@ class ParallelConfig:
     # Shared experts under TP (moelab.parallel.tensor). replicate: each TP rank runs them whole on its sequence
     # shard (no collective; weights FSDP2-sharded over dp*cp*tp). column_row: gate/up column-, down row-parallel
     # between an all-gather of the shard's tokens and a reduce-scatter (torchtitan's; 4 more TP collectives per
-    # MoE layer and micro batch for the same FLOPs: see docs/layouts.md).
+    # MoE layer and micro batch for the same FLOPs: see docs/layouts.md). Nothing to choose at tp=1 or without
+    # shared experts.
     tp_shared_experts: Literal["replicate", "column_row"] = "replicate"
 
 

@@ -8,7 +8,8 @@ are reduced, and how all-gathers are prefetched.
   the dense mesh is the dp*cp dimension of the 2-D (dp_cp, tp) mesh whose tp dimension holds TP's DTensor shards,
   and the MoE layers, which route each TP rank's sequence share like a data-parallel rank's, are their own units:
   experts over expert-FSDP (dp*cp*tp/ep ranks, also when ep = 1), router and shared experts over all dp*cp*tp
-  ranks (moelab.parallel.tensor).
+  ranks (moelab.parallel.tensor); column/row-parallel shared experts (parallel.tp_shared_experts=column_row)
+  hold TP shards and are a unit of their own over the dense mesh.
 - One-rank meshes: a unit whose mesh has one rank is left plain (a torch.Tensor, not a DTensor): there is
   nothing to shard or reduce, and fully_shard would only copy the weights into and out of its buffers every
   micro batch. Such layouts: EP = dp*cp (each rank's experts are its own: expert-FSDP has one rank) and

@@ -99,7 +99,7 @@ class FSDPUnit:
 
         FSDPUnit("blocks", count=7, params=9_000_000, ranks=8, gathers_per_micro_batch=2, reduce_scatters_per_step=4)
     """
-    name: str  # "blocks", "last block", "root", "experts", "last experts"
+    name: str  # "blocks", "last block", "root", "experts", "last experts"; under TP "moe layers", "shared experts"
     count: int  # units of this kind on the rank
     params: int  # parameters of one unit on this rank before FSDP2 shards it (experts: this EP rank's)
     ranks: int  # its FSDP2 mesh

@@ -1,5 +1,7 @@
 """Tensor parallelism (moelab.parallel.tensor) on gloo processes reproduces the single-process run: losses,
-routing counts, aux losses, gradient norms and parameters after 4 AdamW steps.
+routing counts, aux losses, gradient norms and parameters after 4 AdamW steps, for every model family (Qwen3,
+DeepSeek-V3, GPT-OSS) at tp2, tp2 x ep2, tp2 x pp2, tp2 x fsdp2 and tp2 x cp2 (one single-process reference per
+family); the TP and FSDP2 collectives counted on the ranks are the planner's.
 
 What TP changes is the order of fp32 sums: row-parallel projections add two partial sums, the vocabulary-parallel
 loss combines per-shard maxima and sums of exponentials, sequence-parallel gathers feed the weight gradients in
@@ -34,7 +36,6 @@ FAMILY = {
                "model.attention_bias=true", "model.moe.router_bias=true", "model.moe.expert_proj_bias=true",
                "model.moe.score_func=softmax_topk", "model.moe.norm_topk_prob=false", "model.moe.activation=gpt_oss",
                "backend.attention=eager"),
-    "eager": ("backend.attention=eager",),  # CP's per-chunk attention rounds like one eager kernel
     "full": ("train.activation_checkpointing=full",),  # each block recomputed in backward, hooks and all
     "tied": ("model.tie_embeddings=true",),  # the head is the vocabulary-parallel embedding
 }
@@ -54,7 +55,7 @@ LAYOUTS = {  # name: (processes, layout overrides); the family's name follows th
     # DeepSeek's shared expert column/row-parallel over TP (parallel.tp_shared_experts): alone on TP (one dense
     # rank: no FSDP2 unit takes it) and as its own FSDP2 unit over the 2-D mesh
     **{f"{kind}-deepseek-column_row": (n, over + ["parallel.tp_shared_experts=column_row"])
-       for kind, (n, over) in KINDS.items() if kind in ("tp2", "tp2xfsdp2", "tp2xep2")},
+       for kind, (n, over) in KINDS.items() if kind in ("tp2", "tp2xfsdp2")},
 }
 LR = 0.003  # tiny's train.lr
 
