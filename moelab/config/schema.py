@@ -196,6 +196,12 @@ class ParallelConfig:
     # memory (the planner's held_unsharded). auto: micro_batch, and step under pp > 1, where torch's pipeline
     # schedule holds FSDP2's gradients to the last micro batch itself (micro_batch is refused there).
     fsdp_grad_sync: Literal["auto", "step", "micro_batch"] = "auto"
+    # Shared experts under TP (moelab.parallel.tensor). replicate: each TP rank runs them whole on its sequence
+    # shard (no collective; weights FSDP2-sharded over dp*cp*tp). column_row: gate/up column-, down row-parallel
+    # between an all-gather of the shard's tokens and a reduce-scatter (torchtitan's; 4 more TP collectives per
+    # MoE layer and micro batch for the same FLOPs: see docs/layouts.md). Nothing to choose at tp=1 or without
+    # shared experts.
+    tp_shared_experts: Literal["replicate", "column_row"] = "replicate"
 
 
 @dataclass

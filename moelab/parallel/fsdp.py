@@ -8,7 +8,8 @@ are reduced, and how all-gathers are prefetched.
   the dense mesh is the dp*cp dimension of the 2-D (dp_cp, tp) mesh whose tp dimension holds TP's DTensor shards,
   and the MoE layers, which route each TP rank's sequence share like a data-parallel rank's, are their own units:
   experts over expert-FSDP (dp*cp*tp/ep ranks, also when ep = 1), router and shared experts over all dp*cp*tp
-  ranks (moelab.parallel.tensor).
+  ranks (moelab.parallel.tensor); column/row-parallel shared experts (parallel.tp_shared_experts=column_row)
+  hold TP shards and are a unit of their own over the dense mesh.
 - One-rank meshes: a unit whose mesh has one rank is left plain (a torch.Tensor, not a DTensor): there is
   nothing to shard or reduce, and fully_shard would only copy the weights into and out of its buffers every
   micro batch. Such layouts: EP = dp*cp (each rank's experts are its own: expert-FSDP has one rank) and
@@ -78,6 +79,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes, ignored_params: set | None
                         reshard_after_forward=reshard_after_forward(p.expert_reshard_after_forward, p.pp,
                                                                     i == len(blocks) - 1))
         if p.tp > 1 and moe:  # the router and shared experts, replicated over TP: reduced over every routing rank
+            ignored |= _tp_shared_experts(block.ffn, cfg, meshes, mp, i == len(blocks) - 1)
             fully_shard(block.ffn, mesh=meshes.moe_dp, mp_policy=mp, ignored_params=ignored or None,
                         reshard_after_forward=reshard_after_forward(p.reshard_after_forward, p.pp,
                                                                     i == len(blocks) - 1))
@@ -93,6 +95,20 @@ def apply_fsdp(model: nn.Module, cfg: Config, meshes, ignored_params: set | None
                 reshard_after_forward=root_reshard)
     if p.fsdp_prefetch == "explicit" or (p.fsdp_prefetch == "auto" and p.ep > 1):
         set_prefetch(model, blocks, experts)
+
+
+def _tp_shared_experts(moe: nn.Module, cfg: Config, meshes, mp, last: bool) -> set:
+    """Column/row-parallel shared experts (parallel.tp_shared_experts=column_row) hold TP shards: their own unit
+    over the dense mesh (dp*cp, as a dense MLP's), not the MoE layer's over every routing rank; with one dense rank
+    they stay TP's DTensors alone (returned, for the MoE layer's unit to leave out)."""
+    shared, p = moe.shared_experts, cfg.parallel
+    if shared is None or p.tp_shared_experts != "column_row":
+        return set()
+    if not wraps(meshes.dense, cfg):
+        return set(shared.parameters())
+    fully_shard(shared, mesh=meshes.dense, mp_policy=mp,
+                reshard_after_forward=reshard_after_forward(p.reshard_after_forward, p.pp, last))
+    return set()
 
 
 def set_prefetch(root: nn.Module, blocks: list[nn.Module], experts: list[nn.Module | None]) -> None:

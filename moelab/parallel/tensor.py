@@ -22,8 +22,13 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   (moelab.parallel.fsdp), and their gradients are scaled by tp (``_moe_gradients``): FSDP2 averages over the
   dp*cp*tp ranks where the TP ranks' shares of one loss must add. The routers' loss means are taken over the
   cp*tp ranks of each sequence (``set_token_means``), so the aux loss is the one-process value. Shared experts
-  run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
-  products, their weights FSDP2-sharded over the dp*cp*tp ranks.
+  (parallel.tp_shared_experts): replicate (default) runs them there too, whole on the rank's tokens, their
+  weights FSDP2-sharded over the dp*cp*tp ranks: no collective; column_row runs them column/row-parallel
+  between an all-gather of the TP group's tokens and a reduce-scatter (``_shard_shared_experts``; an FSDP2 unit
+  of their own over dp*cp): the same FLOPs per rank and 4 more collectives per MoE layer and micro batch, for
+  FSDP2 gathering a tp-th of their weights (docs/layouts.md counts both on DeepSeek-V3: replicate pays).
+- Routed experts are EP's, split by expert over ranks that include the TP ranks; no expert TP (docs/layouts.md:
+  it doubles the all-to-all and saves no memory while ep can grow).
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
 - Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
   (moelab.config.rules refuses each by name).
@@ -160,6 +165,21 @@ def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
     moe.register_forward_hook(post_hook)
 
 
+def _shard_shared_experts(shared: nn.Module, tp_mesh) -> None:
+    """parallel.tp_shared_experts=column_row: the shared experts as a dense MLP over TP inside the MoE layer. Their
+    input, this rank's tokens [T, D] (the layer's plain sequence shard, flattened), is all-gathered to the TP
+    group's tokens (Shard(0) -> Replicate: rank-major, any token order serves a per-token MLP), gate/up column-,
+    down row-parallel, the partial sums reduce-scattered back to this rank's tokens. Their weights' gradients
+    are then sums over the TP group's tokens, as a dense MLP's, where the MoE layer's are x tp
+    (``_moe_gradients``): the gradient is divided by tp on the way in and restored on the way out."""
+    tp = tp_mesh.size()
+    shared.register_forward_pre_hook(lambda mod, args: (_ScaleGrad.apply(args[0], float(tp)),) + tuple(args[1:]))
+    shared.register_forward_hook(lambda mod, args, y_TD: _ScaleGrad.apply(y_TD, 1.0 / tp))
+    parallelize_module(shared, tp_mesh, PrepareModuleInput(input_layouts=(Shard(0),),
+                                                           desired_input_layouts=(Replicate(),)))
+    parallelize_module(shared, tp_mesh, {**_mlp_plan(), "down_proj": RowwiseParallel(output_layouts=Shard(0))})
+
+
 def set_token_means(model: nn.Module, tokens_mesh) -> None:
     """The routers' loss means over every rank holding a share of the same sequences (the cp*tp ranks of a
     data-parallel rank; after CP's own, which covers its ranks only)."""
@@ -182,6 +202,8 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
             _shard_sinks(block.attention, tp)
         if block.is_moe:
             _moe_gradients(block.ffn, tp)
+            if block.ffn.shared_experts is not None and cfg.parallel.tp_shared_experts == "column_row":
+                _shard_shared_experts(block.ffn.shared_experts, tp)
         else:
             parallelize_module(block.ffn, tp, _gathered(1))
             parallelize_module(block.ffn, tp, _mlp_plan())

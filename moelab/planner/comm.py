@@ -85,7 +85,7 @@ def wrapped(cfg: Config, p, shard: int, efsdp: int, one_rank: str = "plain") -> 
     dense_on = p.data_parallel == "fsdp" and (every or fsdp_wraps(shard, cfg))
     if p.data_parallel == "ddp":  # DDP runs wrap the experts on their own, on two or more ranks
         experts_on = p.expert_dp == "fsdp" and (every or efsdp > 1)
-    elif p.ep == 1:  # the experts are part of their block's unit
+    elif p.ep == 1 and p.tp == 1:  # the experts are part of their block's unit
         experts_on = p.expert_dp == "fsdp" and dense_on
     else:  # their own unit on the expert-FSDP mesh
         experts_on = p.expert_dp == "fsdp" and (every or fsdp_wraps(efsdp, cfg))
@@ -99,7 +99,7 @@ class FSDPUnit:
 
         FSDPUnit("blocks", count=7, params=9_000_000, ranks=8, gathers_per_micro_batch=2, reduce_scatters_per_step=4)
     """
-    name: str  # "blocks", "last block", "root", "experts", "last experts"
+    name: str  # "blocks", "last block", "root", "experts", "last experts"; under TP "moe layers", "shared experts"
     count: int  # units of this kind on the rank
     params: int  # parameters of one unit on this rank before FSDP2 shards it (experts: this EP rank's)
     ranks: int  # its FSDP2 mesh
@@ -168,9 +168,10 @@ def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last
     moelab.layout.dims.fsdp_wraps; DDP runs wrap only the experts, on two or more ranks, resharding by
     parallel.expert_reshard_after_forward); `one_rank`: wrapped() for code that wrapped one-rank meshes too."""
     dense_on, experts_on = wrapped(cfg, p, shard, efsdp, one_rank)
-    experts_own = experts_on and (p.ep > 1 or p.data_parallel == "ddp")  # a unit of their own
-    in_block = p.ep == 1 and p.expert_dp == "fsdp"  # the experts are part of their block's unit
-    size = [(pieces.moe_layer - (0 if in_block else pieces.moe_experts) if moe else pieces.dense_layer)
+    experts_own = experts_on and (p.ep > 1 or p.tp > 1 or p.data_parallel == "ddp")  # a unit of their own
+    in_block = p.ep == 1 and p.tp == 1 and p.expert_dp == "fsdp"  # the experts are part of their block's unit
+    apart = pieces.tp_replicated + pieces.tp_shared  # under TP: the MoE layer's own units (tp_moe_units)
+    size = [(pieces.moe_layer - (0 if in_block else pieces.moe_experts) - apart if moe else pieces.dense_layer)
             for moe in moe_layers]
     units = []
 
@@ -184,14 +185,28 @@ def fsdp_units(cfg: Config, p, pieces, moe_layers: list[bool], first: bool, last
         add("last block", 1, size[-1], shard, p.reshard_after_forward, True)
     if dense_on:
         add("root", 1, pieces.embedding * first + pieces.head * last, shard, "root", False)
-    n_moe = sum(moe_layers)
+    n_moe, ends_moe = sum(moe_layers), int(bool(moe_layers) and moe_layers[-1])
     if experts_own and n_moe:
         policy = p.expert_reshard_after_forward  # DDP runs too (their experts are units of their own)
-        ends_moe = moe_layers[-1]
         twice = p.ep_overlap
         add("experts", n_moe - ends_moe, pieces.moe_experts // p.ep, efsdp, policy, False, twice)
-        add("last experts", int(ends_moe), pieces.moe_experts // p.ep, efsdp, policy, True, twice)
+        add("last experts", ends_moe, pieces.moe_experts // p.ep, efsdp, policy, True, twice)
+    for name, params, ranks, on in tp_moe_units(cfg, p, pieces, shard, dense_on):
+        add(name, (n_moe - ends_moe) * on, params, ranks, p.reshard_after_forward, False)
+        add(f"last {name}", ends_moe * on, params, ranks, p.reshard_after_forward, True)
     return units
+
+
+def tp_moe_units(cfg: Config, p, pieces, shard: int, dense_on: bool) -> list[tuple[str, int, int, bool]]:
+    """(name, parameters, ranks, wrapped) of a MoE layer's FSDP2 units under TP besides its experts
+    (moelab.parallel.fsdp): the router with replicated shared experts, whole, over the dp*cp*tp ranks that route;
+    column/row shared experts' TP share over the dense mesh (`shard` = dp*cp ranks)."""
+    from moelab.layout.dims import fsdp_wraps
+
+    if p.tp == 1:
+        return []
+    return [("moe layers", pieces.tp_replicated * p.tp, shard * p.tp, fsdp_wraps(shard * p.tp, cfg)),
+            ("shared experts", pieces.tp_shared, shard, dense_on)]
 
 
 def fsdp_traffic(cfg: Config, units: list[FSDPUnit], m: int, compute_bytes: int) -> dict:

@@ -114,6 +114,11 @@ class BlockParams:
     dense_layer: int  # a dense block, all parameters
     moe_layer: int  # a MoE block, all parameters
     moe_experts: int  # the routed experts of a MoE block
+    # under TP (moelab.planner.plan.tensor_parallel_pieces), of moe_layer's TP-rank share: its router and
+    # replicated shared experts, a tp-th of what FSDP2 gathers whole over dp*cp*tp ranks; column/row shared
+    # experts, their own FSDP2 unit over dp*cp (moelab.parallel.fsdp)
+    tp_replicated: int = 0
+    tp_shared: int = 0
 
 
 def block_params(m) -> BlockParams:

@@ -32,8 +32,9 @@ def gathered_params(pieces, moe_layers: list[bool], first: bool, last: bool, cfg
     when `first`, the LM head when `last`; `shard`: ranks of the dense mesh, `efsdp`: of the expert mesh,
     `a`: compute dtype bytes; `one_rank`: what the code does with one-rank meshes (moelab.planner.comm.wrapped)."""
     dense_on, experts_on = wrapped(cfg, p, shard, efsdp, one_rank)
-    dense_i = [(pieces.moe_layer - pieces.moe_experts if moe else pieces.dense_layer) * dense_on
-               for moe in moe_layers]
+    whole = pieces.tp_replicated * p.tp  # TP: a MoE layer's router (+ replicated shared experts), gathered whole
+    dense_i = [((pieces.moe_layer - pieces.moe_experts - pieces.tp_replicated) * dense_on + whole if moe
+                else pieces.dense_layer * dense_on) for moe in moe_layers]
     experts_i = [(pieces.moe_experts // p.ep if moe else 0) for moe in moe_layers]
     units = [d + e * experts_on for d, e in zip(dense_i, experts_i)]
     units += [pieces.embedding * dense_on] * first + [pieces.head * dense_on] * last

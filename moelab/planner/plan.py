@@ -14,8 +14,9 @@ What it assumes (also listed in ``Plan.assumptions`` so that every printed plan 
   With train.dtype=bfloat16 the compute copies are bf16: FSDP2 all-gathers one layer at a time (plus one
   prefetched), a single unsharded rank with fp32 weights keeps autocast's bf16 copy of every weight.
 - TP (parallel.tp, sequence parallel): a rank holds a tp-th of the dense weights, FSDP2 shards that over the
-  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention and the MLP whole,
-  and a tp-th of the logits (vocabulary-parallel head); its collectives: tp_traffic.
+  fsdp*cp ranks; a tp-th of each block's activations with the all-gathered inputs of attention, a dense MLP and
+  column/row shared experts whole (a MoE layer routes its sequence shard: tp_gathered_sublayers), and a tp-th
+  of the logits (vocabulary-parallel head); its collectives: tp_traffic.
 - Expert exchange: the rows the dispatcher that runs sends per token, by link (moelab.planner.dispatch; flat,
   hierarchical across nodes, DeepEP), 4 exchanges per MoE layer and micro batch, 6 under full recompute.
 - A plan that does not fit names a setting that fits (moelab.planner.fixes) and predicts no speed.
@@ -417,7 +418,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     # TP: a rank holds a tp-th of the dense weights (FSDP2 shards that over the fsdp*cp ranks) and of the
     # micro batch's tokens in the sequence-parallel stream (tensor_parallel_pieces, tp_gathered_per_token)
     T, dense_mesh = z.T // p.tp, z.shard // p.tp
-    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp), lora_params(cfg)
+    pieces, lp = tensor_parallel_pieces(block_params(mdl), p.tp, cfg), lora_params(cfg)
     is_moe = [i >= mdl.num_dense_layers for i in range(mdl.num_layers)]
 
     def eager(i: int) -> bool:  # moelab.model.attention.causal_attention's choice of path for layer i
@@ -429,7 +430,8 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     acts = [saved_per_token(cfg, is_moe[i], a, eager(i), residual, z.weighting) for i in range(mdl.num_layers)]
     if p.tp > 1:  # what a rank keeps per token of its sequence shard: its share plus the gathered inputs' rest
         extra = (p.tp - 1) * tp_gathered_per_token(cfg, a)
-        acts = [{**x, "attention": x["attention"] + extra, "ffn": x["ffn"] + extra} for x in acts]
+        acts = [{**x, "attention": x["attention"] + extra,
+                 "ffn": x["ffn"] + extra * (tp_gathered_sublayers(cfg, is_moe[i]) - 1)} for i, x in enumerate(acts)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
     # vocabulary-parallel under TP: a tp-th of it
     logits_total = logits_bytes(cfg, z.T, a) // p.tp
@@ -491,15 +493,23 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
     return per_rank, logit_bytes
 
 
-def tensor_parallel_pieces(pieces, tp: int):
+def tensor_parallel_pieces(pieces, tp: int, cfg: Config | None = None):
     """A block's parameters as one TP rank holds them: attention, dense MLPs, shared experts, the embedding and
-    the LM head split tp ways (their norms and the router, replicated, counted split too: under 0.1% of a
-    block); the routed experts are EP's, whole."""
+    the LM head split tp ways (their norms, the router and replicated shared experts, FSDP2-sharded over tp times
+    as many ranks, counted split too: the same bytes a rank stores); the routed experts are EP's, whole. With
+    `cfg`, the MoE layer's units apart (tp_replicated, tp_shared: moelab.planner.comm.fsdp_units)."""
     if tp == 1:
         return pieces
-    return dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
-                               dense_layer=pieces.dense_layer // tp,
-                               moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+    split = dataclasses.replace(pieces, embedding=pieces.embedding // tp, head=pieces.head // tp,
+                                dense_layer=pieces.dense_layer // tp,
+                                moe_layer=(pieces.moe_layer - pieces.moe_experts) // tp + pieces.moe_experts)
+    if cfg is None:
+        return split
+    moe, d = cfg.model.moe, cfg.model.hidden_size
+    router, shared = moe.num_experts * (d + moe.router_bias), 3 * d * moe.expert_ffn_size * moe.num_shared_experts
+    column_row = cfg.parallel.tp_shared_experts == "column_row"
+    return dataclasses.replace(split, tp_replicated=(router + shared * (not column_row)) // tp,
+                               tp_shared=shared * column_row // tp)
 
 
 def tp_gathered_per_token(cfg: Config, a: int) -> int:
@@ -564,11 +574,22 @@ def _exchange(z: "_Sizes"):
                          cfg.backend.fake_gate_noise > 0)
 
 
-def tp_collectives_per_layer(checkpointing: str) -> int:
-    """Sequence-parallel collectives of one block per micro batch under TP: an all-gather before attention and
-    before the MLP / MoE layer, a reduce-scatter after each, forward, and their transposes in backward (8); full
-    recompute runs the forward's 4 again, selective the 2 all-gathers of the norms it recomputes."""
-    return 8 + {"full": 4, "selective": 2}.get(checkpointing, 0)
+def tp_gathered_sublayers(cfg: Config, moe: bool) -> int:
+    """The sublayers of a block that all-gather their sequence-parallel input under TP (moelab.parallel.tensor):
+    attention, and a dense MLP; a MoE layer routes its sequence shard as it is, and gathers its tokens only for
+    column/row-parallel shared experts (parallel.tp_shared_experts=column_row)."""
+    shared = cfg.model.moe.num_shared_experts > 0 and cfg.parallel.tp_shared_experts == "column_row"
+    return 1 + (not moe or shared)
+
+
+def tp_collectives_per_layer(checkpointing: str, gathered: int = 2) -> int:
+    """Sequence-parallel collectives of one block per micro batch under TP, for its `gathered` sublayers
+    (tp_gathered_sublayers): each an all-gather before and a reduce-scatter after, forward, and their transposes
+    in backward (4); full recompute runs the forward's 2 again, but torch's checkpoint stops at the last tensor
+    backward needs, so a block whose FFN is gathered (gathered == 2) does not rerun its final reduce-scatter;
+    selective the all-gather of the norm it recomputes."""
+    return gathered * (4 + {"full": 2, "selective": 1}.get(checkpointing, 0)) - (checkpointing == "full"
+                                                                                  and gathered == 2)
 
 
 def tp_traffic(z: "_Sizes", worst: dict) -> dict:
@@ -582,7 +603,9 @@ def tp_traffic(z: "_Sizes", worst: dict) -> dict:
         return {"tp_collectives_per_step": 0, "tp_bytes_per_step": 0, "tp_bytes_per_collective": 0}
     one = int(z.T * z.cfg.model.hidden_size * z.a * (p.tp - 1) / p.tp)
     ends = 2 * ((worst["rank"] == 0) + (worst["rank"] == p.pp - 1))
-    n = z.m * (len(worst["layers"]) * tp_collectives_per_layer(t.activation_checkpointing) + ends)
+    moe = [i >= z.cfg.model.num_dense_layers for i in worst["layers"]]
+    n = z.m * (sum(tp_collectives_per_layer(t.activation_checkpointing, tp_gathered_sublayers(z.cfg, x))
+                   for x in moe) + ends)
     return {"tp_collectives_per_step": n, "tp_bytes_per_step": n * one, "tp_bytes_per_collective": one}
 
 
@@ -651,10 +674,11 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
                    "of that slice on the host; the larger of this and the training peak counts")
     if p.tp > 1:
         out.append(f"TP {p.tp} with sequence parallelism: a rank keeps a tp-th of each block's activations plus "
-                   "the all-gathered inputs of attention and the MLP / MoE layer whole, a tp-th of the logits "
+                   "the all-gathered inputs of attention and a dense MLP whole, a tp-th of the logits "
                    "(vocabulary-parallel head and loss), routes its sequence shard's tokens; per block and micro "
-                   "batch an all-gather and a reduce-scatter around attention and around the MLP, forward and "
-                   "backward (tp_collectives_per_layer)")
+                   "batch an all-gather and a reduce-scatter around attention and around a dense MLP (a MoE "
+                   "layer's column/row shared experts too: parallel.tp_shared_experts), forward and backward "
+                   "(tp_collectives_per_layer)")
     if p.ep > 1:
         out.append("expert exchange (moelab.planner.dispatch): balanced routing over the EP group's ranks; the "
                    "flat all-to-all sends one row per routed expert, the hierarchical dispatch a token once per "

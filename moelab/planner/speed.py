@@ -57,7 +57,7 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
   the first receive and the last send.
 - CP: the K/V all-gather and its gradient's all-reduce are in line with attention: exposed.
 - TP (sequence parallel): a rank computes a tp-th of the micro batch; its all-gathers and reduce-scatters around
-  attention and the MLP (moelab.planner.plan.tp_traffic) sit between the kernels that need them: exposed.
+  attention and dense MLPs (moelab.planner.plan.tp_traffic) sit between the kernels that need them: exposed.
 - Fixed costs: idle gaps per layer and micro batch and once per step (two profiles with 1 and 8 micro batches),
   and autograd's gradient accumulation from a step's second micro batch on.
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not

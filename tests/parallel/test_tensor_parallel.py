@@ -1,5 +1,7 @@
 """Tensor parallelism (moelab.parallel.tensor) on gloo processes reproduces the single-process run: losses,
-routing counts, aux losses, gradient norms and parameters after 4 AdamW steps.
+routing counts, aux losses, gradient norms and parameters after 4 AdamW steps, for every model family (Qwen3,
+DeepSeek-V3, GPT-OSS) at tp2, tp2 x ep2, tp2 x pp2, tp2 x fsdp2 and tp2 x cp2 (one single-process reference per
+family); the TP and FSDP2 collectives counted on the ranks are the planner's.
 
 What TP changes is the order of fp32 sums: row-parallel projections add two partial sums, the vocabulary-parallel
 loss combines per-shard maxima and sums of exponentials, sequence-parallel gathers feed the weight gradients in
@@ -34,28 +36,33 @@ FAMILY = {
                "model.attention_bias=true", "model.moe.router_bias=true", "model.moe.expert_proj_bias=true",
                "model.moe.score_func=softmax_topk", "model.moe.norm_topk_prob=false", "model.moe.activation=gpt_oss",
                "backend.attention=eager"),
-    "eager": ("backend.attention=eager",),  # CP's per-chunk attention rounds like one eager kernel
     "full": ("train.activation_checkpointing=full",),  # each block recomputed in backward, hooks and all
     "tied": ("model.tie_embeddings=true",),  # the head is the vocabulary-parallel embedding
 }
-LAYOUTS = {  # name: (processes, layout overrides); a family's name ends the layout's
+KINDS = {  # layout kind: (processes, overrides); each runs every model family of the issue (FAMILIES)
     "tp2": (2, ["parallel.tp=2"]),
-    "tp2-qwen3": (2, ["parallel.tp=2"]),
-    "tp2-deepseek": (2, ["parallel.tp=2"]),
-    "tp2-gptoss": (2, ["parallel.tp=2"]),
-    "tp2-full": (2, ["parallel.tp=2"]),
-    "tp2-tied": (2, ["parallel.tp=2"]),
-    "tp2xcp2-eager": (4, ["parallel.tp=2", "parallel.cp=2"]),  # router loss means over the 4 ranks of a sequence
+    "tp2xep2": (4, ["parallel.tp=2", "parallel.ep=2"]),  # EP carved from the TP pair, expert-FSDP over the dp ranks
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),  # stages pass their sequence shards (1F1B, 4 micro batches)
     "tp2xfsdp2": (4, ["parallel.tp=2"]),  # FSDP2 on the 2-D (dp_cp, tp) mesh
-    "tp2xep2": (4, ["parallel.tp=2", "parallel.ep=2"]),  # EP carved from the TP pair, expert-FSDP over the dp ranks
+    "tp2xcp2": (4, ["parallel.tp=2", "parallel.cp=2"]),  # router loss means over the 4 ranks of a sequence
+}
+FAMILIES = ("qwen3", "deepseek", "gptoss")
+LAYOUTS = {  # name: (processes, layout overrides); the family's name follows the kind's, one reference per family
+    **{f"{kind}-{family}": spec for kind, spec in KINDS.items() for family in FAMILIES},
+    "tp2": KINDS["tp2"],  # tiny itself: `moelab run tiny --nproc 2 --set parallel.tp=2`
+    "tp2-full": (2, ["parallel.tp=2"]),
+    "tp2-tied": (2, ["parallel.tp=2"]),
+    # DeepSeek's shared expert column/row-parallel over TP (parallel.tp_shared_experts): alone on TP (one dense
+    # rank: no FSDP2 unit takes it) and as its own FSDP2 unit over the 2-D mesh
+    **{f"{kind}-deepseek-column_row": (n, over + ["parallel.tp_shared_experts=column_row"])
+       for kind, (n, over) in KINDS.items() if kind in ("tp2", "tp2xfsdp2")},
 }
 LR = 0.003  # tiny's train.lr
 
 
 def shared(name: str) -> tuple:
     """The overrides a layout shares with its single-process reference: SHARED and its model family's."""
-    return SHARED + FAMILY.get(name.rsplit("-", 1)[-1], ())
+    return SHARED + FAMILY.get(name.split("-")[1] if "-" in name else "", ())
 
 
 @pytest.fixture(scope="module")
@@ -103,26 +110,36 @@ def test_tensor_parallel_loss_is_the_full_loss():
         load_config("tiny", ["parallel.tp=2", "backend.loss=chunked"])
 
 
-def tp_collectives_per_step(cfg, micro_batches: int) -> int:
-    """The sequence-parallel all-gathers (and as many reduce-scatters) of one TP rank per step, for the planner
-    (moelab.planner): per micro batch, forward gathers each attention's and each dense MLP's input and the head's,
-    and reduce-scatters their outputs and the embedding's; backward does the reverse of each. Each moves the
-    activations [micro_batch, seq_len / cp, hidden] (a rank sends (tp - 1) / tp of them)."""
-    m = cfg.model
-    return micro_batches * (2 * (m.num_layers + m.num_dense_layers) + 2)
+COUNTED = [name for name in LAYOUTS if "xpp2" not in name]  # one stage: the plan's worst rank is every rank
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2xfsdp2"])
-def test_tensor_parallel_collectives_follow_the_formula(name, tp_run, helpers):
+@pytest.mark.parametrize("name", COUNTED)
+def test_tp_collectives_counted_on_the_ranks_are_the_planners(name, tp_run, helpers):
+    """TP's all-gathers and reduce-scatters (DTensor's functional collectives, counted per step on every rank by
+    rank_entry) are the planner's tp_collectives_per_step (moelab.planner.plan.tp_traffic): per micro batch and
+    block those of attention, of a dense MLP and of column/row shared experts, forward and backward (and full
+    recompute's rerun), and the vocabulary-parallel embedding's and head's. FSDP2's all-gathers and reduce-scatters
+    are the plan's too (moelab.planner.comm.fsdp_units: under TP a MoE layer's router and replicated shared
+    experts are a unit over dp*cp*tp, column/row shared experts one over dp*cp, the experts one over
+    expert-FSDP)."""
+    from moelab.planner.plan import plan, tp_gathered_sublayers
+
     nproc, overrides = LAYOUTS[name]
     cfg = helpers.small_config(*shared(name), *overrides)
-    run_dir = tp_run(name)[2]
-    dp = nproc // 2
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    steps = json.loads((run_dir / "placement_rank0.json").read_text())["collectives"]
-    assert len(steps) == 4
-    for got in steps:
-        assert got["tp_all_gathers"] == got["tp_reduce_scatters"] == tp_collectives_per_step(cfg, micro), got
+    planned = plan(cfg, gpus=nproc)
+    m = cfg.model
+    # full recompute stops before a gathered FFN's final reduce-scatter (torch's checkpoint early stop)
+    gathered_ffns = sum(tp_gathered_sublayers(cfg, i >= m.num_dense_layers) - 1 for i in range(m.num_layers))
+    unmatched = planned.micro_batches_per_step * gathered_ffns if cfg.train.activation_checkpointing == "full" else 0
+    for rank in range(nproc):
+        steps = json.loads((tp_run(name)[2] / f"placement_rank{rank}.json").read_text())["collectives"]
+        assert len(steps) == 4
+        for got in steps:
+            assert got["tp_all_gathers"] - got["tp_reduce_scatters"] == unmatched, got
+            assert got["tp_all_gathers"] + got["tp_reduce_scatters"] == planned.comm["tp_collectives_per_step"], \
+                (rank, got, planned.comm["tp_collectives_per_step"])
+            assert (got["all_gathers"], got["reduce_scatters"]) == (
+                planned.comm["fsdp_all_gathers_per_step"], planned.comm["fsdp_reduce_scatters_per_step"]), (rank, got)
 
 
 def test_live_controls_land_on_both_tp_ranks(helpers, tmp_path):

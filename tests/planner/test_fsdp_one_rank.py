@@ -26,7 +26,7 @@ def test_the_old_code_wrapped_every_unit_and_differs_only_on_one_rank_meshes(den
     data_parallel=fsdp, experts under expert_dp=fsdp, whatever the mesh; on meshes of two or more ranks the
     code has not changed."""
     cfg = load_config("tiny", ["train.dtype=bfloat16", "train.param_dtype=bfloat16"])
-    p = SimpleNamespace(data_parallel=dense_dp, expert_dp=expert_dp, ep=ep)
+    p = SimpleNamespace(data_parallel=dense_dp, expert_dp=expert_dp, ep=ep, tp=1)
     for shard, efsdp in ((1, 1), (2, 1), (1, 2), (4, 2)):
         assert wrapped(cfg, p, shard, efsdp, "wrapped") == (dense_dp == "fsdp", expert_dp == "fsdp")
     assert wrapped(cfg, p, 4, 2, "wrapped") == wrapped(cfg, p, 4, 2)

@@ -39,18 +39,24 @@ def test_tp_splits_dense_weights_gathered_blocks_activations_and_logits():
     tp_ep, dp_ep = _pair(**{"parallel.ep": 2})
     units = {u["name"]: u for u in dp_ep.comm["fsdp_units"]}
     halves = {u["name"]: u for u in tp_ep.comm["fsdp_units"]}
-    assert halves["blocks"]["params"] == units["blocks"]["params"] // 2 and halves["blocks"]["ranks"] == 2
+    # ... but the router, which every TP rank holds whole, in a unit of its own over the fsdp*cp*tp ranks
+    router = halves["moe layers"]["params"]
+    assert router == 2048 * 128 and halves["moe layers"]["ranks"] == 4
+    assert halves["blocks"]["params"] + router // 2 == units["blocks"]["params"] // 2
+    assert halves["blocks"]["ranks"] == 2
     assert halves["root"]["params"] == units["root"]["params"] // 2
     assert halves["experts"] == units["experts"]  # EP's, whole
-    biggest = halves["blocks"]["params"] + halves["experts"]["params"]
+    biggest = halves["blocks"]["params"] + router + halves["experts"]["params"]
     assert tp_ep.memory["gathered_params"] == (2 * 2 + 4) * biggest < dp_ep.memory["gathered_params"]
     assert tp.memory["logits"] == pytest.approx(dp.memory["logits"] / 2, rel=1e-3)
-    # the same micro batch (2 x 4096 tokens) a tp-th per rank, the gathered inputs of attention and FFN whole
+    # the same micro batch (2 x 4096 tokens) a tp-th per rank, the gathered input of attention whole (the MoE
+    # layers route their sequence shard: moelab.parallel.tensor)
     cfg = load_config(PROXY, BF16)
     per_tok = sum(saved_per_token(cfg, True, 2).values()) - saved_per_token(cfg, True, 2)["input"]
     T, layers = 2 * 4096, cfg.model.num_layers
+    assert cfg.model.num_dense_layers == 0
     assert tp.activations_per_micro_batch["none"] == pytest.approx(
-        layers * (T / 2 * per_tok + T / 2 * 2 * tp_gathered_per_token(cfg, 2)) + T / 2 * 2048 * (4 + 4), rel=1e-6)
+        layers * (T / 2 * per_tok + T / 2 * 1 * tp_gathered_per_token(cfg, 2)) + T / 2 * 2048 * (4 + 4), rel=1e-6)
 
 
 def test_tp_collectives_are_counted_per_block_and_micro_batch():
@@ -58,10 +64,13 @@ def test_tp_collectives_are_counted_per_block_and_micro_batch():
     c, T, D = tp.comm, 2 * 4096, 2048
     assert c["tp_bytes_per_collective"] == T * D * 2 // 2  # (tp - 1) / tp of the micro batch's hidden states
     m, layers = tp.micro_batches_per_step, 8
-    assert c["tp_collectives_per_step"] == m * (layers * 8 + 2 + 2)  # + embedding and head on the one stage
+    # attention's 4 per MoE block (the MoE layer routes its sequence shard), + embedding and head on the one stage
+    assert c["tp_collectives_per_step"] == m * (layers * 4 + 2 + 2)
     full = plan(load_config(PROXY, {**BF16, "parallel.tp": 2, "parallel.fsdp": 2,
                                     "train.activation_checkpointing": "full"}), gpus=4).comm
-    assert tp_collectives_per_layer("full") == 12 and full["tp_collectives_per_step"] == m * (layers * 12 + 4)
+    assert tp_collectives_per_layer("full", 1) == 6 and full["tp_collectives_per_step"] == m * (layers * 6 + 4)
+    assert tp_collectives_per_layer("none") == 8  # a dense block: attention and its MLP
+    assert tp_collectives_per_layer("full") == 11  # the rerun stops before the MLP's reduce-scatter
     assert plan(load_config(PROXY, BF16), gpus=1).comm["tp_bytes_per_step"] == 0
 
 
