@@ -25,20 +25,29 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
   products, their weights FSDP2-sharded over the dp*cp*tp ranks.
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
-- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
+- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, the library fused losses (liger, cce)
   (moelab.config.rules refuses each by name).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
-  sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
+  sharded logits, or (backend.loss=chunked) on the head's rows chunk by chunk (moelab.backends.vocab_parallel):
+  no rank holds [B, L, V].
+- Padding (model.pad_token_id): the embedding's pad row gets no gradient on the rank that holds it (DTensor's
+  sharded embedding keeps nn.Embedding's padding_idx); the MoE layer takes its sequence shard's columns of the
+  token mask (``_sequence_share``) and the routers' masked means divide by the count over the ranks of the
+  sequence (moelab.model.router).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from moelab.config import Config
+from moelab.model.batch_context import BatchContext
 from moelab.model.mla import MLAttention
 from moelab.parallel.context import mean_over_ranks
 from moelab.parallel.expert_parallel import _ScaleGrad
@@ -143,15 +152,28 @@ def _mlp_plan() -> dict:
             "down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
 
 
+def _sequence_share(ctx: BatchContext, x_BLD: DTensor) -> BatchContext:
+    """The batch context of this rank's sequence shard of `x_BLD` (a DTensor Shard(1)): the token mask's columns
+    of its positions (padding stays out of the router's losses and counts on every rank)."""
+    if ctx.token_mask_BL is None:
+        return ctx
+    (_, Lr, _), (_, start, _) = compute_local_shape_and_global_offset(x_BLD.shape, x_BLD.device_mesh,
+                                                                       x_BLD.placements)
+    return dataclasses.replace(ctx, token_mask_BL=ctx.token_mask_BL[:, start:start + Lr])
+
+
 def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
-    """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens, its output back as
-    a sequence shard; its parameters' gradients x tp (the TP ranks' token shares of one loss add up, FSDP2
-    averages), its input's gradient unchanged."""
+    """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens (and its batch
+    context's token mask as their columns), its output back as a sequence shard; its parameters' gradients x tp
+    (the TP ranks' token shares of one loss add up, FSDP2 averages), its input's gradient unchanged."""
     tp = tp_mesh.size()
 
     def pre_hook(module, args):
-        x_BLrD = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
-        return (_ScaleGrad.apply(x_BLrD, 1.0 / tp),) + tuple(args[1:])
+        x_BLrD, rest = args[0], tuple(args[1:])
+        if isinstance(x_BLrD, DTensor):
+            rest = (_sequence_share(rest[0], x_BLrD),) + rest[1:] if rest else rest
+            x_BLrD = x_BLrD.to_local()
+        return (_ScaleGrad.apply(x_BLrD, 1.0 / tp),) + rest
 
     def post_hook(module, args, y_BLrD):
         return DTensor.from_local(_ScaleGrad.apply(y_BLrD, float(tp)), tp_mesh, (Shard(1),), run_check=False)
