@@ -247,8 +247,6 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
          "experts apart, outside the MoE layer's sequence-shard boundary)"),
         ("train.compile", t.compile, t.compile, "set train.compile=false"),
         ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
-        ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
-         "TP-sharded yet)"),
         ("backend.fake_balanced_gate", b.fake_balanced_gate, b.fake_balanced_gate, "set "
          "backend.fake_balanced_gate=false (its round-robin assignment counts a rank's sequence shard)"),
     ] if bad]

@@ -25,8 +25,12 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
   products, their weights FSDP2-sharded over the dp*cp*tp ranks.
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
-- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, the library fused losses (liger, cce)
-  (moelab.config.rules refuses each by name).
+- LoRA (train.lora): a column-parallel base's adapters A replicated, B column-parallel; a row-parallel base's A
+  row-parallel, B replicated (``_shard_adapters``); the routed experts' grouped adapters follow EP.
+- Packed SFT batches: the attention gathers the whole sequence, whose document ids and positions it takes as
+  they are; the MoE layer and the loss mask as for padding.
+- Not yet: selective recompute, compile, FP8, the library fused losses (liger, cce) (moelab.config.rules
+  refuses each by name).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits, or (backend.loss=chunked) on the head's rows chunk by chunk (moelab.backends.vocab_parallel):
   no rank holds [B, L, V].
@@ -48,6 +52,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from moelab.config import Config
 from moelab.model.batch_context import BatchContext
+from moelab.model.lora import LoRALinear
 from moelab.model.mla import MLAttention
 from moelab.parallel.context import mean_over_ranks
 from moelab.parallel.expert_parallel import _ScaleGrad
@@ -193,6 +198,9 @@ def set_token_means(model: nn.Module, tokens_mesh) -> None:
 def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
     """Shard the meta-device `model` (or pipeline stage) over meshes.tp, in place (see the module docstring)."""
     tp = meshes.tp
+    # torch's styles register new parameters, some trainable whatever the old one was (SequenceParallel's and
+    # distribute_module's replicated ones): LoRA's frozen base (moelab.model.lora) is frozen again after them
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if model.tok_embeddings is not None:
         parallelize_module(model.tok_embeddings, tp, RowwiseParallel(input_layouts=Replicate(),
                                                                      output_layouts=Shard(1), use_local_output=False))
@@ -212,7 +220,28 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     if model.output is not None:
         parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                              use_local_output=False))
+    _shard_adapters(model, tp)
     model.tie_weights()  # tied: the head IS the embedding again (both sharded by vocabulary rows, Shard(0))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+
+
+def _shard_adapters(model: nn.Module, mesh) -> None:
+    """LoRA adapters (moelab.model.lora.LoRALinear, on the meta device) placed by their base's placement:
+    column-parallel (weight Shard(0)): A [R, I] replicated, B [O, R] by output rows; row-parallel (Shard(1)): A
+    by input columns, B replicated (its input, x A^T, is a partial sum until the base's reduce-scatter); a
+    replicated base (RepeatedPerHeads) has replicated adapters already."""
+    adapter_placements = {Shard(0): {"lora_A": Replicate(), "lora_B": Shard(0)},
+                          Shard(1): {"lora_A": Shard(1), "lora_B": Replicate()}}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, LoRALinear) and isinstance(weight, DTensor)):
+            continue
+        for name, placement in adapter_placements.get(weight.placements[0], {}).items():
+            p = getattr(module, name)
+            meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            module.register_parameter(name, nn.Parameter(distribute_tensor(meta, mesh, (placement,)),
+                                                         requires_grad=p.requires_grad))
 
 
 def place_tp_gradients(model: nn.Module, tp_mesh) -> None:
