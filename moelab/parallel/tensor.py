@@ -27,17 +27,17 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
 - LoRA (train.lora): a column-parallel base's adapters A replicated, B column-parallel; a row-parallel base's A
   row-parallel, B replicated (``_shard_adapters``); the routed experts' grouped adapters follow EP.
-- Packed SFT batches: the attention gathers the whole sequence, whose document ids and positions it takes as
-  they are; the MoE layer and the loss mask as for padding.
-- Not yet: selective recompute, compile, FP8, the library fused losses (liger, cce) (moelab.config.rules
-  refuses each by name).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits, or (backend.loss=chunked) on the head's rows chunk by chunk (moelab.backends.vocab_parallel):
   no rank holds [B, L, V].
-- Padding (model.pad_token_id): the embedding's pad row gets no gradient on the rank that holds it (DTensor's
-  sharded embedding keeps nn.Embedding's padding_idx); the MoE layer takes its sequence shard's columns of the
-  token mask (``_sequence_share``) and the routers' masked means divide by the count over the ranks of the
-  sequence (moelab.model.router).
+- Padding (model.pad_token_id): the embedding's pad row gets no gradient (DTensor's embedding backward runs over
+  the whole vocabulary with nn.Embedding's global padding_idx, then each rank keeps its rows); the MoE layer
+  takes its sequence shard's columns of the token mask (``_sequence_share``) and the routers' masked means
+  divide by the count over the ranks of the sequence (moelab.model.router).
+- Packed SFT batches: the attention gathers the whole sequence, whose document ids and positions it takes as
+  they are; the MoE layer and the loss take its masks as they take padding's.
+- Not yet: selective recompute, compile, FP8, the library fused losses (liger, cce) (moelab.config.rules
+  refuses each by name).
 """
 from __future__ import annotations
 

@@ -34,6 +34,12 @@ LAYOUTS = {  # name: (processes, overrides of the reference and the TP run alike
             ["parallel.tp=2"]),
     "tp2-deepseek": (2, DEEPSEEK, ["parallel.tp=2"]),  # q_a/kv_a repeated, q_b/kv_b column-parallel
     "tp2xfsdp2": (4, (), ["parallel.tp=2"]),  # adapters FSDP2-sharded on the 2-D mesh
+    # GPT-OSS: biased projections (a column-parallel base's bias sharded, a row-parallel one's replicated), sinks
+    "tp2-gptoss": (2, ("model.attention_sinks=true", "model.sliding_window=4", "model.num_dense_layers=0",
+                       "model.attention_bias=true", "model.moe.router_bias=true", "model.moe.expert_proj_bias=true",
+                       "model.moe.score_func=softmax_topk", "model.moe.norm_topk_prob=false",
+                       "model.moe.activation=gpt_oss", "backend.attention=eager",
+                       "train.lora.targets=attention,experts"), ["parallel.tp=2"]),
 }
 
 
@@ -68,8 +74,9 @@ def test_lora_under_tp_reproduces_single_process(name, reference, helpers, lora_
     # and the routed experts
     assert any(k.endswith("q_proj.lora_A") or k.endswith("q_b_proj.lora_A") for k in adapters)
     assert any(k.endswith("o_proj.lora_B") for k in adapters)
-    if "experts" in cfg.train.lora.targets:
-        assert any("down_proj.lora_B" in k for k in adapters) and any(".experts.lora_" in k for k in adapters)
+    targets = cfg.train.lora.targets.split(",")
+    assert ("dense_mlp" in targets) == any(".ffn.down_proj.lora_B" in k for k in adapters)
+    assert ("experts" in targets) == any(".experts.lora_" in k for k in adapters)
     # every adapter of rank 0 is a DTensor (placed on the TP mesh), none left a plain tensor
     placed = json.loads((run_dir / "placement_rank0.json").read_text())["params"]
     assert all(kind == "dtensor" for key, kind in placed.items() if is_adapter(key)), placed

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moelab.config import ConfigError, load_config
+from moelab.contract.stream import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +21,9 @@ LR = 0.003  # tiny's train.lr
 PAD = 168  # a token of the synthetic data (it occurs on both sequence halves) in rank 1's vocabulary rows
 # name: (processes, overrides of the reference and the TP run alike, TP layout)
 LAYOUTS = {
-    # micro batches of 64 tokens in chunks of 24: three chunks, the last one short
-    "tp2-chunked": (2, ("backend.loss=chunked", "backend.loss_chunk_tokens=24"), ["parallel.tp=2"]),
+    # micro batches of 64 tokens in chunks of 24: three chunks, the last one short; evaluated without gradients
+    "tp2-chunked": (2, ("backend.loss=chunked", "backend.loss_chunk_tokens=24", "train.eval_every=2",
+                        "train.eval_batches=2"), ["parallel.tp=2"]),
     "tp2-full": (2, ("backend.loss=full",), ["parallel.tp=2"]),
     "tp2-pad": (2, (f"model.pad_token_id={PAD}",), ["parallel.tp=2"]),
     "tp2-pad-full": (2, (f"model.pad_token_id={PAD}", "backend.loss=full"), ["parallel.tp=2"]),
@@ -41,6 +43,9 @@ def check_reproduces(ref, run, helpers):
     assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in ref_ev], rel=1e-5)
     assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=1e-4)
     helpers.assert_within(params, ref_params, None, max_abs=LR / 3, max_rel=2e-3)
+    evals = [[e["loss"] for e in read_events(Path(d) / "metrics.jsonl") if e["event"] == "eval"]
+             for d in (ref_dir, run_dir)]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-5)
 
 
 def run_layout(name, reference, helpers, tmp_path):
@@ -56,6 +61,8 @@ def test_tensor_parallel_losses_reproduce_single_process(name, reference, helper
     ref, params, placed = run_layout(name, reference, helpers, tmp_path)
     kind = "full" if name.endswith("-full") else "chunked"  # backend.loss=auto takes chunked on the CPU
     assert placed["loss_kind"] == kind
+    if name == "tp2-chunked":
+        assert len([e for e in read_events(tmp_path / "metrics.jsonl") if e["event"] == "eval"]) == 2
     if "pad" in name:  # the padding row: zero at init, no gradient, so zero after training, as in one process
         assert params["tok_embeddings.weight"][PAD].abs().max().item() == 0.0
         assert ref[1]["tok_embeddings.weight"][PAD].abs().max().item() == 0.0
