@@ -12,7 +12,9 @@ log-sum-exp, loss and the gradient of the logits (softmax - one-hot) in fp32, an
 [C, D], d weight [V, D] accumulated in fp32 over the chunks), all in forward: the loss is a scalar, so its
 gradients are known up to the scale backward receives (Liger Kernel's scheme: three matmuls, not the four of
 recomputing the logits in backward). Backward only scales them. With train.compile on CUDA the per-chunk logits
-work is torch.compile'd (inductor fuses the upcast, log-sum-exp and softmax - one-hot into one pass).
+work is torch.compile'd (inductor fuses the upcast, log-sum-exp and softmax - one-hot into one pass). A head
+sharded by vocabulary rows (tensor parallelism) takes the same scheme on its rows, the log-sum-exp combined over
+the TP ranks (moelab.backends.vocab_parallel); `full` there computes the loss on the sharded logits.
 
     loss = lm_loss(h_BLD, model.output, targets_BL, kind="chunked", pad_token_id=-1)
 """
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelab.planner.loss import chunk_tokens
-from moelab.backends.full_loss import IGNORE_INDEX, cross_entropy
+from moelab.backends.full_loss import IGNORE_INDEX, _is_dtensor, cross_entropy
+from moelab.backends.head_grad import add_weight_grad, weight_grad
 
 KINDS = ("chunked", "full", "liger", "cce")
 
@@ -59,31 +62,6 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _weight_grad(d_CV: torch.Tensor, h_CD: torch.Tensor) -> torch.Tensor:
-    """d^T h in fp32: the first chunk's term writes the accumulator (no zeros to read back)."""
-    if d_CV.is_cuda and d_CV.dtype != torch.float32:
-        try:
-            return torch.mm(d_CV.t(), h_CD, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=)
-            pass
-    return (d_CV.t() @ h_CD).float()
-
-
-def _add_weight_grad(dw_VD: torch.Tensor, d_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
-    """dw += d^T h, accumulated in fp32. On CUDA the bf16 GEMM adds into the fp32 accumulator in place
-    (addmm with out_dtype): one read and one write of it per chunk, where a separate fp32 product and an add
-    would cost two more passes over [V, D] fp32 per chunk."""
-    if dw_VD.dtype == d_CV.dtype:
-        dw_VD.addmm_(d_CV.t(), h_CD)
-    elif d_CV.is_cuda:
-        try:
-            torch.addmm(dw_VD, d_CV.t(), h_CD, out_dtype=dw_VD.dtype, out=dw_VD)
-        except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=)
-            dw_VD.add_(d_CV.t() @ h_CD)
-    else:
-        dw_VD.add_(d_CV.t() @ h_CD)
-
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of (h_TD @ w_VD^T) against targets_T (-100 = left out), chunked over tokens; both
     gradients computed in forward (see the module docstring).
@@ -107,9 +85,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += loss_c
             torch.mm(d_CV, w_c, out=dh_TD[s:s + chunk])
             if dw_VD is None:
-                dw_VD = _weight_grad(d_CV, h_CD)
+                dw_VD = weight_grad(d_CV, h_CD)
             else:
-                _add_weight_grad(dw_VD, d_CV, h_CD)
+                add_weight_grad(dw_VD, d_CV, h_CD)
             del d_CV
         # kept in the dtypes autograd hands them back in: a bf16 head's gradient needs no fp32 copy until backward
         ctx.dh_TD, ctx.dw_VD = dh_TD.to(h_TD.dtype), dw_VD.to(w_VD.dtype)
@@ -148,6 +126,15 @@ def lm_loss(h_BLD: torch.Tensor, head: nn.Module, targets_BL: torch.Tensor, kind
                         f"bias, not {type(head).__name__}; set backend.loss=full")
     if pad_token_id >= 0:
         targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
+    if _is_dtensor(head.weight):  # a vocabulary-parallel head (tensor parallelism): this rank's rows, chunked
+        if kind != "chunked":
+            raise ValueError(f"backend.loss={kind!r} is not vocabulary-parallel; under parallel.tp take "
+                             "backend.loss=chunked or full")
+        from moelab.backends.vocab_parallel import vocab_parallel_linear_cross_entropy
+
+        dtype = compute_dtype(h_BLD)
+        with torch.autocast(h_BLD.device.type, enabled=False):
+            return vocab_parallel_linear_cross_entropy(h_BLD, head.weight, targets_BL, chunk, dtype)
     h_TD, targets_T, w_VD = h_BLD.flatten(0, 1), targets_BL.flatten(), head.weight
     dtype = compute_dtype(h_TD)
     if kind == "liger":

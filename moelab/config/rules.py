@@ -237,21 +237,16 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
     return [(name, value, fix) for name, value, bad, fix in [
         ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
         ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
-        ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
-         "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
+        ("backend.loss", b.loss, b.loss not in ("chunked", "full", "auto"), "set backend.loss=chunked (moelab's "
+         "fused loss, on this rank's vocabulary rows) or full (the loss on vocabulary-sharded logits): "
+         f"{b.loss}'s kernel computes the whole vocabulary's log-sum-exp on one GPU"),
         ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "
          "are not TP-sharded)"),
-        ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "
-         "of a vocabulary-parallel embedding is not implemented yet)"),
-        ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
-         "TP are not implemented yet)"),
         ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing == "selective",
          "set train.activation_checkpointing=full or none (selective recompute calls the router and the routed "
          "experts apart, outside the MoE layer's sequence-shard boundary)"),
         ("train.compile", t.compile, t.compile, "set train.compile=false"),
         ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
-        ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
-         "TP-sharded yet)"),
         ("backend.fake_balanced_gate", b.fake_balanced_gate, b.fake_balanced_gate, "set "
          "backend.fake_balanced_gate=false (its round-robin assignment counts a rank's sequence shard)"),
     ] if bad]
@@ -355,7 +350,7 @@ def _validate_sft(cfg: "Config") -> None:
     for name, value in (("parallel.pp", p.pp), ("parallel.cp", p.cp)):
         if value > 1:
             _fail(name, value, "data.kind='sft' is not supported with pipeline or context parallelism yet "
-                  "(its batches carry loss masks and document boundaries); set it to 1 (fsdp and ep work)")
+                  "(its batches carry loss masks and document boundaries); set it to 1 (fsdp, ep and tp work)")
     for name in ("eval_every", "expert_tokens_every"):
         if getattr(t, name):
             _fail(f"train.{name}", getattr(t, name), "is not supported with data.kind='sft' yet; set it to 0")

@@ -179,7 +179,7 @@ class Router(nn.Module):
             loss = loss + self.cfg.aux_loss_coeff * aux
             stats["aux_loss"] = aux.detach()
         if self.cfg.z_loss_coeff > 0 and self.training:
-            z = _mean(torch.logsumexp(logits_TE, -1).pow(2), mask_T)
+            z = _mean(torch.logsumexp(logits_TE, -1).pow(2), mask_T, self.token_mean)
             loss = loss + self.cfg.z_loss_coeff * z
             stats["z_loss"] = z.detach()
         if record is None:
@@ -235,16 +235,16 @@ class Router(nn.Module):
         probs_TE = self.score.aux_probs(scores_TE)
         onehot_TE = torch.zeros_like(probs_TE).scatter_(1, experts_TK, 1.0)
         mean = self.token_mean or (lambda x: x)
-        if mask_T is not None:
-            m_BL = mask_T.view(B, L).to(probs_TE.dtype)
+        if mask_T is not None:  # sums over the tokens that count, over their count (both means over the ranks
+            m_BL = mask_T.view(B, L).to(probs_TE.dtype)  # sharing the sequences: their quotient is the global one)
             if self.cfg.aux_loss_type == "sequence":
-                n_B1 = m_BL.sum(1, keepdim=True).clamp(min=1)
-                f_BE = mean((onehot_TE.view(B, L, E) * m_BL[..., None]).sum(1) / (n_B1 * K))
-                p_BE = mean((probs_TE.view(B, L, E) * m_BL[..., None]).sum(1) / n_B1)
+                n_B1 = mean(m_BL.sum(1, keepdim=True))
+                f_BE = mean((onehot_TE.view(B, L, E) * m_BL[..., None]).sum(1)) / (n_B1.clamp(min=1) * K)
+                p_BE = mean((probs_TE.view(B, L, E) * m_BL[..., None]).sum(1)) / n_B1.clamp(min=1)
                 # a sequence of padding only adds 0 and is not counted
-                return (E * (f_BE * p_BE).sum(-1)).sum() / (m_BL.sum(1) > 0).sum().clamp(min=1)
-            m_T1, n = m_BL.reshape(-1, 1), m_BL.sum().clamp(min=1)
-            return E * (mean((onehot_TE * m_T1).sum(0) / (n * K)) * mean((probs_TE * m_T1).sum(0) / n)).sum()
+                return (E * (f_BE * p_BE).sum(-1)).sum() / (n_B1 > 0).sum().clamp(min=1)
+            m_T1, n = m_BL.reshape(-1, 1), mean(m_BL.sum()).clamp(min=1)
+            return E * ((mean((onehot_TE * m_T1).sum(0)) / (n * K)) * (mean((probs_TE * m_T1).sum(0)) / n)).sum()
         if self.cfg.aux_loss_type == "sequence":
             f_BE = mean(onehot_TE.view(B, L, E).sum(1) / (L * K))
             p_BE = mean(probs_TE.view(B, L, E).mean(1))
@@ -312,12 +312,15 @@ class Router(nn.Module):
         self.capacity_factor.copy_(1 + 0.5 * torch.sigmoid(spread - 1))
 
 
-def _mean(x_T: torch.Tensor, mask_T: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the tokens that count (all of them without a mask)."""
+def _mean(x_T: torch.Tensor, mask_T: torch.Tensor | None, token_mean=None) -> torch.Tensor:
+    """Mean over the tokens that count (all of them without a mask). `token_mean` (Router.token_mean, when
+    sequences are shared by ranks): the count is the ranks' mean count, so that the ranks' mean of the result is
+    the mean over all their tokens that count (each rank's sum over the same denominator)."""
     if mask_T is None:
         return x_T.mean()
     m_T = mask_T.to(x_T.dtype)
-    return (x_T * m_T).sum() / m_T.sum().clamp(min=1)
+    n = m_T.sum() if token_mean is None else token_mean(m_T.sum())
+    return (x_T * m_T).sum() / n.clamp(min=1)
 
 
 def limit_to_groups(sel_TE: torch.Tensor, groups: int, keep: int, best: int) -> torch.Tensor:

@@ -30,20 +30,34 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
 - Routed experts are EP's, split by expert over ranks that include the TP ranks; no expert TP (docs/layouts.md:
   it doubles the all-to-all and saves no memory while ep can grow).
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
-- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
-  (moelab.config.rules refuses each by name).
+- LoRA (train.lora): a column-parallel base's adapters A replicated, B column-parallel; a row-parallel base's A
+  row-parallel, B replicated (``_shard_adapters``); the routed experts' grouped adapters follow EP.
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
-  sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
+  sharded logits, or (backend.loss=chunked) on the head's rows chunk by chunk (moelab.backends.vocab_parallel):
+  no rank holds [B, L, V].
+- Padding (model.pad_token_id): the embedding's pad row gets no gradient (DTensor's embedding backward runs over
+  the whole vocabulary with nn.Embedding's global padding_idx, then each rank keeps its rows); the MoE layer
+  takes its sequence shard's columns of the token mask (``_sequence_share``) and the routers' masked means
+  divide by the count over the ranks of the sequence (moelab.model.router).
+- Packed SFT batches: the attention gathers the whole sequence, whose document ids and positions it takes as
+  they are; the MoE layer and the loss take its masks as they take padding's.
+- Not yet: selective recompute, compile, FP8, the library fused losses (liger, cce) (moelab.config.rules
+  refuses each by name).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
 from moelab.config import Config
+from moelab.model.batch_context import BatchContext
+from moelab.model.lora import LoRALinear
 from moelab.model.mla import MLAttention
 from moelab.parallel.context import mean_over_ranks
 from moelab.parallel.expert_parallel import _ScaleGrad
@@ -148,15 +162,28 @@ def _mlp_plan() -> dict:
             "down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
 
 
+def _sequence_share(ctx: BatchContext, x_BLD: DTensor) -> BatchContext:
+    """The batch context of this rank's sequence shard of `x_BLD` (a DTensor Shard(1)): the token mask's columns
+    of its positions (padding stays out of the router's losses and counts on every rank)."""
+    if ctx.token_mask_BL is None:
+        return ctx
+    (_, Lr, _), (_, start, _) = compute_local_shape_and_global_offset(x_BLD.shape, x_BLD.device_mesh,
+                                                                       x_BLD.placements)
+    return dataclasses.replace(ctx, token_mask_BL=ctx.token_mask_BL[:, start:start + Lr])
+
+
 def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
-    """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens, its output back as
-    a sequence shard; its parameters' gradients x tp (the TP ranks' token shares of one loss add up, FSDP2
-    averages), its input's gradient unchanged."""
+    """The MoE layer between sequence-parallel DTensors: its input as this rank's plain tokens (and its batch
+    context's token mask as their columns), its output back as a sequence shard; its parameters' gradients x tp
+    (the TP ranks' token shares of one loss add up, FSDP2 averages), its input's gradient unchanged."""
     tp = tp_mesh.size()
 
     def pre_hook(module, args):
-        x_BLrD = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
-        return (_ScaleGrad.apply(x_BLrD, 1.0 / tp),) + tuple(args[1:])
+        x_BLrD, rest = args[0], tuple(args[1:])
+        if isinstance(x_BLrD, DTensor):
+            rest = (_sequence_share(rest[0], x_BLrD),) + rest[1:] if rest else rest
+            x_BLrD = x_BLrD.to_local()
+        return (_ScaleGrad.apply(x_BLrD, 1.0 / tp),) + rest
 
     def post_hook(module, args, y_BLrD):
         return DTensor.from_local(_ScaleGrad.apply(y_BLrD, float(tp)), tp_mesh, (Shard(1),), run_check=False)
@@ -191,6 +218,9 @@ def set_token_means(model: nn.Module, tokens_mesh) -> None:
 def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None:
     """Shard the meta-device `model` (or pipeline stage) over meshes.tp, in place (see the module docstring)."""
     tp = meshes.tp
+    # torch's styles register new parameters, some trainable whatever the old one was (SequenceParallel's and
+    # distribute_module's replicated ones): LoRA's frozen base (moelab.model.lora) is frozen again after them
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if model.tok_embeddings is not None:
         parallelize_module(model.tok_embeddings, tp, RowwiseParallel(input_layouts=Replicate(),
                                                                      output_layouts=Shard(1), use_local_output=False))
@@ -212,7 +242,28 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
     if model.output is not None:
         parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                                              use_local_output=False))
+    _shard_adapters(model, tp)
     model.tie_weights()  # tied: the head IS the embedding again (both sharded by vocabulary rows, Shard(0))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+
+
+def _shard_adapters(model: nn.Module, mesh) -> None:
+    """LoRA adapters (moelab.model.lora.LoRALinear, on the meta device) placed by their base's placement:
+    column-parallel (weight Shard(0)): A [R, I] replicated, B [O, R] by output rows; row-parallel (Shard(1)): A
+    by input columns, B replicated (its input, x A^T, is a partial sum until the base's reduce-scatter); a
+    replicated base (RepeatedPerHeads) has replicated adapters already."""
+    adapter_placements = {Shard(0): {"lora_A": Replicate(), "lora_B": Shard(0)},
+                          Shard(1): {"lora_A": Shard(1), "lora_B": Replicate()}}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, LoRALinear) and isinstance(weight, DTensor)):
+            continue
+        for name, placement in adapter_placements.get(weight.placements[0], {}).items():
+            p = getattr(module, name)
+            meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            module.register_parameter(name, nn.Parameter(distribute_tensor(meta, mesh, (placement,)),
+                                                         requires_grad=p.requires_grad))
 
 
 def place_tp_gradients(model: nn.Module, tp_mesh) -> None:

@@ -392,8 +392,8 @@ def resolve_loss(cfg: Config, gpus: int, gpu_memory_gb: float | None = None, on_
     """
     if cfg.backend.loss != "auto":
         return cfg.backend.loss
-    if cfg.train.fp8 == "rowwise_lm_head" or cfg.parallel.tp > 1:  # the FP8 head is the full loss's head GEMM;
-        return "full"  # under TP the full loss is the one computed on vocabulary-sharded logits
+    if cfg.train.fp8 == "rowwise_lm_head":  # the FP8 head is the full loss's head GEMM
+        return "full"
     if not (on_cuda and cfg.train.compile):
         return "chunked"
     full = plan(cfg.replace(**{"backend.loss": "full"}), gpus=gpus, gpu_memory_gb=gpu_memory_gb)

@@ -27,7 +27,7 @@ def test_overrides_from_cli_strings_and_dicts():
     (["model.moe.score_func=softmx"], "model.moe.score_func='softmx'", "did you mean 'softmax'"),
     (["parallel.ep=3"], "parallel.ep=3", "must divide model.moe.num_experts=16"),
     (["train.global_batch_size=7"], "train.global_batch_size=7", "multiple of train.micro_batch_size"),
-    (["parallel.tp=2", "train.lora.rank=4"], "train.lora.rank=4", "does not run with parallel.tp=2 yet"),
+    (["parallel.tp=2", "backend.loss=liger"], "backend.loss='liger'", "does not run with parallel.tp=2 yet"),
     (["model.num_layers=0"], "model.num_layers=0", ">= 1"),
     (["parallel.ep_overlap=true"], "parallel.ep_overlap=True", "needs parallel.ep > 1"),
     (["parallel.ep=2", "parallel.ep_overlap=true", "backend.dispatcher=deepep",

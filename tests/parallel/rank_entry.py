@@ -8,8 +8,9 @@ gloo worker that frees a finished collective's tensors late (a busy machine) abo
 After training, every parameter is gathered to a full tensor (all shards, all experts) and rank 0 saves them to
 RUN_DIR/params.pt, so a test can compare them with a single-process run; every rank writes
 RUN_DIR/placement_rank<r>.json (``placement``: which parameters are DTensors, the FSDP2 units with their
-reshard and prefetch settings, the optimizer groups' parameter kinds, how many parameters were allocated
-whole or as FSDP2 shards, and FSDP2's collectives in each training step: ``count_collectives``).
+reshard and prefetch settings, the optimizer groups' parameter kinds, the LM head's loss (loss_kind), how many
+parameters were allocated whole or as FSDP2 shards, and FSDP2's collectives in each training step:
+``count_collectives``).
 
 TEST_TRITON_MIN_NUMEL=N lowers TritonAdamW.MIN_NUMEL (train.optimizer=adamw_triton under TRITON_INTERPRET=1), so
 the tiny model's tensors go through the Triton kernel rather than torch's step.
@@ -176,6 +177,8 @@ def main(run_dir: Path) -> None:
     trainer.run()
     (run_dir / f"placement_rank{env.rank}.json").write_text(json.dumps({**placement(trainer.model, trainer.optimizer),
                                                                         "allocated": ALLOCATED,
+                                                                        "loss_kind": getattr(trainer.model,
+                                                                                             "loss_kind", None),
                                                                         "collectives": COLLECTIVES}))
     params = full_state_dict(trainer.par)
     if env.rank == 0:

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from moelab.config import ConfigError, load_config
+from moelab.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -99,15 +99,6 @@ def test_tensor_parallel_reproduces_single_process(name, reference, tp_run, help
     # TP's shards: rank 0's attention, dense MLP, embedding and head are DTensors (nothing left plain)
     placed = json.loads((run_dir / "placement_rank0.json").read_text())["params"]
     assert all(kind == "dtensor" for kind in placed.values()), placed
-
-
-def test_tensor_parallel_loss_is_the_full_loss():
-    """backend.loss=auto resolves to the loss on vocabulary-sharded logits; the fused losses are refused."""
-    from moelab.planner.plan import resolve_loss
-
-    assert resolve_loss(load_config("tiny", ["parallel.tp=2"]), gpus=2, on_cuda=False) == "full"
-    with pytest.raises(ConfigError, match="backend.loss='chunked'.*parallel.tp=2"):
-        load_config("tiny", ["parallel.tp=2", "backend.loss=chunked"])
 
 
 COUNTED = [name for name in LAYOUTS if "xpp2" not in name]  # one stage: the plan's worst rank is every rank
