@@ -245,15 +245,10 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
          "of a vocabulary-parallel embedding is not implemented yet)"),
         ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
          "TP are not implemented yet)"),
-        ("train.activation_checkpointing", t.activation_checkpointing, t.activation_checkpointing == "selective",
-         "set train.activation_checkpointing=full or none (selective recompute calls the router and the routed "
-         "experts apart, outside the MoE layer's sequence-shard boundary)"),
         ("train.compile", t.compile, t.compile, "set train.compile=false"),
         ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
         ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
          "TP-sharded yet)"),
-        ("backend.fake_balanced_gate", b.fake_balanced_gate, b.fake_balanced_gate, "set "
-         "backend.fake_balanced_gate=false (its round-robin assignment counts a rank's sequence shard)"),
     ] if bad]
 
 

@@ -160,6 +160,19 @@ def _moe_gradients(moe: nn.Module, tp_mesh) -> None:
     moe.register_forward_hook(post_hook)
 
 
+def count_whole_sequences(router: nn.Module, tp_mesh) -> None:
+    """The fake balanced gate's round robin (moelab.model.router) over the positions of whole sequences: this
+    rank's Lr tokens of row b are the tokens b*L + rank*Lr + i of one process's count (L = tp*Lr), so TP routes
+    every token as one process does."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def token_index(B, Lr, device):
+        row_B1, i_1Lr = torch.arange(B, device=device)[:, None], torch.arange(Lr, device=device)[None, :]
+        return (row_B1 * (tp * Lr) + rank * Lr + i_1Lr).reshape(-1)
+
+    router.token_index = token_index
+
+
 def set_token_means(model: nn.Module, tokens_mesh) -> None:
     """The routers' loss means over every rank holding a share of the same sequences (the cp*tp ranks of a
     data-parallel rank; after CP's own, which covers its ranks only)."""
@@ -182,6 +195,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
             _shard_sinks(block.attention, tp)
         if block.is_moe:
             _moe_gradients(block.ffn, tp)
+            count_whole_sequences(block.ffn.router, tp)
         else:
             parallelize_module(block.ffn, tp, _gathered(1))
             parallelize_module(block.ffn, tp, _mlp_plan())
