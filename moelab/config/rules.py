@@ -235,18 +235,23 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
     """(field, value, fix) of each setting tensor parallelism (moelab.parallel.tensor) does not run with yet."""
     m, p, t, b = cfg.model, cfg.parallel, cfg.train, cfg.backend
     return [(name, value, fix) for name, value, bad, fix in [
-        ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp"),
-        ("parallel.expert_dp", p.expert_dp, p.expert_dp != "fsdp", "set parallel.expert_dp=fsdp"),
+        ("parallel.data_parallel", p.data_parallel, p.data_parallel != "fsdp", "set parallel.data_parallel=fsdp "
+         "(FSDP2 on the 2-D dp x tp mesh; DDP all-reduces plain gradients over one process group, while TP's "
+         "weights are DTensors and those replicated over the TP ranks (norms, routers, shared experts) need a "
+         "second sum over them, which DDP does not do; torchtitan refuses DDP with any second mesh dimension too)"),
         ("backend.loss", b.loss, b.loss not in ("full", "auto"), "set backend.loss=full (the loss on "
          "vocabulary-sharded logits; the fused losses are not vocabulary-parallel yet)"),
-        ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (TE's projections "
-         "are not TP-sharded)"),
+        ("backend.attention", b.attention, b.attention == "te", "set backend.attention=sdpa (Transformer Engine "
+         "runs on CUDA GPUs only, and its Linear projections are not split by heads under TP: that needs several "
+         "GPUs to build and prove, which this project's tests do not have)"),
         ("model.pad_token_id", m.pad_token_id, m.pad_token_id >= 0, "set model.pad_token_id=-1 (the padding row "
          "of a vocabulary-parallel embedding is not implemented yet)"),
         ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
          "TP are not implemented yet)"),
         ("train.compile", t.compile, t.compile, "set train.compile=false"),
-        ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off"),
+        ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off (FP8 GEMMs run on Hopper GPUs only, and FP8's "
+         "projections are not column/row-parallel DTensors under TP: that needs several GPUs to build and prove, "
+         "which this project's tests do not have)"),
         ("train.lora.rank", t.lora.rank, t.lora.rank > 0, "set train.lora.rank=0 (LoRA adapters are not "
          "TP-sharded yet)"),
     ] if bad]

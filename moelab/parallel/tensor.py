@@ -25,8 +25,13 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   run there too, replicated over TP on the rank's tokens (not column/row-parallel): no collective, the same
   products, their weights FSDP2-sharded over the dp*cp*tp ranks.
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
-- Not yet: selective recompute, compile, FP8, LoRA, packed SFT batches, a padding row, the fused losses
-  (moelab.config.rules refuses each by name).
+- Selective recompute (moelab.model.recompute) runs inside the MoE layer's call, so the hooks above wrap the router
+  and the recomputed rest alike; the fake balanced gate counts this rank's tokens at their positions in the
+  whole sequence (``count_whole_sequences``), so each token meets the experts it meets on one process.
+- Replicated experts (parallel.expert_dp=replicate) average their gradients over the expert-FSDP ranks (which hold
+  the TP ranks) where FSDP2 would reduce-scatter them: the same x tp scaling applies.
+- Not yet: compile, FP8 and TE attention (GPU-only), DDP, LoRA, packed SFT batches, a padding row, the fused
+  losses (moelab.config.rules refuses each by name, with the reason).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
 """

@@ -30,6 +30,10 @@ LAYOUTS = {  # name: (processes, layout overrides, overrides shared with the sin
     "tp2xep2-selective": (4, ["parallel.tp=2", "parallel.ep=2", SELECTIVE], ()),
     "tp2-fakegate": (2, ["parallel.tp=2"], FAKE_GATE),
     "tp2xep2-fakegate": (4, ["parallel.tp=2", "parallel.ep=2"], FAKE_GATE),
+    # replicated experts: whole on each rank of the expert-FSDP mesh (the TP pair; with EP the dp ranks), their
+    # gradients averaged by the experts' exchange (moelab.parallel.replicate) where FSDP2 would reduce-scatter
+    "tp2-replicate": (2, ["parallel.tp=2", "parallel.expert_dp=replicate"], ()),
+    "tp2xep2-replicate": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.expert_dp=replicate"], ()),
 }
 
 
@@ -59,3 +63,18 @@ def test_feature_under_tensor_parallel_reproduces_single_process(name, reference
     assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in ref_ev], rel=1e-5)
     assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=1e-4)
     helpers.assert_within(params, ref_params, None, max_abs=TP.LR / 3, max_rel=2e-3)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    # GPU-only: no several-GPU machine to build and prove them on
+    (["train.fp8=rowwise", "train.dtype=bfloat16"], r"train.fp8='rowwise'.*parallel.tp=2.*set train.fp8=off "
+                                                    r"\(FP8 GEMMs run on Hopper GPUs only.*several GPUs"),
+    (["backend.attention=te"], r"backend.attention='te'.*parallel.tp=2.*set backend.attention=sdpa "
+                               r"\(Transformer Engine runs on CUDA GPUs only.*several GPUs"),
+    # DDP reduces over one process group; TP's replicated weights need a second sum over the TP ranks
+    (["parallel.data_parallel=ddp"], r"parallel.data_parallel='ddp'.*parallel.tp=2.*set parallel.data_parallel="
+                                     r"fsdp.*second sum over them"),
+])
+def test_what_stays_refused_under_tensor_parallel_says_why(overrides, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config("tiny", ["parallel.tp=2", *overrides])
