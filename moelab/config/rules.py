@@ -248,7 +248,6 @@ def _tp_unsupported(cfg: "Config") -> list[tuple[str, object, str]]:
          "of a vocabulary-parallel embedding is not implemented yet)"),
         ("data.kind", cfg.data.kind, cfg.data.kind == "sft", "use pretraining data (packed SFT batches under "
          "TP are not implemented yet)"),
-        ("train.compile", t.compile, t.compile, "set train.compile=false"),
         ("train.fp8", t.fp8, t.fp8 != "off", "set train.fp8=off (FP8 GEMMs run on Hopper GPUs only, and FP8's "
          "projections are not column/row-parallel DTensors under TP: that needs several GPUs to build and prove, "
          "which this project's tests do not have)"),

@@ -30,8 +30,10 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   whole sequence (``count_whole_sequences``), so each token meets the experts it meets on one process.
 - Replicated experts (parallel.expert_dp=replicate) average their gradients over the expert-FSDP ranks (which hold
   the TP ranks) where FSDP2 would reduce-scatter them: the same x tp scaling applies.
-- Not yet: compile, FP8 and TE attention (GPU-only), DDP, LoRA, packed SFT batches, a padding row, the fused
-  losses (moelab.config.rules refuses each by name, with the reason).
+- train.compile compiles each block after this placement (torchtitan's order: moelab.parallel.place.apply_compile):
+  dynamo traces the DTensor block, its sequence collectives included.
+- Not yet: FP8 and TE attention (GPU-only), DDP, LoRA, packed SFT batches, a padding row, the fused losses
+  (moelab.config.rules refuses each by name, with the reason).
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits (moelab.backends.vocab_parallel): no rank holds [B, L, V].
 """

@@ -65,6 +65,49 @@ def test_feature_under_tensor_parallel_reproduces_single_process(name, reference
     helpers.assert_within(params, ref_params, None, max_abs=TP.LR / 3, max_rel=2e-3)
 
 
+def test_selective_recompute_reruns_only_the_sequence_all_gathers(tp_run, helpers):
+    """Selective recompute under TP: the recomputed attention and dense MLP pieces all-gather their input again
+    (one more all-gather per attention and dense MLP per micro batch: moelab.planner.plan.tp_collectives_per_layer
+    counts 2 per block); the reduce-scatters of their outputs do not run again (the recompute stops once it has
+    what backward needs: torch's non-reentrant checkpoint, and nothing after the row-parallel GEMM is needed)."""
+    nproc, overrides, shared = LAYOUTS["tp2-selective"]
+    cfg = helpers.small_config(*TP.SHARED, *shared, *overrides)
+    m = cfg.model
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * (nproc // 2))
+    plain = TP.tp_collectives_per_step(cfg, micro)
+    steps = json.loads((tp_run("tp2-selective")[2] / "placement_rank0.json").read_text())["collectives"]
+    for got in steps:
+        assert (got["tp_all_gathers"], got["tp_reduce_scatters"]) == (plain + micro * (m.num_layers + m.num_dense_layers),
+                                                                      plain), got
+
+
+@pytest.mark.parametrize("name, nproc, layout", [("tp2", 2, ["parallel.tp=2"]),
+                                                 ("tp2xep2", 4, ["parallel.tp=2", "parallel.ep=2"])])
+def test_compiled_blocks_under_tensor_parallel_reproduce_single_process(name, nproc, layout, reference, helpers,
+                                                                        tmp_path):
+    """train.compile=true: each block compiled after TP placed its DTensors (torchtitan's order), with the
+    aot_eager backend (compile_backend_entry: dynamo and AOTAutograd trace the DTensor block, the graphs run op by
+    op, the same products as eager: held to the uncompiled single process within TP's bounds)."""
+    import os
+
+    import torch
+
+    from moelab.launch.local import run_local_processes
+
+    ref_losses, ref_params, ref_dir = reference(*TP.SHARED)
+    cfg = helpers.small_config(*TP.SHARED, *layout, "train.compile=true")
+    path = os.pathsep.join(filter(None, [str(helpers.here), os.environ.get("PYTHONPATH")]))
+    run_local_processes(cfg, tmp_path, nproc, entry="compile_backend_entry",
+                        env={"PYTHONPATH": path, "TEST_COMPILE_BACKEND": "aot_eager"})
+    for rank in range(nproc):  # every rank compiled its blocks (a graph per block kind and pass, or more)
+        assert len((tmp_path / f"compiled_rank{rank}.txt").read_text().split()) >= 2, rank
+    losses, params = helpers.step_losses(tmp_path), torch.load(tmp_path / "params.pt")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    ref_ev, ev = helpers.step_events(ref_dir), helpers.step_events(tmp_path)
+    assert [e["routing"]["tokens_per_expert"] for e in ev] == [e["routing"]["tokens_per_expert"] for e in ref_ev]
+    helpers.assert_within(params, ref_params, None, max_abs=TP.LR / 3, max_rel=2e-3)
+
+
 @pytest.mark.parametrize("overrides, says", [
     # GPU-only: no several-GPU machine to build and prove them on
     (["train.fp8=rowwise", "train.dtype=bfloat16"], r"train.fp8='rowwise'.*parallel.tp=2.*set train.fp8=off "
