@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 from torch._dynamo import lookup_backend
 
@@ -28,6 +29,9 @@ def use_backend(name: str, log: Path) -> None:
             f.write(f"{len(gm.graph.nodes)}\n")
         return compile_graph(gm, example_inputs)
 
+    # the fp32 CPU experts' per-expert loop recompiles for each row count (moelab.model.experts): after two, dynamo
+    # runs that frame eagerly, which is what it does after its default eight; the blocks' graphs are unchanged
+    torch._dynamo.config.recompile_limit = 2
     inner = nn.Module.compile
     nn.Module.compile = lambda self, *args, **kwargs: inner(self, *args, **{"backend": backend, **kwargs})
 
