@@ -151,9 +151,15 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
         self.dispatcher = LocalDispatcher()
 
-    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT, record: dict | None = None) -> torch.Tensor:
-        """`record`: a dict that takes the router's statistics instead of its buffers (Router.forward)."""
-        return self.routed(x_BLD, *self.router(x_BLD, ctx.token_mask_BL, record), loss_scale=ctx.loss_scale)
+    def forward(self, x_BLD: torch.Tensor, ctx: BatchContext = NO_CONTEXT, record: dict | None = None,
+                routed=None) -> torch.Tensor:
+        """`record`: a dict that takes the router's statistics instead of its buffers (Router.forward).
+        `routed(moe, x_BLD, route, loss_scale)`: runs everything after the router in place of ``self.routed``
+        (selective recompute: moelab.model.recompute), so that both stay inside this module's call."""
+        route = self.router(x_BLD, ctx.token_mask_BL, record)
+        if routed is None:
+            return self.routed(x_BLD, *route, loss_scale=ctx.loss_scale)
+        return routed(self, x_BLD, route, ctx.loss_scale)
 
     def routed(self, x_BLD, weights_TK, experts_TK, keep_TK, router_loss, loss_scale: float = 1.0,
                run=None) -> torch.Tensor:

@@ -65,10 +65,17 @@ def selective_forward(block, x_BLD, cos_LD, sin_LD, ctx):
     if not block.is_moe:
         return h_BLD + _piece(lambda h: block.ffn(block.ffn_norm(h)), h_BLD)
     xn_BLD = _piece(block.ffn_norm, h_BLD)
-    route = block.ffn.router(xn_BLD, ctx.token_mask_BL)  # outside any checkpoint: kept, never recomputed
-    if block.ffn.dispatcher.exchanges:  # keep what the dispatch delivered; recompute inside the experts only
-        return h_BLD + block.ffn.routed(xn_BLD, *route, loss_scale=ctx.loss_scale, run=_piece)
-    return h_BLD + _piece(functools.partial(block.ffn.routed, loss_scale=ctx.loss_scale), xn_BLD, *route)
+    return h_BLD + block.ffn(xn_BLD, ctx, routed=_selective_routed)
+
+
+def _selective_routed(moe, xn_BLD, route, loss_scale: float):
+    """The MoE layer after its router (MoE.forward's `routed`): the router ran outside any checkpoint, so its
+    choices are kept and never recomputed; the rest is checkpointed as the module docstring says. Called inside
+    the layer's own call, so what wraps that call (tensor parallelism's sequence-shard boundary,
+    moelab.parallel.tensor) wraps the recompute too."""
+    if moe.dispatcher.exchanges:  # keep what the dispatch delivered; recompute inside the experts only
+        return moe.routed(xn_BLD, *route, loss_scale=loss_scale, run=_piece)
+    return _piece(functools.partial(moe.routed, loss_scale=loss_scale), xn_BLD, *route)
 
 
 def full_forward(block, x_BLD, cos_LD, sin_LD, ctx):

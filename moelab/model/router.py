@@ -128,6 +128,10 @@ class Router(nn.Module):
         # Means over the tokens of a batch that other ranks share (context parallelism sets an autograd-aware
         # mean over its ranks, moelab.parallel.context); None: this rank holds whole sequences.
         self.token_mean = None
+        # The fake balanced gate's count of this call's tokens: None counts them 0..T-1 (B*L, whole sequences);
+        # tensor parallelism, whose rank holds a share of each sequence, counts positions of the whole one
+        # (moelab.parallel.tensor): token_index(B, L, device) -> [T] long.
+        self.token_index = None
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None  # GPT-OSS: learned
         # fp32 always: the bias is compared against fp32 scores and moved by tiny steps.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -162,7 +166,7 @@ class Router(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = router_logits(x_TD, self.weight, self.bias)
         if self.fake_balanced_gate:
-            experts_TK = self._balanced_assignment(x_TD)
+            experts_TK = self._balanced_assignment(x_TD, B, L)
             weights_TK = torch.full(experts_TK.shape, 1.0 / self.top_k, device=x_TD.device)
             scores_TE = torch.softmax(logits_TE, -1)
         else:
@@ -200,11 +204,13 @@ class Router(nn.Module):
                                      -(-self.top_k // cfg.max_routed_ranks))
         return sel_TE.topk(self.top_k, dim=-1).indices
 
-    def _balanced_assignment(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Round-robin top-k for reproducible benchmarks; optional noise is seeded by token content, so an
-        activation-checkpoint recompute routes identically."""
-        T, K, E = x_TD.shape[0], self.top_k, self.num_experts
-        base_T = torch.arange(T, device=x_TD.device) * K
+    def _balanced_assignment(self, x_TD: torch.Tensor, B: int, L: int) -> torch.Tensor:
+        """Round-robin top-k for reproducible benchmarks (token t's K experts start at t*K, t counted by
+        ``token_index``); optional noise is seeded by token content, so an activation-checkpoint recompute routes
+        identically."""
+        K, E = self.top_k, self.num_experts
+        count = self.token_index or (lambda B, L, device: torch.arange(B * L, device=device))
+        base_T = count(B, L, x_TD.device) * K
         if self.fake_gate_noise > 0:
             content = (x_TD[:, 0].detach().float() * 9973.0).frac().abs()
             base_T = base_T + (content * self.fake_gate_noise * E).long()

@@ -190,7 +190,8 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
     """EP, CP, activation checkpointing, FSDP2 and materialisation with the single-process weights, in order.
     FSDP2 wraps the meta-device model, so each rank allocates only its shards (torchtitan's order); DDP and
     replicated experts need their weights before wrapping, so those layouts materialise first. Tensor
-    parallelism comes first, on the meta device (moelab.parallel.tensor; it runs with FSDP2 only)."""
+    parallelism comes first, on the meta device (moelab.parallel.tensor; with FSDP2 for the dense weights, the
+    experts FSDP2-sharded or replicated). Returns the replicated experts' gradient exchange, or None."""
     if meshes.tp is not None:
         from moelab.parallel.tensor import apply_tensor_parallel
 
@@ -205,17 +206,20 @@ def place_stage(model: nn.Module, cfg: Config, env: DistEnv, meshes: Meshes, cp:
         cp.apply(model, cfg.train.seq_len)
     apply_activation_checkpointing(model, cfg)
     apply_compile(model, cfg)  # per block, inside FSDP's wrapping, as on one process
+    exchange = None
     if replicated:
         from moelab.parallel.replicate import apply_data_parallel
 
-        return apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
-    apply_fsdp(model, cfg, meshes)
-    materialize(model, cfg, env.device)
+        exchange = apply_data_parallel(model, cfg, meshes, env.device, apply_fsdp)  # DDP and/or replicated experts
+    else:
+        apply_fsdp(model, cfg, meshes)
+        materialize(model, cfg, env.device)
     if meshes.tp is not None:
         from moelab.parallel.tensor import place_tp_gradients, set_token_means
 
         place_tp_gradients(model, meshes.tp)
         set_token_means(model, meshes.tokens)  # after CP's (cp.apply above)
+    return exchange
 
 
 def parallelize_pipeline(model: nn.Module, cfg: Config, env: DistEnv, dims: ParallelDims,

@@ -32,6 +32,13 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
 - Pipeline stages pass this rank's plain sequence shard between ranks (``sequence_shard_boundaries``).
 - LoRA (train.lora): a column-parallel base's adapters A replicated, B column-parallel; a row-parallel base's A
   row-parallel, B replicated (``_shard_adapters``); the routed experts' grouped adapters follow EP.
+- Selective recompute (moelab.model.recompute) runs inside the MoE layer's call, so the hooks above wrap the router
+  and the recomputed rest alike; the fake balanced gate counts this rank's tokens at their positions in the
+  whole sequence (``count_whole_sequences``), so each token meets the experts it meets on one process.
+- Replicated experts (parallel.expert_dp=replicate) average their gradients over the expert-FSDP ranks (which hold
+  the TP ranks) where FSDP2 would reduce-scatter them: the same x tp scaling applies.
+- train.compile compiles each block after this placement (torchtitan's order: moelab.parallel.place.apply_compile):
+  dynamo traces the DTensor block, its sequence collectives included.
 - LM head: vocabulary-parallel (column-parallel, logits stay a DTensor sharded on V) and the loss computed on the
   sharded logits, or (backend.loss=chunked) on the head's rows chunk by chunk (moelab.backends.vocab_parallel):
   no rank holds [B, L, V].
@@ -41,8 +48,9 @@ sequence (a DTensor Shard(1)), so the norms run on a share of the tokens (Sequen
   divide by the count over the ranks of the sequence (moelab.model.router).
 - Packed SFT batches: the attention gathers the whole sequence, whose document ids and positions it takes as
   they are; the MoE layer and the loss take its masks as they take padding's.
-- Not yet: selective recompute, compile, FP8, the library fused losses (liger, cce) (moelab.config.rules
-  refuses each by name).
+- Not yet: FP8 and TE attention (GPU-only: several GPUs to build and prove them), DDP (FSDP2's 2-D mesh
+  instead), the library fused losses (liger, cce: the whole vocabulary on one GPU) (moelab.config.rules refuses
+  each by name, with the reason).
 """
 from __future__ import annotations
 
@@ -207,6 +215,19 @@ def _shard_shared_experts(shared: nn.Module, tp_mesh) -> None:
     parallelize_module(shared, tp_mesh, {**_mlp_plan(), "down_proj": RowwiseParallel(output_layouts=Shard(0))})
 
 
+def count_whole_sequences(router: nn.Module, tp_mesh) -> None:
+    """The fake balanced gate's round robin (moelab.model.router) over the positions of whole sequences: this
+    rank's Lr tokens of row b are the tokens b*L + rank*Lr + i of one process's count (L = tp*Lr), so TP routes
+    every token as one process does."""
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def token_index(B, Lr, device):
+        row_B1, i_1Lr = torch.arange(B, device=device)[:, None], torch.arange(Lr, device=device)[None, :]
+        return (row_B1 * (tp * Lr) + rank * Lr + i_1Lr).reshape(-1)
+
+    router.token_index = token_index
+
+
 def set_token_means(model: nn.Module, tokens_mesh) -> None:
     """The routers' loss means over every rank holding a share of the same sequences (the cp*tp ranks of a
     data-parallel rank; after CP's own, which covers its ranks only)."""
@@ -234,6 +255,7 @@ def apply_tensor_parallel(model: nn.Module, cfg: Config, meshes: Meshes) -> None
             _moe_gradients(block.ffn, tp)
             if block.ffn.shared_experts is not None and cfg.parallel.tp_shared_experts == "column_row":
                 _shard_shared_experts(block.ffn.shared_experts, tp)
+            count_whole_sequences(block.ffn.router, tp)
         else:
             parallelize_module(block.ffn, tp, _gathered(1))
             parallelize_module(block.ffn, tp, _mlp_plan())

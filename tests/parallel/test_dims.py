@@ -90,8 +90,8 @@ def test_tensor_parallel_divisibility_names_the_split(overrides, field):
 
 
 @pytest.mark.parametrize("override, field", [
-    ("train.activation_checkpointing=selective", "train.activation_checkpointing"), ("backend.loss=chunked", "backend.loss"),
-    ("train.compile=true", "train.compile"), ("train.lora.rank=4", "train.lora.rank"),
+    ("parallel.data_parallel=ddp", "parallel.data_parallel"), ("backend.loss=liger", "backend.loss"),
+    ("backend.attention=te", "backend.attention"),
 ])
 def test_tensor_parallel_refuses_what_it_does_not_run_yet(override, field):
     with pytest.raises(ConfigError, match=f"{field}.*parallel.tp=2"):
