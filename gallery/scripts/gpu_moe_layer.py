@@ -19,7 +19,10 @@ deepseek-v3-proxy (the preset's MoE layer at seq 4096, micro batch 1): T 4096, K
 bf16 weights and tokens, fp32 routing weights (as the router hands them under autocast). FP8 variants (train.fp8=
 rowwise's experts, moelab.model.fp8): `-rowwise-` quantises both weights in every call (a step of one micro batch),
 `-rowwise-cached-` reads the ExpertWeightCache refreshed once outside the timed region (the trainer refreshes it once
-per optimizer step: many micro batches); the refresh's own time is in the record. SonicMoE variants: `-default-config`
+per optimizer step: many micro batches); the refresh's own time is in the record. `moelab-sonic-*`:
+backend.experts=sonic as a run gets it (GroupedExperts(impl="sonic") built on the meta device,
+moelab.backends.sonic.sonic_layout, materialised, LocalDispatcher.route -> on_tokens -> sonic_experts; QuACK's default
+configs). SonicMoE variants: `-default-config`
 runs QuACK's GEMMs with their default tile config (tuned=False), `-autotuned` lets QuACK autotune every GEMM on its
 first call (each config a CuTe DSL compile, in QUACK_COMPILE_WORKERS subprocesses); every cute.compile is logged
 with its time, and each SonicMoE variant's first step is bounded by SONIC_TIMEOUT_S. All moelab variants run at
@@ -60,7 +63,9 @@ VARIANTS = {  # name: (implementation, compiled)
     "moelab-triton_fused-eager": ("triton_fused", False), "moelab-triton_fused-compiled": ("triton_fused", True),
     "moelab-lean_grouped_mm-eager": ("lean", False), "moelab-lean_grouped_mm-compiled": ("lean", True),
     "moelab-fp8-rowwise-compiled": ("fp8", True), "moelab-fp8-rowwise-cached-compiled": ("fp8-cached", True),
-    "sonicmoe-default-config": ("sonic", False), "sonicmoe-autotuned": ("sonic-tuned", False)}
+    "sonicmoe-default-config": ("sonic", False), "sonicmoe-autotuned": ("sonic-tuned", False),
+    "moelab-sonic-eager": ("moelab-sonic", False), "moelab-sonic-compiled": ("moelab-sonic", True)}
+SONIC_IMPLS = ("sonic", "sonic-tuned", "moelab-sonic")  # first step compiles CuTe DSL kernels: bounded, run last
 DEFAULT_VARIANTS = list(VARIANTS)[:6]
 
 
@@ -145,7 +150,8 @@ def sonic_setup(site_dir: str) -> str:
         for name in ("gemm", "gemm_gated", "gemm_dgated"):
             if hasattr(mod, name):
                 def tuned_as_set(*a, _f=getattr(mod, name), **k):
-                    return _f(*a, tuned=_SONIC_TUNED[0], **k)
+                    k["tuned"] = _SONIC_TUNED[0]  # over moelab.backends.sonic's own default (tuned=False)
+                    return _f(*a, **k)
                 setattr(mod, name, functools.wraps(getattr(mod, name))(tuned_as_set))
     try:
         from cutlass.base_dsl.compiler import CompileCallable
@@ -210,14 +216,40 @@ def kernel_profile(f, inputs, g_TD, steps: int = 3) -> dict:
         return {"error": repr(exc)[:300]}
 
 
-def build(variants, w1, w2, E, D, F, sonic, rec):
+def moelab_sonic(w1, w2, E, D, F, rec):
+    """backend.experts=sonic's path: the experts built on meta, laid out by sonic_layout, materialised (strides kept,
+    checked), given w1 / w2's values; routed by LocalDispatcher (on_tokens -> moelab.backends.sonic)."""
+    from moelab.backends.sonic import sonic_layout
+
+    with torch.device("meta"):
+        experts = GroupedExperts(E, D, F, impl="sonic")
+    sonic_layout(experts)
+    experts = experts.to_empty(device=w1.device).to(w1.dtype)
+    with torch.no_grad():
+        experts.w_gate_up_EDF2.copy_(w1)
+        experts.w_down_EFD.copy_(w2)
+    rec["moelab_sonic_weights_in_sonic_order"] = (experts.w_gate_up_EDF2.transpose(1, 2).is_contiguous()
+                                                  and experts.w_down_EFD.transpose(1, 2).is_contiguous())
+    route = moelab_route(experts)
+
+    def f(x_TD, weights_TK, experts_TK):
+        _SONIC_TUNED[0] = False  # sonic_setup's wrapper passes it; the backend's own default is tuned=False
+        return route(x_TD, weights_TK, experts_TK)
+    return f, [experts.w_gate_up_EDF2, experts.w_down_EFD]
+
+
+def build(variants, w1, w2, E, D, F, sonic, rec, own):
     """Each variant's function (x_TD, weights_TK, experts_TK) -> y_TD, compiled once (the shapes do not change
-    between routings)."""
+    between routings). own: variant -> its own weight parameters (moelab-sonic's, in SonicMoE's memory order)."""
     fns = {}
     for name in variants:
         impl, compiled = VARIANTS[name]
-        if impl.startswith("sonic"):
+        if impl in ("sonic", "sonic-tuned"):
             fns[name] = sonic_route(*sonic, E, tuned=impl == "sonic-tuned")
+            continue
+        if impl == "moelab-sonic":
+            fn, own[name] = moelab_sonic(w1, w2, E, D, F, rec)
+            fns[name] = torch.compile(fn) if compiled else fn
             continue
         if impl == "lean":
             fn = lean_route(w1, w2, E)
@@ -262,13 +294,13 @@ def case(kind, T, K, E, D, dev, dt, gen, w1, w2):
     return {"x_TD": x_TD, "wts": wts, "experts_TK": experts_TK, "g_TD": g_TD, "ref": ref, "loads": loads}
 
 
-def measure(name, f, c, params, sonic, timer, reps, dev, flop, later: bool = False) -> dict:
+def measure(name, f, c, params, sonic, timer, reps, dev, flop, later: bool = False, own=None) -> dict:
     """Check against the reference, time (median of reps after 2 warm-up steps), count the saved bytes. `later`:
     time a later micro batch of a step (the weights' gradients kept between steps, so each step adds into them),
     and check that a second step on the same inputs doubles the weights' gradients."""
     impl = VARIANTS[name][0]
     x_TD, wts, experts_TK, g_TD, ref = c["x_TD"], c["wts"], c["experts_TK"], c["g_TD"], c["ref"]
-    leaves = [x_TD, wts, *(sonic if impl.startswith("sonic") else params)]
+    leaves = [x_TD, wts, *((own or {}).get(name) or (sonic if impl.startswith("sonic") else params))]
 
     def step(_=0):
         for t in (leaves[:2] if later else leaves):
@@ -335,9 +367,11 @@ def fused_sweep(res, f, c, params, timer, reps):
 def summarise(rec) -> None:
     """Each variant's error check against today's bf16 path and its ratios to today's compiled path."""
     for kind, res in rec["results"].items():
-        base = res.get("moelab-grouped_mm-eager", {}).get("rel_err_vs_fp32")
+        base = res.get("moelab-grouped_mm-eager") or res.get("moelab-grouped_mm-compiled") or {}
+        base = base.get("rel_err_vs_fp32")
         for name, r in res.items():
-            if name.startswith("moelab-triton_fused") and base and isinstance(r, dict) and "rel_err_vs_fp32" in r:
+            fused = name.startswith(("moelab-triton_fused", "moelab-sonic"))
+            if fused and base and isinstance(r, dict) and "rel_err_vs_fp32" in r:
                 r["within_2x_bf16_path_error"] = all(r["rel_err_vs_fp32"][k] <= 2 * base[k] + 1e-6 for k in base)
         today = res.get("moelab-grouped_mm-compiled")
         if today:
@@ -360,6 +394,7 @@ def main() -> int:
                          "config where SONIC_SITE is set)")
     ap.add_argument("--label", default="moe-layer", help="the record's variant and file name (LABEL.json)")
     ap.add_argument("--no-sweep", action="store_true", help="skip triton_fused's block-size sweep")
+    ap.add_argument("--routings", default="skewed,balanced", help="comma list of skewed, balanced")
     ap.add_argument("--later-micro-batch", action="store_true",
                     help="time steps that add into the weights' existing gradients (a later micro batch of a step)")
     args = ap.parse_args()
@@ -393,7 +428,7 @@ def main() -> int:
     w1, w2 = experts.w_gate_up_EDF2, experts.w_down_EFD
     params = [w1, w2]
     sonic = None
-    if any(v.startswith("sonicmoe") for v in variants):
+    if any(VARIANTS[v][0] in SONIC_IMPLS for v in variants):
         try:
             if not os.environ.get("SONIC_SITE"):
                 raise RuntimeError("SONIC_SITE (the folder SonicMoE's wheels were unpacked into) is not set")
@@ -403,27 +438,29 @@ def main() -> int:
             sonic = (w1_s, w2_s)
         except Exception as exc:  # recorded, not fatal
             rec["errors"]["sonicmoe import"] = "".join(traceback.format_exception_only(exc)).strip()
-            variants = [v for v in variants if not v.startswith("sonicmoe")]
-    fns = build(variants, w1, w2, E, D, F, sonic, rec)
+            variants = [v for v in variants if VARIANTS[v][0] not in SONIC_IMPLS]
+    own = {}
+    fns = build(variants, w1, w2, E, D, F, sonic, rec, own)
     timer = StepTimer(dev)
     signal.signal(signal.SIGALRM, _alarm)
-    cases = {kind: case(kind, T, K, E, D, dev, dt, gen, w1, w2) for kind in ("skewed", "balanced")}
+    cases = {kind: case(kind, T, K, E, D, dev, dt, gen, w1, w2) for kind in args.routings.split(",")}
     for kind in cases:
         rec["results"][kind] = {"routing": cases[kind]["loads"]}
     # moelab's variants at both routings first, then SonicMoE's (each may take the rest of the call to compile)
-    phases = [[v for v in variants if not v.startswith("sonicmoe")], [v for v in variants if v.startswith("sonicmoe")]]
+    phases = [[v for v in variants if VARIANTS[v][0] not in SONIC_IMPLS],
+              [v for v in variants if VARIANTS[v][0] in SONIC_IMPLS]]
     for phase in phases:
         for kind, c in cases.items():
             res = rec["results"][kind]
             for name in phase:
                 if name not in fns:
                     continue
-                if name.startswith("sonicmoe"):  # its first call JIT-compiles CuTe DSL kernels: bounded
+                if VARIANTS[name][0] in SONIC_IMPLS:  # its first call JIT-compiles CuTe DSL kernels: bounded
                     signal.alarm(int(os.environ.get("SONIC_TIMEOUT_S", "120")))
                     print(f"[{stamp()}] moe-layer {kind} {name}: first step starts", flush=True)
                 try:
                     res[name] = measure(name, fns[name], c, params, sonic, timer, reps, dev, flop,
-                                        later=args.later_micro_batch)
+                                        later=args.later_micro_batch, own=own)
                     print(f"[{stamp()}] moe-layer {kind} {name}: {json.dumps(res[name])}", flush=True)
                 except Exception as exc:
                     rec["errors"][f"{kind} {name}"] = "".join(traceback.format_exception(exc))[-3000:]

@@ -1,4 +1,4 @@
-"""The kernel switchboard's optional packages: grouped_gemm, Transformer Engine and DeepEP, behind guards.
+"""The kernel switchboard's optional packages: grouped_gemm, Transformer Engine, SonicMoE and DeepEP, behind guards.
 
 Each package is detected when this module is imported (``importlib.util.find_spec``: cheap, imports nothing
 heavy). Asking for one that is missing, or that cannot run on this hardware, raises ``BackendUnavailable`` (a
@@ -15,6 +15,8 @@ What each backend replaces (the rest of the model is untouched):
     backend.experts=triton_fused   moelab's own Triton kernels read the routed rows from the tokens and write them
                                    back weighted, SwiGLU in the GEMMs (moelab.model.fused_experts); one GPU's
                                    local experts without capacity drops, LoRA or FP8
+    backend.experts=sonic          SonicMoE's CuTe-DSL kernels on the tokens, as triton_fused (moelab.backends.sonic;
+                                   optional package, Hopper+); never chosen by `auto`
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
     backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
     backend.loss=liger | cce       the LM head + loss as Liger Kernel's / cut-cross-entropy's fused kernel
@@ -30,7 +32,7 @@ from moelab.config import Config
 
 # Which config value asks for which package: (config field, value) -> package key.
 REQUESTS = {("experts", "grouped_gemm"): "grouped_gemm", ("experts", "te"): "te", ("attention", "te"): "te",
-            ("experts", "triton_fused"): "triton",
+            ("experts", "triton_fused"): "triton", ("experts", "sonic"): "sonic",
             ("dispatcher", "deepep"): "deep_ep", ("loss", "liger"): "liger", ("loss", "cce"): "cce"}
 TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all", "loss": "chunked"}
 
@@ -41,14 +43,15 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
 
     p = PACKAGES[key]
     moe = cfg.model.moe
-    grouped_experts = key in ("grouped_gemm", "triton") or (key == "te" and cfg.backend.experts == "te")
+    on_tokens = key in ("triton", "sonic")  # kernels that gather from and scatter to this rank's tokens
+    grouped_experts = key in ("grouped_gemm", "triton", "sonic") or (key == "te" and cfg.backend.experts == "te")
     act = cfg.model.hidden_act
     if grouped_experts and (moe.expert_proj_bias or moe.activation != "swiglu" or act not in ("silu", "swish")):
         # Their grouped GEMMs compute plain SwiGLU experts: biases or GPT-OSS's clamped SwiGLU would be dropped.
         return ("its grouped GEMM computes plain SwiGLU experts without biases, and this model has "
                 f"model.moe.expert_proj_bias={moe.expert_proj_bias}, model.moe.activation={moe.activation!r}, "
                 f"model.hidden_act={act!r}; use backend.experts=auto")
-    if key == "triton":  # the fused kernels gather from and scatter to this rank's own tokens, every row kept
+    if on_tokens:  # the fused kernels gather from and scatter to this rank's own tokens, every row kept
         if cfg.parallel.ep > 1 or moe.capacity_factor or moe.dynamic_capacity:
             return ("its kernels read each routed row from its token on this rank, every assignment kept, and this "
                     f"run has parallel.ep={cfg.parallel.ep}, model.moe.capacity_factor={moe.capacity_factor}, "
@@ -56,9 +59,9 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
     if not device.startswith("cuda"):
         return f"it needs {p.needs}, and this run is on {device!r}"
     major, minor = torch.cuda.get_device_capability(device)
-    if key in ("grouped_gemm", "te", "triton") and major < 8:
+    if key in ("grouped_gemm", "te", "triton", "sonic") and major < (9 if key == "sonic" else 8):
         return f"it needs {p.needs}; this GPU is sm{major}{minor}"
-    if key in ("grouped_gemm", "te", "triton") and cfg.train.dtype != "bfloat16":
+    if key in ("grouped_gemm", "te", "triton", "sonic") and cfg.train.dtype != "bfloat16":
         return "its kernels run in bf16; set train.dtype=bfloat16"
     if key == "deep_ep":
         if major != 9:
@@ -138,6 +141,10 @@ def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1)
     for moe in model.moe_layers():
         if hasattr(moe.experts, "impl"):
             moe.experts.impl = chosen["experts"] if chosen["experts"] != "te" else moe.experts.impl
+        if chosen["experts"] == "sonic":  # its weights in SonicMoE's memory order: no copy per call
+            from moelab.backends.sonic import sonic_layout
+
+            sonic_layout(moe.experts)
     model.backends = chosen
     model.loss_kind = chosen["loss"]  # the LM head's loss (moelab.backends.loss), after any fallback
     return chosen
@@ -156,4 +163,4 @@ def experts_kernel(impl: str, experts=None):
         import_package("grouped_gemm")
         return gmm_swiglu
     raise BackendUnavailable(f"backend.experts={impl!r} has no stacked-weight kernel; choose one of "
-                             f"auto, grouped_mm, loop, grouped_gemm, te, triton_fused")
+                             f"auto, grouped_mm, loop, grouped_gemm, te, triton_fused, sonic")

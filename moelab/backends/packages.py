@@ -1,5 +1,5 @@
-"""The optional packages of the kernel switchboard (grouped_gemm, TE, DeepEP, and the fused losses' Liger Kernel
-and cut-cross-entropy): what each is, whether it is installed, how to import it.
+"""The optional packages of the kernel switchboard (grouped_gemm, TE, DeepEP, SonicMoE, and the fused losses' Liger
+Kernel and cut-cross-entropy): what each is, whether it is installed, how to import it.
 
     detected()                   # {'grouped_gemm': False, 'te': False, 'deep_ep': False, 'liger': False, ...}
     import_package("te")         # the module, or BackendUnavailable saying how to install it
@@ -61,6 +61,12 @@ PACKAGES = {
         "triton", "triton", "triton",
         "pip install triton (torch's Linux CUDA wheels bring it); moelab's fused experts kernels are its own "
         "(moelab.model.fused_experts)", "a CUDA GPU (sm80+)"),
+    "sonic": Package(
+        "sonic", "sonicmoe", "sonic-moe",
+        "pip install --no-deps sonic-moe==0.1.2.post1 quack-kernels==0.3.11 nvidia-cutlass-dsl==4.4.2 "
+        "nvidia-cutlass-dsl-libs-cu13==4.4.2 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 (the pins of "
+        "moelab[sonic]; --no-deps because sonic-moe declares torch<=2.9.1, and it runs on torch 2.11; a machine "
+        "without network: gallery/scripts/sonic_site.sh)", "a Hopper or newer CUDA GPU (sm90+)"),
 }
 
 def _find(module: str) -> bool:

@@ -85,7 +85,7 @@ def check_lora(cfg) -> None:
         _fail("train.lora.targets", lo.targets, f"{', '.join(absent)} name no module of this model "
               f"(model.attention={m.attention!r}, q_lora_rank={m.q_lora_rank}, num_dense_layers="
               f"{m.num_dense_layers}, num_shared_experts={m.moe.num_shared_experts}); it has: {', '.join(present)}")
-    if "experts" in names and b.experts in ("grouped_gemm", "te", "triton_fused"):
+    if "experts" in names and b.experts in ("grouped_gemm", "te", "triton_fused", "sonic"):
         _fail("backend.experts", b.experts, "grouped LoRA on the routed experts runs with the torch experts "
               "(auto, grouped_mm, loop); set one of them, or drop 'experts' from train.lora.targets")
     if b.attention == "te" and m.attention != "mla":

@@ -271,7 +271,7 @@ class BackendConfig:
         load_config("tiny", ["backend.attention=eager", "backend.fallback=true"]).backend
     """
     attention: Literal["sdpa", "flex", "eager", "te"] = "sdpa"  # sdpa: packed documents run flex on a GPU
-    experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te", "triton_fused"] = "auto"
+    experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te", "triton_fused", "sonic"] = "auto"
     dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
     fake_balanced_gate: bool = False
     fake_gate_noise: float = 0.0

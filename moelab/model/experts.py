@@ -65,7 +65,7 @@ class GroupedExperts(nn.Module):
                  activation: str = "swiglu"):
         super().__init__()
         self.num_experts, self.dim, self.ffn = num_experts, dim, ffn
-        self.impl = impl  # auto | grouped_mm | loop | triton_fused (on_tokens); others: moelab.backends
+        self.impl = impl  # auto | grouped_mm | loop | triton_fused, sonic (on_tokens); others: moelab.backends
         self.activation = activation
         # Global index of the first expert held here: 0, or this rank's slice under expert parallelism
         # (moelab.parallel.expert_parallel.shard_experts); init_weights seeds each expert by its global index.
@@ -88,16 +88,21 @@ class GroupedExperts(nn.Module):
         return x, *(t.to(x.dtype) if t is not None and t.dtype != x.dtype else t for t in w)
 
     def on_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor,
-                  counts_E: torch.Tensor) -> torch.Tensor:
-        """backend.experts=triton_fused: y_TD = each token's K expert outputs, weighted and summed, computed by
-        moelab.model.fused_experts' kernels straight from the tokens (order_N: the T*K assignments sorted by
-        expert; counts_E: rows per expert; every assignment kept)."""
+                  counts_E: torch.Tensor, experts_TK: torch.Tensor | None = None) -> torch.Tensor:
+        """backend.experts=triton_fused | sonic: y_TD = each token's K expert outputs, weighted and summed, computed
+        straight from the tokens by moelab.model.fused_experts' kernels (order_N: the T*K assignments sorted by
+        expert; counts_E: rows per expert) or by SonicMoE's (moelab.backends.sonic: experts_TK, each token's K
+        experts); every assignment kept."""
         if self.fp8 or getattr(self, "lora_rank", 0) or self.b_gate_up_EF2 is not None or self.activation != "swiglu":
-            raise ValueError("backend.experts='triton_fused' computes plain SwiGLU experts without biases, FP8 or "
+            raise ValueError(f"backend.experts={self.impl!r} computes plain SwiGLU experts without biases, FP8 or "
                              "LoRA (refused by moelab.backends before a run); use backend.experts=auto")
+        x_TD, w1, w2, _, _ = self.compute_weights(x_TD)
+        if self.impl == "sonic":
+            from moelab.backends.sonic import sonic_experts
+
+            return sonic_experts(x_TD, weights_TK, experts_TK, w1, w2)
         from moelab.model.fused_experts import fused_experts
 
-        x_TD, w1, w2, _, _ = self.compute_weights(x_TD)
         return fused_experts(x_TD, weights_TK, w1, w2, order_N, counts_E)
 
     def forward(self, x_ND: torch.Tensor, counts_E: torch.Tensor, scale_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,7 +119,7 @@ class GroupedExperts(nn.Module):
 
             return fp8_experts(self, x_ND, w1, w2, counts_E, ACTIVATIONS[self.activation], scale_N)
         impl = self.impl
-        if impl in ("auto", "triton_fused"):  # triton_fused's kernels take tokens (on_tokens); sorted rows: torch's
+        if impl in ("auto", "triton_fused", "sonic"):  # these kernels take tokens (on_tokens); sorted rows: torch's
             impl = "grouped_mm" if grouped_mm_supported(x_ND, self.dim, 2 * self.ffn) else "loop"
         if impl not in ("grouped_mm", "loop"):  # an optional package's kernel (moelab.backends)
             from moelab.backends import experts_kernel

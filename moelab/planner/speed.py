@@ -371,7 +371,7 @@ def unmodelled(cfg) -> list[str]:
                    "at SDPA's rate")
     elif b.attention != "sdpa":
         out.append(f"backend.attention={b.attention}: timed at SDPA's rate")
-    if b.experts in ("loop", "grouped_gemm", "te", "triton_fused"):
+    if b.experts in ("loop", "grouped_gemm", "te", "triton_fused", "sonic"):
         out.append(f"backend.experts={b.experts}: timed at torch's grouped GEMM rate")
     if b.dispatcher == "deepep":
         out.append("backend.dispatcher=deepep: its kernels timed as NCCL's all-to-all of the same bytes")

@@ -226,6 +226,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     ({"train.lora.dropout": 1.0}, "train.lora.dropout=1.0"),
     ({"train.lora.targets": "experts", "backend.experts": "grouped_gemm"}, "backend.experts='grouped_gemm'"),
     ({"train.lora.targets": "experts", "backend.experts": "triton_fused"}, "backend.experts='triton_fused'"),
+    ({"train.lora.targets": "experts", "backend.experts": "sonic"}, "backend.experts='sonic'"),
     ({"backend.attention": "te"}, "backend.attention='te'"),
     ({"train.fp8": "rowwise", "train.dtype": "bfloat16", "train.device": "cuda"}, "train.fp8='rowwise'"),
     ({"model.moe.bias_update_rate": 0.01}, "frozen router"),

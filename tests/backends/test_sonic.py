@@ -1,0 +1,92 @@
+"""backend.experts=sonic (moelab.backends.sonic) on CPU: refused where SonicMoE's kernels do not apply, each refusal
+naming the field, its value and the fix; a missing package names the install line (preflight, the switchboard and
+the call itself); the weights' SonicMoE memory order keeps their values through materialisation."""
+import pytest
+import torch
+
+import moelab.backends as backends
+from moelab.backends import BackendUnavailable, check_backends, check_packages, detected
+from moelab.config import ConfigError, load_config
+from moelab.model.experts import GroupedExperts
+
+
+def cfg(**over):
+    return load_config("tiny", {"train.steps": 2, "backend.experts": "sonic", **over})
+
+
+def test_missing_sonic_names_the_install_line_everywhere_it_is_asked_for():
+    if detected()["sonic"]:
+        pytest.skip("sonic-moe is installed here")
+    for ask in (check_packages, lambda c: check_backends(c, device="cuda")):  # preflight, then the ranks
+        with pytest.raises(BackendUnavailable) as e:
+            ask(cfg())
+        msg = str(e.value)
+        assert "backend.experts='sonic'" in msg and "'sonic-moe' is not installed" in msg
+        assert "pip install --no-deps sonic-moe==0.1.2.post1" in msg and "backend.experts='auto'" in msg
+    with pytest.warns(RuntimeWarning, match="falling back to backend.experts='auto'"):
+        assert check_backends(cfg(**{"backend.fallback": True}), device="cuda")["experts"] == "auto"
+    from moelab.backends.sonic import sonic_experts
+
+    x_TD, w1, w2 = torch.randn(4, 8), torch.randn(2, 8, 12), torch.randn(2, 6, 8)
+    with pytest.raises(BackendUnavailable, match="'sonic-moe', which is not installed. Install: pip install --no-deps"):
+        sonic_experts(x_TD, torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.long), w1, w2)
+
+
+@pytest.mark.parametrize("over,capability,match", [
+    ({}, None, r"needs a Hopper or newer CUDA GPU \(sm90\+\), and this run is on 'cpu'"),
+    ({"model.moe.capacity_factor": 1.25}, None, "every assignment kept.*capacity_factor=1.25"),
+    ({"parallel.ep": 2}, None, "every assignment kept.*parallel.ep=2"),
+    ({"model.moe.expert_proj_bias": True}, None, "plain SwiGLU experts.*expert_proj_bias=True"),
+    ({"model.moe.activation": "gpt_oss"}, None, "plain SwiGLU experts.*activation='gpt_oss'"),
+    ({"model.hidden_act": "gelu"}, None, "plain SwiGLU experts.*hidden_act='gelu'"),
+    ({"train.dtype": "bfloat16"}, (8, 0), r"needs a Hopper or newer CUDA GPU \(sm90\+\); this GPU is sm80"),
+    ({"train.dtype": "float32"}, (9, 0), "its kernels run in bf16; set train.dtype=bfloat16"),
+])
+def test_sonic_is_refused_where_its_kernels_do_not_apply(monkeypatch, over, capability, match):
+    # installed or not, the switchboard's hardware and model checks refuse these (the package check is apart)
+    monkeypatch.setitem(backends._DETECTED, "sonic", True)
+    device = "cpu"
+    if capability is not None:  # a CUDA device of that compute capability, as the switchboard reads it
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+        device = "cuda"
+    with pytest.raises(BackendUnavailable, match=f"backend.experts='sonic': .*{match}.*Set backend.experts='auto'"):
+        check_backends(cfg(**over), device=device)
+    with pytest.warns(RuntimeWarning, match="falling back to backend.experts='auto'"):
+        assert check_backends(cfg(**over, **{"backend.fallback": True}), device=device)["experts"] == "auto"
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"train.fp8": "rowwise", "train.dtype": "bfloat16", "train.device": "cuda"}, "train.fp8='rowwise'"),
+    ({"train.lora.rank": 4, "train.lora.targets": "experts"}, "backend.experts='sonic'"),
+])
+def test_sonic_with_fp8_or_expert_lora_is_refused_by_the_config(over, field):
+    with pytest.raises(ConfigError, match=field):
+        cfg(**over)
+
+
+def test_sonic_layout_keeps_values_shapes_and_its_memory_order_through_materialisation():
+    from moelab.backends.sonic import sonic_layout
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 8, 8)
+    torch.nn.init.normal_(experts.w_gate_up_EDF2)
+    torch.nn.init.normal_(experts.w_down_EFD)
+    x_ND, counts_E = torch.randn(10, 8), torch.tensor([3, 0, 4, 3])
+    want = experts(x_ND, counts_E)
+    before = [p.detach().clone() for p in experts.parameters()]
+    sonic_layout(experts)
+    assert [p.shape for p in experts.parameters()] == [b.shape for b in before]
+    assert all(torch.equal(p, b) for p, b in zip(experts.parameters(), before))
+    assert experts.w_gate_up_EDF2.transpose(1, 2).is_contiguous()
+    assert experts.w_down_EFD.transpose(1, 2).is_contiguous()
+    experts.impl = "sonic"  # sorted rows (not on_tokens) keep torch's path, as triton_fused's do
+    # the same fp32 GEMMs on transposed storage: only the CPU kernels' summation order differs (16 terms a sum)
+    torch.testing.assert_close(experts(x_ND, counts_E), want, rtol=16 * 2**-23, atol=16 * 2**-23 * want.abs().max().item())
+    with torch.device("meta"):
+        on_meta = GroupedExperts(4, 8, 8, impl="sonic")
+    sonic_layout(on_meta)
+    built = on_meta.to_empty(device="cpu").to(torch.bfloat16)  # how a run materialises it, then casts
+    assert built.w_gate_up_EDF2.transpose(1, 2).is_contiguous() and built.w_down_EFD.transpose(1, 2).is_contiguous()
+    built.lora_rank = 2
+    with pytest.raises(ValueError, match="backend.experts='sonic' computes plain SwiGLU.*use backend.experts=auto"):
+        built.on_tokens(torch.randn(5, 8), torch.ones(5, 2), torch.arange(10), counts_E, torch.zeros(5, 2))
