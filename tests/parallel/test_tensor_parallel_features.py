@@ -67,18 +67,20 @@ def test_feature_under_tensor_parallel_reproduces_single_process(name, reference
 
 def test_selective_recompute_reruns_only_the_sequence_all_gathers(tp_run, helpers):
     """Selective recompute under TP: the recomputed attention and dense MLP pieces all-gather their input again
-    (one more all-gather per attention and dense MLP per micro batch: moelab.planner.plan.tp_collectives_per_layer
-    counts 2 per block); the reduce-scatters of their outputs do not run again (the recompute stops once it has
-    what backward needs: torch's non-reentrant checkpoint, and nothing after the row-parallel GEMM is needed)."""
+    (one more all-gather per gathered sublayer and micro batch); the reduce-scatters of their outputs do not run
+    again (the recompute stops once it has what backward needs: torch's non-reentrant checkpoint, and nothing after
+    the row-parallel GEMM is needed). Both counts are the planner's (moelab.planner.plan.tp_collectives_per_layer)."""
+    from moelab.planner.plan import plan, tp_gathered_sublayers
+
     nproc, overrides, shared = LAYOUTS["tp2-selective"]
     cfg = helpers.small_config(*TP.SHARED, *shared, *overrides)
     m = cfg.model
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * (nproc // 2))
-    plain = TP.tp_collectives_per_step(cfg, micro)
+    planned = plan(cfg, gpus=nproc)
+    gathered = sum(tp_gathered_sublayers(cfg, i >= m.num_dense_layers) for i in range(m.num_layers))
     steps = json.loads((tp_run("tp2-selective")[2] / "placement_rank0.json").read_text())["collectives"]
     for got in steps:
-        assert (got["tp_all_gathers"], got["tp_reduce_scatters"]) == (plain + micro * (m.num_layers + m.num_dense_layers),
-                                                                      plain), got
+        assert got["tp_all_gathers"] - got["tp_reduce_scatters"] == planned.micro_batches_per_step * gathered, got
+        assert got["tp_all_gathers"] + got["tp_reduce_scatters"] == planned.comm["tp_collectives_per_step"], got
 
 
 @pytest.mark.parametrize("name, nproc, layout", [("tp2", 2, ["parallel.tp=2"]),
