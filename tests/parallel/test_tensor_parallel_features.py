@@ -56,12 +56,7 @@ def tp_run(helpers, tmp_path_factory):
 def test_feature_under_tensor_parallel_reproduces_single_process(name, reference, tp_run, helpers):
     ref_losses, ref_params, ref_dir = reference(*TP.SHARED, *LAYOUTS[name][2])
     losses, params, run_dir = tp_run(name)
-    assert len(losses) == 4 and losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    ref_ev, ev = helpers.step_events(ref_dir), helpers.step_events(run_dir)
-    assert [e["routing"]["tokens_per_expert"] for e in ev] == [e["routing"]["tokens_per_expert"] for e in ref_ev]
-    assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in ref_ev], rel=1e-5)
-    assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in ref_ev], rel=1e-4)
+    TP.assert_same_steps(losses, run_dir, ref_losses, ref_dir, helpers)
     helpers.assert_within(params, ref_params, None, max_abs=TP.LR / 3, max_rel=2e-3)
 
 
