@@ -10,6 +10,7 @@ LOCAL_RANK, or SLURM's. Submitit's tasks call `train_rank` directly (moelab.laun
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 import traceback
@@ -59,10 +60,13 @@ def bench_rank(run_dir: "str | Path", steps: int, warmup: int, command: str) -> 
 
 def exit_code(body: Callable[[], object]) -> int:
     """Run a rank's body; its exit code: 0 when it returns, SystemExit's code, 1 for any other failure (whose
-    traceback goes to stderr, as an uncaught one would). With end_process: how every rank process ends.
+    traceback goes to stderr, as an uncaught one would). A native crash (SIGSEGV, SIGABRT from a failed malloc
+    check, SIGBUS) prints every thread's Python stack to stderr first (faulthandler), so the rank's .err log names
+    where it happened. With end_process: how every rank process ends.
 
         end_process(exit_code(lambda: train_rank(run_dir)))
     """
+    faulthandler.enable(all_threads=True)
     try:
         body()
         return 0

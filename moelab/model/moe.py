@@ -173,7 +173,9 @@ class MoE(nn.Module):
         x_TD = x_BLD.reshape(B * L, D)
         if keep_TK is not None:
             weights_TK = weights_TK * keep_TK
-        experts = functools.partial(run, self.experts)
+        # the module itself when called plainly: the local dispatcher hands the tokens to an on-tokens backend
+        # (GroupedExperts.on_tokens) by the module's impl, which a wrapped call would hide
+        experts = self.experts if run is _call else functools.partial(run, self.experts)
         y_TD = self.dispatcher.route(experts, x_TD, weights_TK, experts_TK, keep_TK, self.num_experts)
         if self.shared_experts is not None:
             y_TD = y_TD + run(self.shared_experts, x_TD)

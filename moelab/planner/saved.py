@@ -24,6 +24,9 @@ Eager (every op keeps what its backward formula reads):
   combine keeps the returned rows for the weights' gradient, and the exchange's two index_copy sources (the expert
   output unsorted, the received rows put back rank-major).
 - SwiGLU MLPs (dense, shared experts): gate and up outputs, silu(gate) and their product.
+- On-tokens experts (backend.experts=triton_fused | sonic, eager or compiled alike: opaque kernels): the tokens
+  they read (the FFN norm's output), gate|up per routed row and its routing metadata (ON_TOKENS); no routed copy
+  of the rows, no activation, no dispatch indices (the activation is made again in backward).
 Compiled (inductor's min-cut partitioner: pointwise work is recomputed in backward, matmul and kernel inputs are
 kept): the block input, the normalised inputs of matmuls, the residual before the FFN norm, q/k before their
 norms, MLA's latents before and after their norms, the kernel's q, k, v (MLA: the kv_b projection) and output
@@ -135,6 +138,22 @@ def _swiglu_mlp(width: int, a: int, compiled: bool, trained: bool) -> int:
 # kept for the weights' gradient, unsorted by index_copy), for records measured with that code.
 LOCAL_WEIGHTING = ("experts", "combine")
 
+# The experts backends that read the tokens themselves (backend.experts; moelab.model.fused_experts,
+# moelab.backends.sonic): no routed copy of the rows, the activation remade in backward. Per routed row they keep
+# gate|up (2F in the compute dtype) and ON_TOKENS_ROW_BYTES of routing metadata: the fp32 routing weight and two
+# int32 row indices (triton_fused: token and assignment; SonicMoE: its gather, scatter and reverse-scatter
+# indices, the weight being the router's own output); per token, bytes besides (SonicMoE: its int32 per-token
+# offsets). The tokens themselves are the FFN norm's output, counted with the norm.
+ON_TOKENS = {"triton_fused": 0, "sonic": 4}
+ON_TOKENS_ROW_BYTES = 12
+
+
+def on_tokens_experts(cfg: Config, a: int) -> int:
+    """Bytes per token an on-tokens experts backend (ON_TOKENS) keeps besides the tokens it reads: what
+    gallery/scripts/gpu_moe_layer.py measures as the layer's saved activations."""
+    k = cfg.model.moe
+    return k.top_k * (a * 2 * k.expert_ffn_size + ON_TOKENS_ROW_BYTES) + ON_TOKENS[cfg.backend.experts]
+
 
 def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int, weighting: str = "experts") -> int:
     m, k, trained = cfg.model, cfg.model.moe, trained_inputs(cfg)
@@ -149,7 +168,14 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int, weighting: str 
     # the input of a router that trains, in the stream's dtype (moelab.model.router.router_logits); none extra where
     # the stream is in the compute dtype and either a shared expert's matmul keeps the same tensor or inductor
     # recomputes it from the kept residual (an fp32 stream under autocast: the router keeps its own fp32 value)
-    router = r * D if trained("router") and not (r == a and (shared_mlp or compiled)) else 0
+    on_tokens = cfg.backend.experts in ON_TOKENS
+    router = r * D if trained("router") and not (r == a and (shared_mlp or compiled or on_tokens)) else 0
+    if on_tokens:  # the kernels keep the tokens they read (the norm's output), gate|up and the rows' metadata
+        norm = a * D * 2 if compiled else _norm_eager(D, a, True, trained("norms"), r)  # compiled: h, xn
+        cast = a * D if r != a and shared_mlp and not compiled else 0  # autocast: the MLP's and kernels' copies
+        router += 8 * E + 28 * K + a * K * (not compiled) if learned else 16 * K
+        mlp = _swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0
+        return norm + cast + router + on_tokens_experts(cfg, a) + mlp
     rows = K * a * (2 * F + (D + F) * experts_in)  # gate|up; routed rows and the down projection's input
     at_combine = cfg.parallel.ep > 1 or weighting == "combine"  # the expert output weighted after the experts
     if cfg.parallel.ep > 1:  # the expert output for the routing weights' gradient; the exchange's way back

@@ -17,8 +17,9 @@ import sys
 import pytest
 import torch
 
-from moelab.model.experts import GroupedExperts, loop_swiglu, swiglu
-from moelab.model.moe import LocalDispatcher
+from moelab.model.experts import loop_swiglu, swiglu
+from moelab.config.schema import BackendConfig, MoEConfig
+from moelab.model.moe import MoE
 from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -92,15 +93,29 @@ def test_matches_the_reference_experts(shape):
     assert not got[3][used:].any() and not got[4][used:].any()  # experts without rows: zero gradients
 
 
-def route(impl, compile_backend=None):
-    """The MoE layer's experts step (LocalDispatcher.route) with GroupedExperts.impl = impl."""
+def route(impl):
+    """The MoE layer's experts step as the model runs it (MoE.routed: LocalDispatcher.route between the router
+    and the shared experts) with GroupedExperts.impl = impl, as moelab.backends.apply_backends sets it."""
     E, D, F = 6, 32, 24
 
     def fn(x_TD, weights_TK, w1, w2, experts_TK):
-        experts = GroupedExperts(E, D, F, impl=impl)
-        experts.w_gate_up_EDF2, experts.w_down_EFD = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
-        return LocalDispatcher().route(experts, x_TD, weights_TK, experts_TK, None, E), experts
+        moe = MoE(D, MoEConfig(num_experts=E, top_k=experts_TK.shape[1], expert_ffn_size=F), BackendConfig())
+        moe.experts.impl = impl
+        moe.experts.w_gate_up_EDF2, moe.experts.w_down_EFD = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+        y_BLD = moe.routed(x_TD[None], weights_TK, experts_TK, None, torch.zeros(()))
+        return y_BLD[0], moe.experts
     return fn
+
+
+def graph_ops(y: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind y."""
+    seen, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node.name() not in seen:
+            seen.add(node.name())
+            stack += [f for f, _ in node.next_functions]
+    return seen
 
 
 @inner
@@ -110,6 +125,8 @@ def test_the_layer_routes_tokens_through_the_kernels_when_asked():
     for impl in ("loop", "triton_fused"):
         leaves = [t.clone().requires_grad_() for t in (x_TD, weights_TK)]
         y, experts = route(impl)(*leaves, w1.clone(), w2.clone(), experts_TK)
+        # the kernels' op, not the sorted rows' path (a wrapped experts call once hid the impl from the dispatcher)
+        assert any("fused_experts" in n for n in graph_ops(y)) == (impl == "triton_fused"), graph_ops(y)
         y.backward(torch.ones_like(y))
         outs[impl] = [y.detach(), *(t.grad for t in leaves), experts.w_gate_up_EDF2.grad, experts.w_down_EFD.grad]
     for a, b in zip(outs["triton_fused"], outs["loop"]):

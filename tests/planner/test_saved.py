@@ -1,6 +1,14 @@
 """The planner's activation accounting (moelab.planner.saved) against the tensors autograd really keeps for one
 real block, eager and through inductor's partitioner (the aot_eager_decomp_partition backend: inductor's
-decompositions and min-cut partitioning without its code generation), in bf16 with the grouped GEMM as on a GPU."""
+decompositions and min-cut partitioning without its code generation), in bf16 with the grouped GEMM as on a GPU;
+the on-tokens experts (backend.experts=triton_fused) under Triton's interpreter, and SonicMoE's count against the
+GPU record of its layer."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,8 +16,13 @@ import moelab.model.experts as experts_module
 import moelab.model.router as router_module
 from moelab.config import load_config
 from moelab.model.layers import rope_cos_sin
+from moelab.model.experts import GroupedExperts
 from moelab.model.transformer import Block
-from moelab.planner.saved import saved_per_token
+from moelab.planner.saved import ON_TOKENS, on_tokens_experts, saved_per_token
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+SONIC_RECORD = (Path(__file__).parents[2] / "gallery" / "results" /
+                "qwen3-moe-30b-a3b-proxy--moelab--moe-layer-sonic-backend-call10.json")
 
 SHAPES = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=32",
           "model.dense_ffn_size=256", "model.moe.expert_ffn_size=96", "model.moe.num_experts=8",
@@ -61,9 +74,13 @@ def _block_kept(cfg, index: int, compiled: bool) -> int:
         holder = torch.nn.Module()
         holder.layers = torch.nn.ModuleDict({str(index): block})
         apply_lora(holder, cfg)
+    for module in block.modules():
+        if isinstance(module, GroupedExperts) and cfg.backend.experts in ON_TOKENS:
+            module.impl = cfg.backend.experts  # as moelab.backends.apply_backends sets it where the kernels run
     block = block.to(torch.bfloat16)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    L = cfg.train.seq_len
     x = torch.randn(1, L, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(L), m.qk_rope_head_dim if m.attention == "mla" else m.head_dim,
                             m.rope_theta, torch.bfloat16)
@@ -123,3 +140,47 @@ def test_compiled_blocks_keep_less_and_the_fake_gate_less_than_the_learned_route
     assert ep - eager == K * 2 * (D - F) + 2 * K * 2 * D
     ep_compiled = total(base.replace(**{"parallel.ep": 2, "train.compile": True}))
     assert ep_compiled - compiled == 3 * K * 2 * D  # compiled, the local path keeps neither
+
+
+def test_on_tokens_experts_under_the_interpreter():
+    """backend.experts=triton_fused runs on a CPU only under Triton's interpreter, which has to be on before triton
+    is imported: the block tests below run in a subprocess with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this is the subprocess")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "fused_experts_block"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_on_tokens_experts_under_the_interpreter")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", [[], ["model.moe.num_shared_experts=1"], ["backend.fake_balanced_gate=true"]],
+                         ids=["learned", "shared", "fake-gate"])
+def test_fused_experts_block_keeps_what_the_planner_counts(case, compiled, grouped_mm_in_bf16):
+    """The kernels keep the tokens, gate|up and the rows' metadata, no routed copy: the MoE block keeps about 0.7x
+    (eager) / 0.8x (compiled) what the sorted rows' path keeps at these shapes, and the planner counts it."""
+    tokens = 64  # the interpreter runs each kernel instance in numpy: few rows
+    cfg = load_config("tiny", SHAPES + case + ["model.moe.capacity_factor=0", "backend.experts=triton_fused",
+                                               f"train.compile={compiled}", f"train.seq_len={tokens}"])
+    torch._dynamo.reset()
+    per = saved_per_token(cfg, True, a=2)
+    kept = _block_kept(cfg, cfg.model.num_layers - 1, compiled)
+    assert kept == pytest.approx(tokens * (per["attention"] + per["ffn"]), rel=0.03)
+    rows = saved_per_token(cfg.replace(**{"backend.experts": "auto"}), True, a=2)
+    assert kept < 0.9 * tokens * (rows["attention"] + rows["ffn"])
+
+
+def test_sonic_count_is_what_its_gpu_layer_kept():
+    """SonicMoE's saved activations at the Qwen3 proxy's layer (issue 41 call 10, one H100: moelab's sonic path
+    and SonicMoE called directly, the tokens and routing weights being the layer's inputs): the planner's count
+    of what its two Functions keep (gate|up, the routing weight and three int32 indices per row, per-token
+    offsets)."""
+    record = json.loads(SONIC_RECORD.read_text())
+    cfg = load_config("qwen3-moe-30b-a3b-proxy", ["backend.experts=sonic"])
+    shapes = record["shapes"]
+    assert (shapes["top_k"], shapes["expert_ffn"]) == (cfg.model.moe.top_k, cfg.model.moe.expert_ffn_size)
+    for variant in ("moelab-sonic-eager", "sonicmoe-default-config"):
+        measured = record["results"]["skewed"][variant]["saved_bytes_hooks_activations"]
+        assert shapes["tokens"] * on_tokens_experts(cfg, a=2) == pytest.approx(measured, rel=1e-4), variant
