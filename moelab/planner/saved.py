@@ -170,11 +170,11 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int, weighting: str 
     # recomputes it from the kept residual (an fp32 stream under autocast: the router keeps its own fp32 value)
     on_tokens = cfg.backend.experts in ON_TOKENS
     router = r * D if trained("router") and not (r == a and (shared_mlp or compiled or on_tokens)) else 0
+    router += 8 * E + 28 * K + a * K * (not compiled) if learned else 16 * K
+    mlp = _swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0
     if on_tokens:  # the kernels keep the tokens they read (the norm's output), gate|up and the rows' metadata
         norm = a * D * 2 if compiled else _norm_eager(D, a, True, trained("norms"), r)  # compiled: h, xn
         cast = a * D if r != a and shared_mlp and not compiled else 0  # autocast: the MLP's and kernels' copies
-        router += 8 * E + 28 * K + a * K * (not compiled) if learned else 16 * K
-        mlp = _swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0
         return norm + cast + router + on_tokens_experts(cfg, a) + mlp
     rows = K * a * (2 * F + (D + F) * experts_in)  # gate|up; routed rows and the down projection's input
     at_combine = cfg.parallel.ep > 1 or weighting == "combine"  # the expert output weighted after the experts
@@ -186,18 +186,16 @@ def _ffn(cfg: Config, moe: bool, a: int, compiled: bool, r: int, weighting: str 
         back = 0 if compiled else K * a * F * learned
     if compiled:
         norm = a * D * (1 + shared_mlp)  # the residual (and xn where a shared expert's matmul trains from it)
-        router += 8 * E + 28 * K if learned else 16 * K
         experts = rows + back
     else:
         norm = _norm_eager(D, a, shared_mlp, trained("norms"), r)
-        router += 8 * E + 28 * K + a * K if learned else 16 * K
         act = 4 if k.activation == "gpt_oss" else 1  # the activation's saved values, in units of F
         # ... and under EP the expert output, the source of the index_copy that unsorts it (the local dispatcher's
         # unsort is a gather both ways, moelab.model.rows: nothing kept)
         experts = rows + K * a * (act * F + D * at_combine) + back
     bias = 9 * K if k.expert_proj_bias else 0  # each row's expert index for its bias, and whether it is a kept row
     lora = a * (2 * K * _adapters(cfg, ["experts"]) + 3 * _adapters(cfg, ["shared_experts"]))
-    return norm + router + experts + bias + lora + (_swiglu_mlp(shared, a, compiled, shared_mlp) if shared else 0)
+    return norm + router + experts + bias + lora + mlp
 
 
 def saved_per_token(cfg: Config, moe: bool, a: int, eager_attention: bool = False, residual: int = 0,
