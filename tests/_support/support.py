@@ -1,6 +1,10 @@
 """Helpers shared by tests in several folders (pyproject puts tests/_support on sys.path for pytest)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 
 
@@ -18,6 +22,14 @@ def run_one_thread(cfg, run_dir):
     finally:
         torch.set_num_threads(threads)
     return trainer
+
+
+def pytest_under_interpreter(test_file: str, passed: int, *args: str, timeout: int = 900) -> None:
+    """Run `test_file`'s tests (more pytest arguments in `args`, e.g. "-k", EXPR) in a subprocess with
+    TRITON_INTERPRET=1, which has to be set before triton is imported, and assert that exactly `passed` passed."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, *args],
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and f"{passed} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 # A small model for command-line tests: `moelab run tiny *SMALL_CLI ...` trains in seconds on one CPU thread.

@@ -6,13 +6,12 @@ The interpreter has to be on before triton is imported (triton.language's own ji
 decorated at import), so test_under_the_interpreter runs this file's other tests in a subprocess with
 TRITON_INTERPRET=1; in this process they are skipped."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from moelab.model.fp8 import dgrad_operand, forward_operand, quantize_expert_weight
+from support import pytest_under_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(not INTERPRETED, reason="run by test_under_the_interpreter (TRITON_INTERPRET=1)")
@@ -22,11 +21,8 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is the subprocess")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=600)
     n_run = 18 + 2 + 1 + 1  # the inner tests and test_kernel_does_not_apply_on_cpu_without_the_interpreter
-    assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    pytest_under_interpreter(__file__, n_run, timeout=600)
 
 
 def test_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):

@@ -11,16 +11,15 @@ on values of order 1. bf16 is checked on the GPU (gallery/scripts/gpu_moe_layer.
 The interpreter has to be on before triton is imported, so test_under_the_interpreter runs this file's other
 tests in a subprocess with TRITON_INTERPRET=1 (as tests/model/test_fp8_kernel.py does)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from moelab.model.experts import loop_swiglu, swiglu
 from moelab.config.schema import BackendConfig, MoEConfig
+from moelab.model.experts import loop_swiglu, swiglu
 from moelab.model.moe import MoE
 from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
+from support import pytest_under_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(not INTERPRETED, reason="run by test_under_the_interpreter (TRITON_INTERPRET=1)")
@@ -31,11 +30,8 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is the subprocess")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=900)
     n_run = 3 + 1 + 1 + 2 + 1 + 1  # the inner tests, test_not_applied_on_cpu_without_the_interpreter, the lean ones
-    assert r.returncode == 0 and f"{n_run} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    pytest_under_interpreter(__file__, n_run)
 
 
 def test_not_applied_on_cpu_without_the_interpreter(monkeypatch):

@@ -5,8 +5,6 @@ the on-tokens experts (backend.experts=triton_fused) under Triton's interpreter,
 GPU record of its layer."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from moelab.model.layers import rope_cos_sin
 from moelab.model.experts import GroupedExperts
 from moelab.model.transformer import Block
 from moelab.planner.saved import ON_TOKENS, on_tokens_experts, saved_per_token
+from support import pytest_under_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SONIC_RECORD = (Path(__file__).parents[2] / "gallery" / "results" /
@@ -148,10 +147,7 @@ def test_on_tokens_experts_under_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is the subprocess")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "fused_experts_block"], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and "6 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    pytest_under_interpreter(__file__, 6, "-k", "fused_experts_block")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_on_tokens_experts_under_the_interpreter")
