@@ -118,6 +118,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "param_dtype": t.param_dtype, "compile": t.compile, "fp8": fp8, "router": backend.router_kind,
             "fake_balanced_gate": backend.fake_balanced_gate, "fake_gate_noise": backend.fake_gate_noise,
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
+            "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv)}
 
@@ -151,6 +152,13 @@ def cmd_bench(args) -> None:
     tr.setup()
     print(f"setup {time.perf_counter() - t0:.1f} s", flush=True)
     b = Bencher(tr)
+    if args.loss_steps:  # the first steps' losses (global batch 2, the warm-up): one seed, so processes compare
+        b.set_global_batch(2 if not args.dry_run else tr.cfg.train.global_batch_size)
+        t1 = time.perf_counter()
+        args.first_losses = [tr.train_step(b.next_step + i)["loss"] for i in range(args.loss_steps)]
+        b.next_step += args.loss_steps
+        print(f"first losses {[round(x, 5) for x in args.first_losses]} ({time.perf_counter() - t1:.1f} s, "
+              f"compiles included)", flush=True)
     for mode in modes:
         if mode == "off" and args.losses:  # the LM-head losses x micro batches (the optimizer: train.optimizer's)
             bench_losses(tr, b, args, out)
@@ -222,12 +230,12 @@ def bench_losses(tr, b, args, out: Path) -> None:
 
 def bench_mode(tr, b, args, mode: str, out: Path, tag: str | None = None, profile: bool = True,
                gbs_list: str | None = None) -> None:
-    tag = tag or ("bf16" if mode == "off" else f"fp8-{mode}")
+    tag = tag or ((args.tag or "bf16") if mode == "off" else f"fp8-{mode}")
     for gbs in [int(g) for g in (gbs_list or args.gbs).split(",")]:
         steps, warmup = (args.steps, args.warmup) if gbs <= 4 else (max(2, args.steps // 2), 1)
         name = f"{tag}-compile-gbs{gbs}" if tr.cfg.train.compile else f"{tag}-gbs{gbs}"
         rec = {**base_record(tr, b, args, mode), "variant": name, "global_batch_size": gbs,
-               "steps": steps, "warmup": warmup}
+               "steps": steps, "warmup": warmup, "first_losses_gbs2": getattr(args, "first_losses", None)}
         try:
             b.set_global_batch(gbs)
             if tr.env.is_cuda:
@@ -356,6 +364,11 @@ def main(argv=None):
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "
                                 "chunked@2048: the chunked loss at backend.loss_chunk_tokens=2048")
             p.add_argument("--mbs", default=None, help="micro batches of --losses, e.g. 2,4 (default the config's)")
+            p.add_argument("--tag", default=None, help="the bf16 records' variant prefix (default bf16), e.g. "
+                           "bf16-sonic with --set backend.experts=sonic")
+            p.add_argument("--loss-steps", type=int, default=0,
+                           help="first train this many steps at global batch 2 and record their losses in each "
+                                "record (first_losses_gbs2: runs of one seed compare step by step)")
         else:
             p.add_argument("--steps", type=int, default=300)
     p = sub.add_parser("table")

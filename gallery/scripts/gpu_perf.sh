@@ -16,6 +16,8 @@
 #     moelab-loss the LM-head losses side by side (LOSSES, default chunked,full,liger,cce: backend.loss; liger and
 #                 cce from the carried wheels) at micro batch 2 and 4 (LOSS_MBS) and global batch 2 and 16,
 #                 compiled, train.optimizer=auto, learned router, peak memory in each record
+#     moelab-sonic  moelab bf16 compiled with backend.experts=sonic (SONIC_TAR: gallery/scripts/sonic_site.sh's
+#                 tarball, unpacked to SONIC_SITE), 2 and 16, its profile at PROFILE_GBS; not run by default
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
@@ -43,6 +45,10 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${DRY_RUN:-}" ]; then
     > $L/pip.log 2>&1 || echo "pip install of .whl failed (see logs/pip.log)"
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT:/tmp/site:$ROOT/gallery/peers
+if [ -n "${SONIC_TAR:-}" ]; then  # SonicMoE's unpacked wheels, found by moelab and by QuACK's compile workers
+  mkdir -p /tmp/sonic && tar xJf "$SONIC_TAR" -C /tmp/sonic && export SONIC_SITE=/tmp/sonic/site \
+    PYTHONPATH=$PYTHONPATH:/tmp/sonic/site:/tmp/sonic/site/nvidia_cutlass_dsl/python_packages
+fi
 export MOELAB_COMMIT=${MOELAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > $L/machine.txt 2>&1
 python3 -c "import torch; print('torch', torch.__version__)" >> $L/machine.txt 2>&1
@@ -63,7 +69,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^first losses\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -75,9 +81,13 @@ fi
 part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
-part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R
+part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
 part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
-  --profile-gbs ${PROFILE_GBS:-2} $TRITON $DRY
+  --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON $DRY
+# the same model and seed with SonicMoE's experts (its first step: about 75 s of CuTe-DSL compiles)
+part moelab-sonic 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
+  --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=sonic \
+  --tag bf16-sonic $DRY
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \
   --losses ${LOSSES:-chunked,full,liger,cce} --mbs ${LOSS_MBS:-2,4} --steps 4 --warmup 2 $DRY
 # parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
@@ -100,6 +110,6 @@ if [ -z "${DRY_RUN:-}" ]; then
   part hf 70 python3 gallery/peers/hf_transformers.py $PEER --experts grouped_mm --global-batch 2 \
     --json $R/hf-transformers-grouped_mm-gbs{gbs}.json
 fi
-grep -h "^profile\|^  " $L/moelab.log $L/moelab-fp8.log 2>/dev/null | head -60
+grep -h "^profile\|^  \|^first losses" $L/moelab.log $L/moelab-sonic.log $L/moelab-fp8.log 2>/dev/null | head -90
 echo "[$(el)s] done"
 python3 gallery/scripts/gpu_perf.py table $R

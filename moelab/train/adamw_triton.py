@@ -41,6 +41,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its memory span exactly once, in any dimension order (contiguous, or e.g. the
+    transposed experts' weights of backend.experts=sonic): the kernel then walks that span as one flat vector."""
+    if t.is_contiguous():
+        return True
+    span = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):  # innermost dimension first
+        if size != 1 and stride != span:
+            return False
+        span *= size
+    return True
+
+
+def _same_layout(p: torch.Tensor, *others: torch.Tensor) -> bool:
+    """p dense, and every other tensor the same shape and strides: element i of each span is the same element."""
+    return _dense(p) and all(o.shape == p.shape and o.stride() == p.stride() for o in others)
+
+
 @functools.cache
 def _kernel():
     import triton
@@ -74,9 +92,14 @@ def _kernel():
 BLOCK = 4096
 
 
+def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """t's values in p's layout (a moment loaded from a checkpoint in another one)."""
+    return torch.empty_like(p, dtype=t.dtype).copy_(t)
+
+
 def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
-    """One AdamW update of contiguous p, m, v (in place) from g; `step` (a 0-d tensor) already counts this
-    step. Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
+    """One AdamW update of p, m, v (in place) from g, all dense in one layout (``_same_layout``); `step` (a 0-d
+    tensor) already counts this step. Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
     n = p.numel()
     _kernel()[(triton_cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
                                         math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
@@ -120,7 +143,7 @@ class TritonAdamW(torch.optim.AdamW):
             if p.grad is None or p.grad.is_sparse or p.device.type not in self.DEVICES:
                 continue
             lp, lg = _local(p), _local(p.grad)
-            if lp.numel() >= self.MIN_NUMEL and lp.is_contiguous() and lg.is_contiguous():
+            if lp.numel() >= self.MIN_NUMEL and _same_layout(lp, lg):
                 out.append(p)
         return out
 
@@ -144,8 +167,8 @@ class TritonAdamW(torch.optim.AdamW):
             for p in params:
                 s = self.state[p]
                 m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
-                if not (m.is_contiguous() and v.is_contiguous()):  # a state loaded in another layout
-                    s["exp_avg"], s["exp_avg_sq"] = s["exp_avg"].contiguous(), s["exp_avg_sq"].contiguous()
+                if not _same_layout(_local(p), m, v):  # a state loaded in another layout
+                    s["exp_avg"], s["exp_avg_sq"] = (_like(p, s["exp_avg"]), _like(p, s["exp_avg_sq"]))
                     m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
                 adamw_update(_local(p), _local(p.grad), m, v, s["step"], group["lr"], beta1, beta2,
                              group["eps"], group["weight_decay"])

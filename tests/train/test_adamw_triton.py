@@ -44,10 +44,12 @@ CHECK = textwrap.dedent('''
             assert err < (1e-6 if dtype == torch.float32 else 1e-3), (dtype, err)
 
     TritonAdamW.DEVICES, TritonAdamW.MIN_NUMEL = ("cpu",), 1000
-    big, small = torch.randn(500, 4), torch.randn(7)
-    ref = [t.clone().requires_grad_() for t in (big, small)]
-    new = [t.clone().requires_grad_() for t in (big, small)]
-    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
+    # the third: dense, not contiguous (backend.experts=sonic's experts weights, stored transposed)
+    big, small, big_t = torch.randn(500, 4), torch.randn(7), torch.randn(4, 300, 5).transpose(1, 2)
+    ref = [t.clone().requires_grad_() for t in (big, small, big_t)]
+    new = [t.clone().requires_grad_() for t in (big, small, big_t)]
+    assert not new[2].is_contiguous() and new[2].stride() == big_t.stride()
+    groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
     o_ref = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95))
     o_new = use_triton_adamw(torch.optim.AdamW(groups(new), lr=1e-2, betas=(0.9, 0.95)))
     calls = []
@@ -66,6 +68,11 @@ CHECK = textwrap.dedent('''
     s_ref, s_new = o_ref.state[ref[0]], o_new.state[new[0]]
     assert sorted(s_new) == sorted(s_ref) and float(s_new["step"]) == float(s_ref["step"]) == 3
     assert torch.allclose(s_new["exp_avg_sq"], s_ref["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    taken = o_new._kernel_params(o_new.param_groups[0])
+    assert [id(p) for p in taken] == [id(new[0]), id(new[2])], "the transposed weight goes through the kernel"
+    assert o_new.state[new[2]]["exp_avg"].stride() == big_t.stride()  # its moments laid out as it is
+    new[2].grad = new[2].grad.contiguous()  # a gradient in another layout: torch's step takes that tensor
+    assert [id(p) for p in o_new._kernel_params(o_new.param_groups[0])] == [id(new[0])]
     print("ok")
 ''')
 
