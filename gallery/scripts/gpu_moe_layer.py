@@ -64,8 +64,9 @@ VARIANTS = {  # name: (implementation, compiled)
     "moelab-lean_grouped_mm-eager": ("lean", False), "moelab-lean_grouped_mm-compiled": ("lean", True),
     "moelab-fp8-rowwise-compiled": ("fp8", True), "moelab-fp8-rowwise-cached-compiled": ("fp8-cached", True),
     "sonicmoe-default-config": ("sonic", False), "sonicmoe-autotuned": ("sonic-tuned", False),
-    "moelab-sonic-eager": ("moelab-sonic", False), "moelab-sonic-compiled": ("moelab-sonic", True)}
-SONIC_IMPLS = ("sonic", "sonic-tuned", "moelab-sonic")  # first step compiles CuTe DSL kernels: bounded, run last
+    "moelab-sonic-eager": ("moelab-sonic", False), "moelab-sonic-compiled": ("moelab-sonic", True),
+    "moelab-sonic-copy-eager": ("moelab-sonic-copy", False)}
+SONIC_IMPLS = ("sonic", "sonic-tuned", "moelab-sonic", "moelab-sonic-copy")  # first step compiles CuTe DSL kernels: bounded, run last
 DEFAULT_VARIANTS = list(VARIANTS)[:6]
 
 
@@ -216,20 +217,22 @@ def kernel_profile(f, inputs, g_TD, steps: int = 3) -> dict:
         return {"error": repr(exc)[:300]}
 
 
-def moelab_sonic(w1, w2, E, D, F, rec):
+def moelab_sonic(w1, w2, E, D, F, rec, layout: bool = True):
     """backend.experts=sonic's path: the experts built on meta, laid out by sonic_layout, materialised (strides kept,
-    checked), given w1 / w2's values; routed by LocalDispatcher (on_tokens -> moelab.backends.sonic)."""
+    checked), given w1 / w2's values; routed by LocalDispatcher (on_tokens -> moelab.backends.sonic). layout=False
+    (moelab-sonic-copy): weights left in moelab's order, as FSDP2's gathered ones are: copied each call."""
     from moelab.backends.sonic import sonic_layout
 
     with torch.device("meta"):
         experts = GroupedExperts(E, D, F, impl="sonic")
-    sonic_layout(experts)
+    if layout:
+        sonic_layout(experts)
     experts = experts.to_empty(device=w1.device).to(w1.dtype)
     with torch.no_grad():
         experts.w_gate_up_EDF2.copy_(w1)
         experts.w_down_EFD.copy_(w2)
-    rec["moelab_sonic_weights_in_sonic_order"] = (experts.w_gate_up_EDF2.transpose(1, 2).is_contiguous()
-                                                  and experts.w_down_EFD.transpose(1, 2).is_contiguous())
+    rec["moelab_sonic_weights_in_sonic_order" + ("" if layout else "_copy")] = (
+        experts.w_gate_up_EDF2.transpose(1, 2).is_contiguous() and experts.w_down_EFD.transpose(1, 2).is_contiguous())
     route = moelab_route(experts)
 
     def f(x_TD, weights_TK, experts_TK):
@@ -247,8 +250,8 @@ def build(variants, w1, w2, E, D, F, sonic, rec, own):
         if impl in ("sonic", "sonic-tuned"):
             fns[name] = sonic_route(*sonic, E, tuned=impl == "sonic-tuned")
             continue
-        if impl == "moelab-sonic":
-            fn, own[name] = moelab_sonic(w1, w2, E, D, F, rec)
+        if impl in ("moelab-sonic", "moelab-sonic-copy"):
+            fn, own[name] = moelab_sonic(w1, w2, E, D, F, rec, layout=impl == "moelab-sonic")
             fns[name] = torch.compile(fn) if compiled else fn
             continue
         if impl == "lean":

@@ -16,8 +16,9 @@
 #     moelab-loss the LM-head losses side by side (LOSSES, default chunked,full,liger,cce: backend.loss; liger and
 #                 cce from the carried wheels) at micro batch 2 and 4 (LOSS_MBS) and global batch 2 and 16,
 #                 compiled, train.optimizer=auto, learned router, peak memory in each record
-#     moelab-sonic  moelab bf16 compiled with backend.experts=sonic (SONIC_TAR: gallery/scripts/sonic_site.sh's
-#                 tarball, unpacked to SONIC_SITE), 2 and 16, its profile at PROFILE_GBS; not run by default
+#     moelab-experts  moelab bf16 compiled with backend.experts=$EXPERTS (default sonic), 2 and 16, its profile at
+#                 PROFILE_GBS; not run by default. SONIC_TAR (gallery/scripts/sonic_site.sh's tarball, unpacked to
+#                 SONIC_SITE) installs SonicMoE, which `auto` then takes (moelab.backends.auto_experts)
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
@@ -81,13 +82,13 @@ fi
 part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
-part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
-part moelab 170 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
+part moelab 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON $DRY
-# the same model and seed with SonicMoE's experts (its first step: about 75 s of CuTe-DSL compiles)
-part moelab-sonic 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
-  --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=sonic \
-  --tag bf16-sonic $DRY
+# the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
+part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
+  --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \
+  --tag bf16-${EXPERTS:-sonic} $DRY
+part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \
   --losses ${LOSSES:-chunked,full,liger,cce} --mbs ${LOSS_MBS:-2,4} --steps 4 --warmup 2 $DRY
 # parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
@@ -110,6 +111,6 @@ if [ -z "${DRY_RUN:-}" ]; then
   part hf 70 python3 gallery/peers/hf_transformers.py $PEER --experts grouped_mm --global-batch 2 \
     --json $R/hf-transformers-grouped_mm-gbs{gbs}.json
 fi
-grep -h "^profile\|^  \|^first losses" $L/moelab.log $L/moelab-sonic.log $L/moelab-fp8.log 2>/dev/null | head -90
+grep -h "^profile\|^  \|^first losses" $L/moelab.log $L/moelab-experts.log $L/moelab-fp8.log 2>/dev/null | head -90
 echo "[$(el)s] done"
 python3 gallery/scripts/gpu_perf.py table $R

@@ -16,7 +16,8 @@ What each backend replaces (the rest of the model is untouched):
                                    back weighted, SwiGLU in the GEMMs (moelab.model.fused_experts); one GPU's
                                    local experts without capacity drops, LoRA or FP8
     backend.experts=sonic          SonicMoE's CuTe-DSL kernels on the tokens, as triton_fused (moelab.backends.sonic;
-                                   optional package, Hopper+); never chosen by `auto`
+                                   optional package, Hopper+); `auto` takes it where it is installed and applies
+                                   (``auto_experts``), else torch's grouped GEMM
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
     backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
     backend.loss=liger | cce       the LM head + loss as Liger Kernel's / cut-cross-entropy's fused kernel
@@ -100,6 +101,8 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
     chosen = {"experts": b.experts, "attention": b.attention, "dispatcher": b.dispatcher, "loss": b.loss}
     if b.loss == "auto":  # the compiled full loss where it is faster and fits this GPU, else the chunked one
         chosen["loss"] = _auto_loss(cfg, device, world_size)
+    if b.experts == "auto":
+        chosen["experts"] = auto_experts(cfg, device, world_size)
     for (field_name, value), key in REQUESTS.items():
         if chosen[field_name] != value:
             continue
@@ -114,6 +117,30 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
                       f"because backend.fallback=true", RuntimeWarning, stacklevel=2)
         chosen[field_name] = TORCH_PATH[field_name]
     return chosen
+
+
+def auto_experts(cfg: Config, device: str, world_size: int = 1) -> str:
+    """backend.experts=auto: SonicMoE's kernels (``sonic``) where the package is installed and imports, its kernels
+    apply to this run (``unsupported_reason``; no FP8 or LoRA on the experts) and the experts' weights stay in the
+    memory order ``sonic_layout`` gives them (not FSDP2-wrapped: its gathered weights are laid out as moelab's, and
+    each call would copy them); otherwise ``auto`` (GroupedExperts picks torch._grouped_mm, or the loop where that
+    cannot run). Measured ahead of torch's grouped GEMM in the whole compiled step of the Qwen3 proxy
+    (gallery/perf-notes.md, issue 41)."""
+    from moelab.config.lora import lora_targets
+    from moelab.layout.dims import fsdp_wraps
+
+    lora, p = cfg.train.lora, cfg.parallel
+    if (not _DETECTED["sonic"] or unsupported_reason("sonic", cfg, device, world_size) is not None
+            or cfg.train.fp8 != "off" or (lora.rank and "experts" in lora_targets(lora.targets))
+            or fsdp_wraps(max(world_size // p.pp, 1), cfg)  # ep = 1 here: the experts' mesh is a stage's ranks
+            or cfg.model.hidden_size % 64 or cfg.model.moe.expert_ffn_size % 64):  # whole tiles: shapes measured
+        return "auto"
+    try:
+        import_package("sonic")
+    except BackendUnavailable as e:  # installed but broken here: say so once, keep torch's path
+        warnings.warn(f"backend.experts=auto keeps torch's grouped GEMM: {e}", RuntimeWarning, stacklevel=3)
+        return "auto"
+    return "sonic"
 
 
 def _auto_loss(cfg: Config, device: str, world_size: int) -> str:
