@@ -90,3 +90,43 @@ def test_sonic_layout_keeps_values_shapes_and_its_memory_order_through_materiali
     built.lora_rank = 2
     with pytest.raises(ValueError, match="backend.experts='sonic' computes plain SwiGLU.*use backend.experts=auto"):
         built.on_tokens(torch.randn(5, 8), torch.ones(5, 2), torch.arange(10), counts_E, torch.zeros(5, 2))
+
+
+def auto_cfg(**over):
+    return load_config("tiny", {"train.steps": 2, "train.dtype": "bfloat16", "train.param_dtype": "bfloat16",
+                                **over})
+
+
+@pytest.mark.parametrize("over,world_size,picks", [
+    ({}, 1, "sonic"),  # one rank's experts in bf16: SonicMoE's kernels
+    ({"train.param_dtype": "float32"}, 1, "auto"),  # FSDP2 casts them (its gathered copies: moelab's order)
+    ({}, 2, "auto"),  # FSDP2 over two ranks
+    ({"parallel.ep": 2}, 2, "auto"),  # rows of other ranks
+    ({"model.moe.capacity_factor": 1.25}, 1, "auto"),  # drops
+    ({"train.fp8": "rowwise", "train.device": "cuda"}, 1, "auto"),  # FP8 experts
+    ({"train.lora.rank": 4, "train.lora.targets": "experts"}, 1, "auto"),  # grouped LoRA: torch's path
+    ({"train.lora.rank": 4, "train.lora.targets": "attention"}, 1, "sonic"),  # the experts untouched
+    ({"model.moe.expert_ffn_size": 96}, 1, "auto"),  # not whole tiles of 64
+    ({"train.dtype": "float32", "train.param_dtype": "float32"}, 1, "auto"),  # fp32 compute
+])
+def test_auto_takes_sonic_where_it_is_installed_and_applies(monkeypatch, over, world_size, picks):
+    monkeypatch.setitem(backends._DETECTED, "sonic", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(backends, "import_package", lambda key: object())  # imports: the kernels are here
+    c = auto_cfg(**over)
+    assert backends.auto_experts(c, "cuda", world_size) == picks
+    assert check_backends(c, device="cuda", world_size=world_size)["experts"] == picks
+    assert backends.auto_experts(c, "cpu", world_size) == "auto"  # no GPU: never
+    monkeypatch.setitem(backends._DETECTED, "sonic", False)
+    assert backends.auto_experts(c, "cuda", world_size) == "auto"  # not installed: torch's path, no error
+
+
+def test_auto_keeps_torch_path_with_a_warning_where_sonic_is_installed_but_broken(monkeypatch):
+    monkeypatch.setitem(backends._DETECTED, "sonic", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+
+    def broken(key):
+        raise BackendUnavailable("the 'sonic' backend's package 'sonic-moe' is installed but failed to import")
+    monkeypatch.setattr(backends, "import_package", broken)
+    with pytest.warns(RuntimeWarning, match="backend.experts=auto keeps torch's grouped GEMM: .*failed to import"):
+        assert check_backends(auto_cfg(), device="cuda")["experts"] == "auto"
