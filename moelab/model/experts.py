@@ -87,12 +87,12 @@ class GroupedExperts(nn.Module):
             x = x.to(torch.get_autocast_dtype("cuda"))
         return x, *(t.to(x.dtype) if t is not None and t.dtype != x.dtype else t for t in w)
 
-    def on_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor,
-                  counts_E: torch.Tensor, experts_TK: torch.Tensor | None = None) -> torch.Tensor:
+    def on_tokens(self, x_TD: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor | None,
+                  counts_E: torch.Tensor | None, experts_TK: torch.Tensor | None = None) -> torch.Tensor:
         """backend.experts=triton_fused | sonic: y_TD = each token's K expert outputs, weighted and summed, computed
         straight from the tokens by moelab.model.fused_experts' kernels (order_N: the T*K assignments sorted by
         expert; counts_E: rows per expert) or by SonicMoE's (moelab.backends.sonic: experts_TK, each token's K
-        experts); every assignment kept."""
+        experts; order_N and counts_E unused, may be None); every assignment kept."""
         if self.fp8 or getattr(self, "lora_rank", 0) or self.b_gate_up_EF2 is not None or self.activation != "swiglu":
             raise ValueError(f"backend.experts={self.impl!r} computes plain SwiGLU experts without biases, FP8 or "
                              "LoRA (refused by moelab.backends before a run); use backend.experts=auto")

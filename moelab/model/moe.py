@@ -89,16 +89,20 @@ class LocalDispatcher(Dispatcher):
         x_ND, counts_E, (order_N, inverse_N) = LocalDispatcher().dispatch(x_TD, experts_TK, keep_TK, num_experts)
 
     The rows move by gathers both ways (moelab.model.rows: no scatter-add in either gradient). Experts whose
-    ``impl`` is "triton_fused" (moelab.model.fused_experts) or "sonic" (moelab.backends.sonic) take the tokens,
-    the dispatch order and the weights instead, reading and writing each token's rows inside their GEMMs; every
-    assignment kept (the switchboard refuses those backends with capacity drops).
+    ``impl`` is "triton_fused" (moelab.model.fused_experts) or "sonic" (moelab.backends.sonic) take the tokens and
+    the weights instead (triton_fused also the dispatch order; SonicMoE builds its own from each token's experts),
+    reading and writing each token's rows inside their GEMMs; every assignment kept (the switchboard refuses those
+    backends with capacity drops).
     """
 
     def route(self, experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts):
-        if keep_TK is None and getattr(experts, "impl", None) in ("triton_fused", "sonic"):
-            order_N = torch.argsort(experts_TK.reshape(-1), stable=True)  # unused by sonic: its own routing metadata
-            return experts.on_tokens(x_TD, weights_TK, order_N, count_ids(experts_TK.reshape(-1), num_experts),
-                                     experts_TK)
+        impl = getattr(experts, "impl", None)
+        if keep_TK is None and impl == "sonic":  # SonicMoE builds its own routing metadata from experts_TK
+            return experts.on_tokens(x_TD, weights_TK, None, None, experts_TK)
+        if keep_TK is None and impl == "triton_fused":
+            flat_N = experts_TK.reshape(-1)
+            return experts.on_tokens(x_TD, weights_TK, torch.argsort(flat_N, stable=True),
+                                     count_ids(flat_N, num_experts), experts_TK)
         return super().route(experts, x_TD, weights_TK, experts_TK, keep_TK, num_experts)
 
     def dispatch(self, x_TD, experts_TK, keep_TK, num_experts):

@@ -130,3 +130,46 @@ def test_auto_keeps_torch_path_with_a_warning_where_sonic_is_installed_but_broke
     monkeypatch.setattr(backends, "import_package", broken)
     with pytest.warns(RuntimeWarning, match="backend.experts=auto keeps torch's grouped GEMM: .*failed to import"):
         assert check_backends(auto_cfg(), device="cuda")["experts"] == "auto"
+
+
+def test_the_dispatcher_hands_sonic_the_tokens_weights_and_each_tokens_experts(monkeypatch):
+    # SonicMoE's call stood in by the same sum in torch (each token's K experts, weighted): the layer's output and
+    # gradients equal torch's path; no dispatch order or counts are computed for it (it builds its own)
+    import moelab.backends.sonic as sonic
+    from moelab.model.moe import LocalDispatcher
+
+    seen = {}
+
+    def stand_in(x_TD, weights_TK, experts_TK, w1_EDF2, w2_EFD):
+        seen.update(sonic_order=w1_EDF2.transpose(1, 2).is_contiguous() and w2_EFD.transpose(1, 2).is_contiguous())
+        h_TKF2 = torch.einsum("td,tkdf->tkf", x_TD, w1_EDF2[experts_TK])
+        g, u = h_TKF2.chunk(2, dim=-1)
+        y_TKD = torch.einsum("tkf,tkfd->tkd", torch.nn.functional.silu(g) * u, w2_EFD[experts_TK])
+        return (y_TKD * weights_TK.unsqueeze(-1)).sum(1)
+
+    monkeypatch.setattr(sonic, "sonic_experts", stand_in)
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: pytest.fail("no dispatch order for SonicMoE"))
+    torch.manual_seed(0)
+    T, K, E, D, F = 12, 2, 4, 8, 12
+    ref = GroupedExperts(E, D, F)
+    torch.nn.init.normal_(ref.w_gate_up_EDF2)
+    torch.nn.init.normal_(ref.w_down_EFD)
+    with torch.device("meta"):
+        built = GroupedExperts(E, D, F, impl="sonic")
+    sonic.sonic_layout(built)
+    built = built.to_empty(device="cpu")
+    with torch.no_grad():
+        built.w_gate_up_EDF2.copy_(ref.w_gate_up_EDF2)
+        built.w_down_EFD.copy_(ref.w_down_EFD)
+    x_TD = torch.randn(T, D, requires_grad=True)
+    weights_TK = torch.rand(T, K, requires_grad=True)
+    experts_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    y = LocalDispatcher().route(built, x_TD, weights_TK, experts_TK, None, E)
+    assert seen == {"sonic_order": True}
+    grads = torch.autograd.grad(y.square().sum(), [x_TD, weights_TK, built.w_gate_up_EDF2, built.w_down_EFD])
+    monkeypatch.undo()  # torch's path (sorted rows) for the reference
+    want = LocalDispatcher().route(ref, x_TD, weights_TK, experts_TK, None, E)
+    wants = torch.autograd.grad(want.square().sum(), [x_TD, weights_TK, ref.w_gate_up_EDF2, ref.w_down_EFD])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, wants):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
