@@ -3,6 +3,8 @@ and the FP8 loss-parity curves.
 
     python gallery/scripts/gpu_perf.py bench  --out DIR [--fp8 off,rowwise] [--gbs 2,16] [--profile] [--set k=v]
     python gallery/scripts/gpu_perf.py bench  --out DIR --losses chunked,full,liger,cce --mbs 2,4 --gbs 4,16
+    python gallery/scripts/gpu_perf.py bench  --out DIR --set backend.experts=grouped_mm --tag bf16-grouped_mm \
+        --loss-steps 3     # another experts backend; the first 3 steps' losses in each record (one seed)
     python gallery/scripts/gpu_perf.py parity --out DIR [--steps 300] [--fp8 off,rowwise] [--set k=v]
     python gallery/scripts/gpu_perf.py table  DIR          # the short table of every record under DIR
     python gallery/scripts/gpu_perf.py bench --dry-run ...  # the same code paths on CPU with the tiny preset
@@ -11,7 +13,8 @@ bench: the Qwen3-30B-A3B proxy (seq 4096, micro batch 2, learned router, bf16 pa
 built once, timed with moelab.train.bench.Bencher on the trainer's real step at each global batch, first in bf16
 (--triton-adamw: again with moelab.train.adamw_triton's optimizer, then back to torch's), then converted in
 place to each FP8 mode (compile caches reset, blocks recompiled); one JSON record per mode and
-global batch (moelab.train.bench's fields plus fp8, compile, variant, router, loss, optimizer). --losses / --mbs: the bf16
+global batch (moelab.train.bench's fields plus fp8, compile, variant, router, loss, optimizer, experts: the
+experts backend the run took, auto's choice resolved). --losses / --mbs: the bf16
 step again with each LM-head loss (backend.loss, switched in place on the built model; liger / cce only where
 their packages import) at each micro batch (the global batches of --gbs that it divides), each record with its
 peak memory. --profile: one compiled step under

@@ -61,6 +61,8 @@ def describe(r: dict) -> str:
     if r["system"] == "moelab":
         ran = record_settings(r)
         parts += [f"loss {ran.get('loss', '?')}", ran.get("optimizer", "optimizer ?")]
+        if r.get("experts") not in (None, "auto"):  # the experts backend the run took (auto's choice included)
+            parts.append(f"experts {r['experts']}")
     return ", ".join(parts)
 
 
@@ -202,7 +204,8 @@ def profiles(results: list) -> list[str]:
     out = []
     for mode, p in sorted(newest.items()):
         out += ["", f"Profile of moelab's compiled step, `train.fp8={mode}`, global batch {p['global_batch_size']} "
-                f"(`{stem(p)}`, commit {commit_of(p)}, {describe(p)}): step {p['step_ms']:.1f} ms, kernels "
+                f"(`{stem(p)}`, commit {commit_of(p)}, {p.get('gpu_name', 'GPU ?')}, {describe(p)}): step "
+                f"{p['step_ms']:.1f} ms, kernels "
                 f"{p['gpu_busy_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms", "", "| category | ms |", "|---|---:|"]
         out += [f"| {k} | {v:.1f} |" for k, v in p["by_category_ms"].items()]
     return out
@@ -229,7 +232,8 @@ def micro_batch_breakdown(results: list) -> list[str]:
     modes = sorted(newest)
     n = {m: newest[m]["global_batch_size"] // newest[m]["micro_batch_size"] for m in modes}
     out = ["", "### Where a micro batch goes (ms per micro batch: a profiled step divided by its micro batches)", "",
-           "Profiles: " + "; ".join(f"`train.fp8={m}`: `{stem(newest[m])}` ({n[m]} micro batches)" for m in modes)
+           "Profiles: " + "; ".join(f"`train.fp8={m}`: `{stem(newest[m])}` ({n[m]} micro batches, "
+                                    f"{newest[m].get('gpu_name', 'GPU ?')})" for m in modes)
            + ". Named parts are sums of the step's top kernels by name (gallery/scripts/perf_tables.py STEP_PARTS);"
            " they overlap the categories.", "",
            "| part | " + " | ".join(f"fp8={m}" for m in modes) + " |", "|---|" + "---:|" * len(modes)]

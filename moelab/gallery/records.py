@@ -193,6 +193,8 @@ def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
             over["backend.fake_gate_noise"] = float(kind.split("=")[1]) if kind.startswith("fake_noise=") else 0.0
         backends = r.get("backends") or {}
         over.update({f"backend.{k}": backends[k] for k in ("attention", "experts", "dispatcher") if backends.get(k)})
+        if r.get("experts") not in (None, "auto") and not backends.get("experts"):  # the experts it ran (gpu_perf's
+            over["backend.experts"] = r["experts"]  # records: auto's choice resolved, e.g. SonicMoE where installed)
         ran = record_settings(r)
         over["backend.loss"] = ran.get("loss", "full")  # no loss recorded: it predates backend.loss (the full loss)
         if "optimizer" in ran:

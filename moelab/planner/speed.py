@@ -62,9 +62,10 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
   and autograd's gradient accumulation from a step's second micro batch on.
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
-Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM
-and SDPA (te,
-grouped_gemm, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
+- backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
+  one H100 profile pair measured (rates.SONIC_MEASURED).
+Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
+SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
 proxy's shapes).
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ from dataclasses import dataclass, field
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
 from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES, H200_MEASURED, PUBLISHED, Rates,
-                                  rates)
+                                  SONIC_MEASURED, rates)
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -255,13 +256,17 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
     dense_flops = n_moe * fl["moe_dense"] + n_dense * fl["dense_layer"]
     router = n_moe * fl["router"]
     attn_layer = attention_flops_per_token(mdl, t.seq_len) / mdl.num_layers  # the mean layer (windows averaged)
+    # SonicMoE's experts (backend.experts=sonic): its GEMMs and what is left of the row moves, as measured against
+    # torch's grouped path (rates.SONIC_MEASURED)
+    sonic = {k: v for k, (v, _) in SONIC_MEASURED.items()} if cfg.backend.experts == "sonic" else {}
     parts = {
         "dense_matmul": T * mm * (router / r.dense + (dense_flops - router) / (r.dense_fp8 if fp8 else r.dense)),
-        "expert_matmul": T * mm * n_moe * fl["moe_experts"] / (r.grouped_fp8 if fp8 else r.grouped),
+        "expert_matmul": T * mm * n_moe * fl["moe_experts"] / (r.grouped_fp8 if fp8 else r.grouped)
+        * sonic.get("expert_matmul_ratio", 1.0),
         "attention": T * len(layers) * attn_layer * (rerun if ckpt == "full" or (ckpt == "selective" and eager_attn)
                                                      else 1.0) / r.attention,
         "elementwise": eager * ew * T * (len(layers) * D * r.per_element("elementwise_s")
-                                         + n_moe * K * D * r.per_element("permute_s")),
+                                         + n_moe * K * D * r.per_element("permute_s") * sonic.get("permute_ratio", 1.0)),
         "head_loss": _head_loss(cfg, r, T, fl["head"], V) if last else 0.0,
         "fp8_quant": 0.0,
         "idle": len(layers) * r.idle_s_per_layer,
@@ -371,7 +376,7 @@ def unmodelled(cfg) -> list[str]:
                    "at SDPA's rate")
     elif b.attention != "sdpa":
         out.append(f"backend.attention={b.attention}: timed at SDPA's rate")
-    if b.experts in ("loop", "grouped_gemm", "te", "triton_fused", "sonic"):
+    if b.experts in ("loop", "grouped_gemm", "te", "triton_fused"):
         out.append(f"backend.experts={b.experts}: timed at torch's grouped GEMM rate")
     if b.dispatcher == "deepep":
         out.append("backend.dispatcher=deepep: its kernels timed as NCCL's all-to-all of the same bytes")
@@ -384,6 +389,9 @@ def extrapolated(cfg) -> list[str]:
     """Kernels of `cfg` the model times at a rate measured on another kind of shape (the rates come from the
     Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
     m, out = cfg.model, []
+    if cfg.backend.experts == "sonic":
+        out.append("backend.experts=sonic: torch's grouped-path figures times SonicMoE's ratios from one H100 profile "
+                   "pair at the proxy's shape (rates.SONIC_MEASURED); its host gaps (graph breaks) as the grouped path's")
     shape = grouped_shape_ratio(cfg)
     if shape:
         out.append(f"routed experts at the grouped rate of the Qwen3 proxy's profile; their forward GEMMs at this "

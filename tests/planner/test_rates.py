@@ -158,3 +158,20 @@ def test_the_grouped_gemm_shape_table_is_the_h100_record():
         key = (s["hidden"], s["expert_ffn"], s["rows"] // s["experts"])
         both = 1 / ((2 / 3) / s["gate_up_bf16_tflops"] + (1 / 3) / s["down_bf16_tflops"])
         assert GROUPED_FORWARD_TFLOPS[key] == pytest.approx(both, rel=1e-4), key
+
+
+def test_sonic_ratios_are_the_h100_profile_pair():
+    # backend.experts=sonic against torch's grouped path: the same compiled step, one H100 call (issue 41 call 11)
+    from moelab.planner.rates import SONIC_MEASURED
+
+    sonic = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call11.json")
+    base = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json")
+    assert sonic["experts"] == "sonic" and base["experts"] == "grouped_mm"
+    quack = kernels_ms(sonic, lambda n, c: c == "matmul" and "quackgemm" in n)
+    grouped = kernels_ms(base, lambda n, c: c == "matmul" and "GemmUniversal" in n)
+    assert SONIC_MEASURED["expert_matmul_ratio"][0] == pytest.approx(quack / grouped, rel=1e-3)
+    assert SONIC_MEASURED["permute_ratio"][0] == pytest.approx(
+        sonic["by_category_ms"]["permute"] / base["by_category_ms"]["permute"], rel=1e-3)
+    for key, (value, source) in SONIC_MEASURED.items():
+        named = [w for w in source.replace(",", " ").split() if w.startswith("gallery/results/")]
+        assert named and all((ROOT / w.rstrip(":)")).exists() for w in named), (key, source)
