@@ -140,7 +140,8 @@ GROUPED_FORWARD_TFLOPS = {  # GROUPED_SHAPES: shapes.<name>.gate_up_bf16_tflops 
 # grouped GEMM kernels, and its permute category (the token_gather_sum of dx, what is left of the row moves) over
 # the grouped path's (dispatch, combine and their backward); ratios carried onto the H200 figures above
 _SONIC = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call11.json"
-_SONIC_BASE = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json"
+_SONIC_BASE = (_RESULTS
+               + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json")
 SONIC_MEASURED = {
     "expert_matmul_ratio": ((20.108 + 6.151 + 5.895) / (12.310 + 8.579 + 8.135),
                             _SONIC + " against " + _SONIC_BASE + ": the quackgemm kernels of top_kernels over the "

@@ -65,8 +65,8 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
 - backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
   one H100 profile pair measured (rates.SONIC_MEASURED).
 Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
-SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates (all measured at the Qwen3-30B-A3B
-proxy's shapes).
+SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates
+(all measured at the Qwen3-30B-A3B proxy's shapes).
 """
 from __future__ import annotations
 
@@ -265,8 +265,8 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
         * sonic.get("expert_matmul_ratio", 1.0),
         "attention": T * len(layers) * attn_layer * (rerun if ckpt == "full" or (ckpt == "selective" and eager_attn)
                                                      else 1.0) / r.attention,
-        "elementwise": eager * ew * T * (len(layers) * D * r.per_element("elementwise_s")
-                                         + n_moe * K * D * r.per_element("permute_s") * sonic.get("permute_ratio", 1.0)),
+        "elementwise": eager * ew * T * (len(layers) * D * r.per_element("elementwise_s") + n_moe * K * D
+                                         * r.per_element("permute_s") * sonic.get("permute_ratio", 1.0)),
         "head_loss": _head_loss(cfg, r, T, fl["head"], V) if last else 0.0,
         "fp8_quant": 0.0,
         "idle": len(layers) * r.idle_s_per_layer,
@@ -390,8 +390,9 @@ def extrapolated(cfg) -> list[str]:
     Qwen3-30B-A3B proxy: GQA attention with head dim 128)."""
     m, out = cfg.model, []
     if cfg.backend.experts == "sonic":
-        out.append("backend.experts=sonic: torch's grouped-path figures times SonicMoE's ratios from one H100 profile "
-                   "pair at the proxy's shape (rates.SONIC_MEASURED); its host gaps (graph breaks) as the grouped path's")
+        out.append("backend.experts=sonic: torch's grouped-path figures times SonicMoE's ratios from one H100 "
+                   "profile pair at the proxy's shape (rates.SONIC_MEASURED); its host gaps (graph breaks) as the "
+                   "grouped path's")
     shape = grouped_shape_ratio(cfg)
     if shape:
         out.append(f"routed experts at the grouped rate of the Qwen3 proxy's profile; their forward GEMMs at this "
