@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from moelab.backends.ops import accumulates_into
+
 try:
     import triton
     import triton.language as tl
@@ -308,19 +310,6 @@ def _setup(ctx, inputs, output):
     x_TD, scale_N, w1, w2, tok_N, order_N, counts_E, K = inputs
     ctx.save_for_backward(x_TD, output[1], scale_N, w1, w2, tok_N, order_N, counts_E)
     ctx.K = K
-
-
-def accumulates_into(w: torch.Tensor) -> bool:
-    """Whether the backward adds w's gradient into w.grad itself (eager only): w is a leaf that requires grad,
-    already holds a gradient of its own dtype, shape and layout, has no hooks that autograd's accumulation would
-    have run (a post-accumulate hook: tensor parallelism's, compression's, a user's), and no process group is up
-    (DDP's reducer hooks the gradient accumulator itself, where they cannot be seen from here). Then autograd gets
-    None for w, so nothing is added twice."""
-    g = w.grad if w.is_leaf and w.requires_grad else None
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (g is not None and not distributed and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-            and type(g) is torch.Tensor and g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
-            and g.device == w.device and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
 
 
 def _backward(ctx, g_TD, g_h):

@@ -173,3 +173,58 @@ def test_the_dispatcher_hands_sonic_the_tokens_weights_and_each_tokens_experts(m
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(grads, wants):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def sonic_ordered(E=3, D=8, F=4):
+    """A GroupedExperts' two parameters in SonicMoE's memory order (sonic_layout)."""
+    from moelab.backends.sonic import sonic_layout
+
+    experts = GroupedExperts(E, D, F, impl="sonic")
+    sonic_layout(experts)
+    return experts.w_gate_up_EDF2, experts.w_down_EFD
+
+
+def test_weight_grads_go_to_new_tensors_in_sonics_order_on_a_first_micro_batch():
+    from moelab.backends.sonic import weight_grad_buffers
+
+    w1, w2 = sonic_ordered()
+    dw1, dw2, accumulate = weight_grad_buffers(w1, w2)
+    assert not accumulate
+    for w, dw in ((w1, dw1), (w2, dw2)):
+        assert dw.shape == w.shape and dw.stride() == w.stride() and dw.data_ptr() != w.data_ptr()
+    # weights in moelab's order (copied into SonicMoE's each call): new gradients in SonicMoE's order too
+    plain = GroupedExperts(3, 8, 4)
+    dw1, _, accumulate = weight_grad_buffers(plain.w_gate_up_EDF2, plain.w_down_EFD)
+    assert not accumulate and dw1.transpose(1, 2).is_contiguous()
+
+
+def test_a_later_micro_batch_writes_into_the_weights_own_grad():
+    from moelab.backends.sonic import weight_grad_buffers
+
+    w1, w2 = sonic_ordered()
+    for w in (w1, w2):
+        w.grad = torch.empty_like(w)  # keeps the parameter's strides, as autograd's first accumulation does
+    with torch.no_grad():  # as in backward
+        dw1, dw2, accumulate = weight_grad_buffers(w1, w2)
+    assert accumulate and dw1 is w1.grad and dw2 is w2.grad
+    with torch.enable_grad():  # a double backward (create_graph): autograd's accumulation
+        assert not weight_grad_buffers(w1, w2)[2]
+
+
+@pytest.mark.parametrize("why", ["other_strides", "hook", "one_weight", "process_group"])
+def test_grads_that_autograd_must_add_are_returned_instead(monkeypatch, why):
+    # a gradient in another layout than its weight, a post-accumulate hook (tensor parallelism's, compression's),
+    # one of the two weights without a gradient yet, or DDP's reducer: the backward returns fresh gradients
+    from moelab.backends.sonic import weight_grad_buffers
+
+    w1, w2 = sonic_ordered()
+    w1.grad = torch.zeros(w1.shape) if why == "other_strides" else torch.empty_like(w1)
+    if why != "one_weight":
+        w2.grad = torch.empty_like(w2)
+    if why == "hook":
+        w2.register_post_accumulate_grad_hook(lambda p: None)
+    if why == "process_group":
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with torch.no_grad():
+        dw1, dw2, accumulate = weight_grad_buffers(w1, w2)
+    assert not accumulate and dw1 is not w1.grad and dw2 is not w2.grad
