@@ -63,7 +63,8 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
 - backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
-  one H100 profile pair measured (rates.SONIC_MEASURED).
+  one H100 profile pair measured (rates.SONIC_MEASURED); on one GPU its GEMMs add the routed experts' gradients
+  into .grad (no accumulation pass over them).
 Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
 SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates
 (all measured at the Qwen3-30B-A3B proxy's shapes).
@@ -228,10 +229,15 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
 def _accumulated_bytes(cfg, p) -> float:
     """Gradient bytes autograd adds into from the second micro batch of a step on: the sharded gradients FSDP2's
     reduce-scatters return (and a plain rank's whole ones), or, reduced once per step, every wrapped unit's
-    unsharded gradient in the reduce dtype (moelab.layout.dims.grad_sync)."""
+    unsharded gradient in the reduce dtype (moelab.layout.dims.grad_sync); on one GPU with backend.experts=sonic,
+    all but the routed experts'."""
     units = [u for u in p.comm.get("fsdp_units", []) if u["ranks"] > 1]
     if p.fsdp_grad_sync == "step" and units:
         return sum(u["count"] * u["params"] for u in units) * (2 if cfg.parallel.reduce_dtype == "bfloat16" else 4)
+    if cfg.backend.experts == "sonic" and p.gpus == 1 and not cfg.train.lora.rank:
+        # SonicMoE's weight-gradient GEMMs add into the routed experts' .grad themselves (moelab.backends.sonic)
+        pb = 2 if cfg.train.param_dtype == "bfloat16" else 4
+        return p.memory["gradients"] - count_params(cfg.model).experts_total * pb
     return p.memory["gradients"]
 
 

@@ -262,3 +262,21 @@ def test_hiding_communication_bounds_the_step_from_above():
     bound_step = s.step_s - exposed + max(0.0, comm - compute)
     assert s.comm_hidden_tokens_per_s_per_gpu == pytest.approx(s.tokens_per_s_per_gpu * s.step_s / bound_step)
     assert s.comm_hidden_tokens_per_s_per_gpu > s.tokens_per_s_per_gpu
+
+
+def test_sonic_on_one_gpu_accumulates_only_the_gradients_outside_the_routed_experts():
+    # SonicMoE's weight-gradient GEMMs add into the routed experts' .grad: the accumulation pass moves the rest;
+    # with several ranks (a process group up) autograd accumulates all of it again
+    from moelab.planner.flops import count_params
+
+    gbs16 = {**BF16, "train.global_batch_size": 16, "train.compile": True}
+    cfg = load_config(PROXY, gbs16)
+    grouped, sonic = (speed(PROXY, **{**gbs16, "backend.experts": e}) for e in ("grouped_mm", "sonic"))
+    experts = count_params(cfg.model).experts_total * 2  # bf16 gradients
+    passes = cfg.train.global_batch_size // cfg.train.micro_batch_size - 1
+    moved = 3 * passes * experts  # read the gradient and the new term, write the sum
+    assert grouped.parts_s["grad_accumulate"] - sonic.parts_s["grad_accumulate"] == pytest.approx(
+        moved / (H200_MEASURED["grad_accumulate_tb_s"][0] * 1e12), rel=1e-9)
+    two = {**gbs16, "parallel.pp": 2}
+    grouped, sonic = (speed(PROXY, gpus=2, **{**two, "backend.experts": e}) for e in ("grouped_mm", "sonic"))
+    assert sonic.parts_s["grad_accumulate"] == pytest.approx(grouped.parts_s["grad_accumulate"])
