@@ -24,8 +24,8 @@ import yaml
 from moelab.config import Config, ConfigError, load_config
 from moelab.gallery.memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
 from moelab.gallery.current import peers_section
-from moelab.gallery.records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, rebuild_config,
-                                   router_of, router_sweep_section, stale_note)
+from moelab.gallery.records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, planner_options,
+                                   rebuild_config, router_of, router_sweep_section, stale_note)
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vp", "fsdp")
 RESULT_FIELDS = ("system", "workload", "gpus", "gpu_name", "tokens_per_s_per_gpu", "tflops_per_gpu",
@@ -251,13 +251,15 @@ def _config_for_result(r: dict, entries: dict) -> Config | None:
 
 
 def _planned_for_result(r: dict, entries: dict, gpu: str | None = None):
-    """The plan of the config a result ran (_config_for_result), or None; `gpu`: with its predicted speed."""
+    """The plan of the config a result ran (_config_for_result), as the code of its day ran it
+    (moelab.gallery.records.planner_options), or None; `gpu`: with its predicted speed."""
     from moelab.planner.plan import plan
 
     cfg = _config_for_result(r, entries)
     try:
         return None if cfg is None else plan(cfg, gpus=int(r.get("gpus", 1)),
-                                             gpu_memory_gb=gpu_memory_of(r.get("gpu_name")), gpu=gpu)
+                                             gpu_memory_gb=gpu_memory_of(r.get("gpu_name")), gpu=gpu,
+                                             **planner_options(r))
     except (ConfigError, KeyError, TypeError, ValueError):
         return None
 

@@ -35,7 +35,8 @@ def _one_rank_units(p) -> str:
                                                  ("the experts on the expert-FSDP mesh", experts)) if alone)
 
 
-# per planner option of a record's day (moelab.gallery.records.CODE_BEFORE): what that code did and how the plan
+# per planner option of a record's day that bears on memory (moelab.gallery.records.CODE_BEFORE; sonic_wgrad moves
+# time only): what that code did and how the plan
 # counts it (the paragraph under the table), what the option plans and what the code then did (the note's words),
 # and which units of a plan it bears on ("" where none)
 DAY_NOTES = {
@@ -59,6 +60,8 @@ def day_notes(r: dict, p) -> list[str]:
     that bears on the plan's layout (see the module docstring)."""
     out = []
     for key, value, commit, _ in CODE_BEFORE:
+        if key not in DAY_NOTES:
+            continue
         _, topic, then, units = DAY_NOTES[key]
         which = units(p)
         if which and planner_options(r).get(key) == value:
@@ -144,7 +147,7 @@ def memory_section(results: list, by_name: dict) -> tuple[list[str], list]:
                      ("the miss has its cause in its note." if misses == 1 else
                       f"each of the {misses} misses has its cause in its note.") if misses else "no miss.")]
     named = [f"{commit} ({landed[:10]}): {DAY_NOTES[key][0]}." for key, _, commit, landed in CODE_BEFORE
-             if any(f"before {commit}" in line for line in lines)]
+             if key in DAY_NOTES and any(f"before {commit}" in line for line in lines)]
     if named:
         lines += ["", "Code changes the notes name (a record measured before one ran other code than moelab's "
                   "today, and is planned as that code ran): " + " ".join(named)]

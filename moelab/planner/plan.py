@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import predict as predict_speed
+from moelab.planner.speed import SONIC_WGRAD, predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
 from moelab.planner.stages import split_layers
@@ -138,6 +138,9 @@ class Plan:
     speed: object = None  # the predicted step on a GPU kind (moelab.planner.speed.Speed), with plan(..., gpu=)
     # when FSDP2 reduces gradients: "micro_batch" (every one) or "step" (the last; moelab.layout.dims.grad_sync)
     fsdp_grad_sync: str = "micro_batch"
+    # who adds backend.experts=sonic's expert gradients into .grad on one GPU: "gemm" (its weight-gradient GEMMs,
+    # moelab.backends.sonic) or "autograd" (the code before af73383; planned for records measured with it)
+    sonic_wgrad: str = "gemm"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -297,14 +300,16 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
-         fsdp_one_rank: str = "plain", local_weighting: str = "experts", suggest: bool = True) -> Plan:
+         fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
+         suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
     kind's memory when `gpu_memory_gb` is not given. `fsdp_one_rank`: the code planned, "plain" (moelab's) or
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
     records measured with old code (moelab.gallery.records.planner_options); `local_weighting` likewise: "experts"
-    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING). A plan that does not fit
+    (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING); `sonic_wgrad` likewise: "gemm"
+    (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad). A plan that does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -319,6 +324,9 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     if local_weighting not in LOCAL_WEIGHTING:
         raise ConfigError(f"local_weighting={local_weighting!r}: must be one of {', '.join(LOCAL_WEIGHTING)} "
                           "(experts: moelab's code; combine: the code before a3f8c38, for records measured with it)")
+    if sonic_wgrad not in SONIC_WGRAD:
+        raise ConfigError(f"sonic_wgrad={sonic_wgrad!r}: must be one of {', '.join(SONIC_WGRAD)} "
+                          "(gemm: moelab's code; autograd: the code before af73383, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
     asked = cfg
@@ -337,7 +345,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     fits, biggest, verdict = _verdict(z, worst, capacity_gb)
     if not fits and suggest:
         verdict += _fix_text(asked, world, capacity_gb, biggest, dict(fsdp_one_rank=fsdp_one_rank,
-                                                                      local_weighting=local_weighting))
+                                                                      local_weighting=local_weighting,
+                                                                      sonic_wgrad=sonic_wgrad))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -360,7 +369,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
             ["routing weights applied at combine, the expert outputs kept for their gradient, as the code before "
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
-        fsdp_grad_sync=grad_sync(p))
+        fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict

@@ -79,6 +79,10 @@ from moelab.planner.gpus import GPUKind, gpu_kind
 from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES, H200_MEASURED, PUBLISHED, Rates,
                                   SONIC_MEASURED, rates)
 
+# Who adds backend.experts=sonic's routed-expert gradients into .grad on one GPU (Plan.sonic_wgrad): its weight-gradient
+# GEMMs (moelab.backends.sonic, since af73383), or autograd's accumulation pass (the code before)
+SONIC_WGRAD = ("gemm", "autograd")
+
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
 PART_LABELS = {"dense_matmul": "dense matmuls", "expert_matmul": "expert matmuls", "attention": "attention",
@@ -234,7 +238,7 @@ def _accumulated_bytes(cfg, p) -> float:
     units = [u for u in p.comm.get("fsdp_units", []) if u["ranks"] > 1]
     if p.fsdp_grad_sync == "step" and units:
         return sum(u["count"] * u["params"] for u in units) * (2 if cfg.parallel.reduce_dtype == "bfloat16" else 4)
-    if cfg.backend.experts == "sonic" and p.gpus == 1 and not cfg.train.lora.rank:
+    if cfg.backend.experts == "sonic" and p.gpus == 1 and not cfg.train.lora.rank and p.sonic_wgrad == "gemm":
         # SonicMoE's weight-gradient GEMMs add into the routed experts' .grad themselves (moelab.backends.sonic)
         pb = 2 if cfg.train.param_dtype == "bfloat16" else 4
         return p.memory["gradients"] - count_params(cfg.model).experts_total * pb

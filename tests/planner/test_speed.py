@@ -6,6 +6,7 @@ No test asserts a speed as a target (the rates' own records: tests/planner/test_
 import pytest
 
 from moelab.config import ConfigError, load_config
+from moelab.gallery.records import planner_options
 from moelab.planner.comm import fsdp_bytes
 from moelab.planner.flops import attention_flops_per_token
 from moelab.planner.gpus import GPU_KINDS, gpu_kind
@@ -277,6 +278,13 @@ def test_sonic_on_one_gpu_accumulates_only_the_gradients_outside_the_routed_expe
     moved = 3 * passes * experts  # read the gradient and the new term, write the sum
     assert grouped.parts_s["grad_accumulate"] - sonic.parts_s["grad_accumulate"] == pytest.approx(
         moved / (H200_MEASURED["grad_accumulate_tb_s"][0] * 1e12), rel=1e-9)
+    # records measured before af73383 (autograd added them) are planned as that code ran
+    then = plan(load_config(PROXY, {**gbs16, "backend.experts": "sonic"}), gpu="h200", sonic_wgrad="autograd").speed
+    assert then.parts_s["grad_accumulate"] == pytest.approx(grouped.parts_s["grad_accumulate"])
+    assert planner_options({"date": "2026-12-06T00:36:39Z"})["sonic_wgrad"] == "autograd"
+    assert "sonic_wgrad" not in planner_options({"date": "2026-12-06T04:00:00Z"})
+    with pytest.raises(ConfigError, match="sonic_wgrad='cuda'.*gemm, autograd"):
+        plan(cfg, sonic_wgrad="cuda")
     two = {**gbs16, "parallel.pp": 2}
     grouped, sonic = (speed(PROXY, gpus=2, **{**two, "backend.experts": e}) for e in ("grouped_mm", "sonic"))
     assert sonic.parts_s["grad_accumulate"] == pytest.approx(grouped.parts_s["grad_accumulate"])
