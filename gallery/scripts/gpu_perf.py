@@ -110,7 +110,26 @@ def profile_step(b: Bencher) -> dict:
             t = e.self_cpu_time_total
         if t:
             kernels.append((e.key, t / 1e3))
-    return summarize_kernels(kernels, ms)
+    return {**summarize_kernels(kernels, ms), "idle_gaps": idle_gaps(prof.events())}
+
+
+def idle_gaps(events, top: int = 12) -> dict:
+    """Where the GPU waits within the profiled step: the gaps between consecutive kernels (annotations left out),
+    counted by size, and the largest with the kernels on either side (names cut to 80 characters)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type.name == "CUDA" and not is_annotation(e.name))
+    gaps, end, prev = [], None, ""
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append(((start - end) / 1e3, prev[:80], name[:80]))
+        if end is None or stop >= end:
+            end, prev = stop, name
+    sizes = {"under_20us": (0, 0.02), "20us_to_100us": (0.02, 0.1), "100us_to_1ms": (0.1, 1.0),
+             "over_1ms": (1.0, 1e9)}
+    return {"total_ms": sum(g for g, _, _ in gaps),
+            "by_size": {k: {"count": sum(lo <= g < hi for g, _, _ in gaps),
+                            "ms": sum(g for g, _, _ in gaps if lo <= g < hi)} for k, (lo, hi) in sizes.items()},
+            "largest": [{"ms": round(g, 4), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]]}
 
 
 def base_record(tr, b, args, fp8: str) -> dict:
@@ -273,6 +292,12 @@ def format_profile(p: dict) -> str:
              f"idle {p['idle_ms']:.1f} ms"]
     lines += [f"  {k:12s} {v:8.2f} ms" for k, v in p["by_category_ms"].items()]
     lines += [f"  {k['ms']:8.3f} ms  {k['category']:11s} {k['name'][:90]}" for k in p["top_kernels"][:15]]
+    gaps = p.get("idle_gaps")
+    if gaps:
+        lines += [f"  gaps between kernels {gaps['total_ms']:.2f} ms: " + ", ".join(
+            f"{k} {v['count']} ({v['ms']:.2f} ms)" for k, v in gaps["by_size"].items())]
+        lines += [f"  gap {g['ms']:7.3f} ms after {g['after'][:50]} before {g['before'][:50]}"
+                  for g in gaps["largest"][:6]]
     return "\n".join(lines)
 
 

@@ -16,3 +16,19 @@ def test_annotations_are_not_counted_as_kernels():
     assert p["by_category_ms"] == {"matmul": 60.0, "optimizer": 29.3}
     assert abs(p["gpu_busy_ms"] - 89.3) < 1e-9 and abs(p["idle_ms"] - 10.7) < 1e-9
     assert [k["name"] for k in p["top_kernels"]][0].startswith("nvjet")
+
+
+def test_idle_gaps_are_the_waits_between_kernels_with_their_neighbours():
+    # a kernel nested in a longer one (another stream) leaves no gap; annotations are not kernels; CPU events
+    # are not on the GPU's timeline
+    from types import SimpleNamespace as NS
+
+    def ev(name, start_us, end_us, device="CUDA"):
+        return NS(name=name, device_type=NS(name=device), time_range=NS(start=start_us, end=end_us))
+    events = [ev("gemm", 0, 100), ev("copy", 10, 50), ev("ProfilerStep#1", 0, 2000), ev("add", 130, 140),
+              ev("aten::mm", 140, 900, device="CPU"), ev("norm", 1640, 1700), ev("adamw", 1710, 1800)]
+    g = gpu_perf.idle_gaps(events)
+    assert abs(g["total_ms"] - (0.03 + 1.5 + 0.01)) < 1e-9
+    assert g["by_size"]["over_1ms"] == {"count": 1, "ms": 1.5} and g["by_size"]["under_20us"]["count"] == 1
+    assert g["by_size"]["20us_to_100us"]["count"] == 1 and g["by_size"]["100us_to_1ms"]["count"] == 0
+    assert g["largest"][0] == {"ms": 1.5, "after": "add", "before": "norm"}
