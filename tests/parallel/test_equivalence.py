@@ -130,13 +130,13 @@ def test_ep_overlap_gives_the_plain_ep_run(name, layout_run, helpers):
     assert [e["comm"] for e in ev] == [e["comm"] for e in plain_ev]  # the dispatcher's rows and bytes
     assert [e["aux_loss"] for e in ev] == pytest.approx([e["aux_loss"] for e in plain_ev], rel=1e-6, abs=0)
     assert [e["grad_norm"] for e in ev] == pytest.approx([e["grad_norm"] for e in plain_ev], rel=1e-6, abs=0)
-    # The parameters after 4 AdamW steps: the experts' weight gradients are summed per chunk (other rounding),
-    # which Adam's normalisation lifts to about 1e-6 in near-zero-gradient elements (see PARAM_TOL)
-    assert params.keys() == plain_params.keys()
-    diff = {k: ((params[k] - p).abs().max().item(), ((params[k] - p).norm() / p.norm().clamp(min=1e-12)).item())
-            for k, p in plain_params.items()}
+    # The parameters after 4 AdamW steps: the experts' weight gradients are summed per chunk (another order of the
+    # same float32 sums), so the derived bounds hold them (layout_bounds: Adam gives an element whose gradient is
+    # rounding noise any sign, up to 2 x steps x lr apart; measured 1.3e-5 with OMP_NUM_THREADS=2)
+    nproc, overrides, shared = LAYOUTS[name]
+    bounds = helpers.layout_bounds(helpers.small_config(*shared, *overrides))
+    diff = helpers.assert_within(params, plain_params, bounds)
     print("overlap vs plain, worst (max abs, relative norm):", max(diff.values()))
-    assert max(d[0] for d in diff.values()) < 1e-5 and max(d[1] for d in diff.values()) < 5e-6, diff
 
 
 
