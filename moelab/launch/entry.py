@@ -105,8 +105,8 @@ def end_process(code: int) -> None:
     the gloo work and calls std::terminate: "terminate called without an active exception", SIGABRT, in a rank
     whose run had completed. The worker is late only on a busy machine, and torch keeps the process groups (and
     their workers) alive after destroy_process_group, so neither a barrier nor the groups' lifetime closes the
-    window: a rank must not finalise. This entry's ranks and the tests' rank entries end here (submitit's tasks,
-    moelab.launch.executors.TrainJob, still end through submitit's own interpreter teardown)."""
+    window: a rank must not finalise. This entry's ranks and the tests' rank entries end here; submitit's tasks
+    (moelab.launch.executors.TrainJob), whose interpreter submitit ends, through `end_at_exit`."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -114,6 +114,16 @@ def end_process(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+
+def end_at_exit(code: int) -> None:
+    """Once the interpreter starts to exit (a process someone else ends, as submitit's task after it saved the
+    result), end it by end_process(code) instead of finalising: the other exit handlers run, then os._exit."""
+    def handler() -> None:
+        atexit.unregister(handler)
+        end_process(code)
+    atexit.register(handler)
 
 
 if __name__ == "__main__":

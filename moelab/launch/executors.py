@@ -317,7 +317,7 @@ class TrainJob:
     def __call__(self) -> dict:
         import submitit
 
-        from moelab.launch.entry import quiet_idle_threads, train_rank
+        from moelab.launch.entry import end_at_exit, quiet_idle_threads, train_rank
         from moelab.launch.warm import die_with_parent
 
         die_with_parent()  # the controller (local) or slurmstepd gone: checkpoint and stop, never an orphan
@@ -330,11 +330,13 @@ class TrainJob:
                                                                       overwrite=True)
         _limit_cpu_threads(dist.local_world_size)
         try:
-            return train_rank(self.run_dir)
+            summary = train_rank(self.run_dir)
         except subprocess.CalledProcessError as e:  # from the requeue that the trainer chained to, after its end
             if not requeue_refused(e):
                 raise
-            return not_requeued(self.run_dir, e)
+            summary = not_requeued(self.run_dir, e)
+        end_at_exit(0)  # submitit saves the result, then the task ends without finalising (entry.end_process)
+        return summary
 
     def checkpoint(self, *args, **kwargs):
         """submitit calls this on preemption or at the time limit (its signal, USR2), from the handler that the
