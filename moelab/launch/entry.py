@@ -116,7 +116,6 @@ def end_process(code: int) -> None:
     os._exit(code)
 
 
-
 def end_at_exit(code: int) -> None:
     """Once the interpreter starts to exit (a process someone else ends, as submitit's task after it saved the
     result), end it by end_process(code) instead of finalising: the other exit handlers run, then os._exit."""

@@ -90,3 +90,16 @@ def test_a_rank_whose_gloo_worker_still_needs_the_gil_ends_by_end_process_and_ab
     # the control: if the interpreter's teardown no longer aborts here, torch or CPython changed (see end_process)
     assert rank1["teardown"][0] != 0 and "terminate called without an active exception" in rank1["teardown"][1], \
         rank1["teardown"]
+
+
+def test_end_at_exit_runs_the_other_exit_handlers_and_ends_with_its_code(tmp_path):
+    # a process that returns normally after end_at_exit(3): the handler registered before it still runs (its file
+    # is written), the output is flushed, and the exit code is end_at_exit's (os._exit: no finalisation)
+    import subprocess
+    import sys
+
+    mark = tmp_path / "ran"
+    code = ("import atexit, pathlib; from moelab.launch.entry import end_at_exit; "
+            f"atexit.register(lambda: pathlib.Path({str(mark)!r}).write_text('x')); end_at_exit(3); print('done')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3 and out.stdout.strip() == "done" and mark.read_text() == "x"
