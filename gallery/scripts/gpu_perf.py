@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -142,7 +143,9 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "commit": commit_id(), "torch_version": torch.__version__,
-            "command": " ".join(["python"] + sys.argv)}
+            "command": " ".join(["python"] + sys.argv),
+            **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
+               if os.environ.get("MOELAB_SONIC_TILES") else {})}
 
 
 def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:

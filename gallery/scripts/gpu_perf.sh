@@ -47,7 +47,8 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${DRY_RUN:-}" ]; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT:/tmp/site:$ROOT/gallery/peers
 if [ -n "${SONIC_TAR:-}" ]; then  # SonicMoE's unpacked wheels, found by moelab and by QuACK's compile workers
-  mkdir -p /tmp/sonic && tar xJf "$SONIC_TAR" -C /tmp/sonic && export SONIC_SITE=/tmp/sonic/site \
+  { [ -d /tmp/sonic/site ] || { mkdir -p /tmp/sonic && tar xJf "$SONIC_TAR" -C /tmp/sonic; }; } \
+    && export SONIC_SITE=/tmp/sonic/site \
     PYTHONPATH=$PYTHONPATH:/tmp/sonic/site:/tmp/sonic/site/nvidia_cutlass_dsl/python_packages
 fi
 export MOELAB_COMMIT=${MOELAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

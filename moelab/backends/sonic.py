@@ -12,14 +12,18 @@ SonicMoE keeps expert weights as [out, in] (its [E, 2F, D] gate|up, [E, D, F] do
 [E, D, 2F] / [E, F, D]. ``sonic_layout`` stores moelab's parameters with SonicMoE's memory order (same shapes and
 values, transposed strides), so each call hands SonicMoE a view, no copy; weights in another order (e.g. after
 FSDP's resharding) are copied into SonicMoE's order each call, correct but slower, and their gradients go through
-autograd. The layer is moelab's own autograd Function over SonicMoE's kernels (its fixed-K routing metadata, up and
-down projections, combine and their backward), so that the weight-gradient GEMMs can write into .grad. QuACK's GEMMs
-run with their default tile configs (tuned=False): autotuning compiles 30+ CuTe-DSL configs per GEMM on the first
-call (over 400 s, issue 41 call 4). Its kernels cannot be traced by torch.compile: the call is a graph break.
+autograd. The layer is moelab's own autograd Function over SonicMoE's routing metadata and combine kernels and
+QuACK's six grouped GEMMs (GEMMS), each called below QuACK's custom-op and autotuning wrappers (one Python layer per
+GEMM: the host launches a one-micro-batch step's kernels ahead of the GPU) with moelab's tile for that GEMM
+(TILES, measured at the Qwen3-30B-A3B proxy's shapes by gallery/scripts/gpu_sonic_tiles.py; QuACK's default config
+where the table has none; QuACK's own autotuner compiles 30+ CuTe-DSL configs per GEMM on a first call, over 400 s
+in issue 41 call 4). Its kernels cannot be traced by torch.compile: the call is a graph break.
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import torch
 from torch import nn
@@ -27,23 +31,97 @@ from torch import nn
 from moelab.backends.ops import accumulates_into
 from moelab.backends.packages import import_package
 
+GEMMS = ("up", "down", "down_dact", "up_dx", "up_dw", "down_dw")
+"""The layer's grouped GEMMs: up (the gathered rows @ w_gate_up, SwiGLU in the epilogue), down (a @ w_down),
+down_dact (the gathered output gradient @ w_down^T, SwiGLU's backward and the routing weights' gradient in the
+epilogue), up_dx (dh @ w_gate_up^T), up_dw and down_dw (the weights' gradients, summed over each expert's rows)."""
+
+TILE_FIELDS = ("tile_m", "tile_n", "pingpong", "cluster_m", "cluster_n", "is_dynamic_persistent")
+TILES: dict[int, dict[str, tuple]] = {9: {}}
+"""GPU compute capability (major) -> GEMM -> its QuACK tile (TILE_FIELDS); a GEMM not named runs QuACK's default
+config (on sm90: 128 x 192, pingpong, clusters of 2 x 1)."""
+
 
 @functools.cache
 def _sonic():
-    """sonicmoe, with QuACK's GEMMs called on their default config unless a caller passes `tuned`."""
-    sonic = import_package("sonic")
-    import sonicmoe.functional as sf
-    import sonicmoe.functional.backward as sb
-    import sonicmoe.functional.forward as sfw
+    """sonicmoe, imported (or BackendUnavailable naming the install line)."""
+    return import_package("sonic")
 
-    for mod in (sf, sb, sfw):
-        for name in ("gemm", "gemm_gated", "gemm_dgated"):
-            if hasattr(mod, name):
-                def default_config(*a, _f=getattr(mod, name), **k):
-                    k.setdefault("tuned", False)
-                    return _f(*a, **k)
-                setattr(mod, name, functools.wraps(getattr(mod, name))(default_config))
-    return sonic
+
+@functools.cache
+def _quack():
+    """QuACK's GEMM entry points below their custom ops and autotuners (quack.gemm_interface's *_tuned.fn): each
+    takes the tile as `config` (None: QuACK's default)."""
+    _sonic()
+    from quack import gemm_interface as qi
+
+    return qi.gemm_tuned.fn, qi.gemm_gated_tuned.fn, qi.gemm_dgated_tuned.fn
+
+
+def tiles_for(major: int) -> dict[str, tuple]:
+    """GEMM -> its tile (TILE_FIELDS) on a GPU of this compute capability: TILES, with the entries of
+    MOELAB_SONIC_TILES (a JSON file {GEMM: [TILE_FIELDS...]}) in place of the table's: a measurement's candidates
+    (gallery/scripts/gpu_sonic_tiles.py), not a setting."""
+    chosen = dict(TILES.get(major, {}))
+    if os.environ.get("MOELAB_SONIC_TILES"):
+        with open(os.environ["MOELAB_SONIC_TILES"]) as f:
+            chosen.update({g: tuple(t) for g, t in json.load(f).items()})
+    for g, t in chosen.items():
+        if g not in GEMMS or len(t) != len(TILE_FIELDS):
+            raise ValueError(f"SonicMoE tile {g}={list(t)}: the GEMMs are {GEMMS}, each tile {TILE_FIELDS}")
+    return chosen
+
+
+@functools.cache
+def tile_configs(major: int) -> dict:
+    """GEMM -> QuACK GemmConfig (None: QuACK's default) on a GPU of this compute capability (tiles_for)."""
+    from quack.gemm_config import GemmConfig
+
+    chosen = tiles_for(major)
+    return {g: GemmConfig(**dict(zip(TILE_FIELDS, chosen[g])), device_capacity=major) if g in chosen else None
+            for g in GEMMS}
+
+
+def _configs(device: torch.device) -> dict:
+    return tile_configs(torch.cuda.get_device_capability(device)[0])
+
+
+# The six GEMMs (w1 = w_gate_up_EDF2 and w2 = w_down_EFD in SonicMoE's memory order; offsets_E1: each expert's first
+# grouped row; gather_N: each grouped row's token). Gate|up halves: w1 and dw1 hold them concatenated along 2F, the
+# GEMMs' h / dh rows interleaved (QuACK's concat_layout).
+def gemm_up(x_TD, w1, h_NF2, a_NF, offsets_E1, gather_N, config=None) -> None:
+    """h = x[gather] @ w1 per expert, a = SwiGLU(h)."""
+    _quack()[1](x_TD, w1, h_NF2, a_NF, None, None, "swiglu", offsets_E1, gather_N, False, config=config,
+                concat_layout=("B",))
+
+
+def gemm_down(a_NF, w2, y_ND, offsets_E1, config=None) -> None:
+    """y = a @ w2 per expert."""
+    _quack()[0](a_NF, w2, y_ND, cu_seqlens_m=offsets_E1, config=config)
+
+
+def gemm_down_dact(g_TD, w2, h_NF2, dh_NF2, a_NF, s_N, offsets_E1, gather_N, config=None) -> torch.Tensor:
+    """da = g[gather] @ w2^T per expert; dh = SwiGLU's backward of (s * da) at h, a = SwiGLU(h) recomputed; returns
+    each grouped row's sum of da * a (the routing weight's gradient), fp32."""
+    return _quack()[2](g_TD, w2.transpose(1, 2), h_NF2, dh_NF2, a_NF, s_N, "swiglu", True, offsets_E1, gather_N,
+                       False, config=config)
+
+
+def gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, config=None) -> None:
+    """dx (per grouped row) = dh @ w1^T per expert."""
+    _quack()[0](dh_NF2, w1.transpose(1, 2), dx_ND, cu_seqlens_m=offsets_E1, config=config, concat_layout=("B",))
+
+
+def gemm_up_dw(x_TD, dh_NF2, dw1, offsets_E1, gather_N, add: bool, config=None) -> None:
+    """dw1 (+)= x[gather]^T @ dh per expert."""
+    _quack()[0](x_TD.T, dh_NF2, dw1, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
+                concat_layout=("out",))
+
+
+def gemm_down_dw(g_TD, a_NF, dw2, offsets_E1, gather_N, add: bool, config=None) -> None:
+    """dw2 (+)= (g[gather]^T @ a)^T per expert (written through dw2's transpose)."""
+    _quack()[0](g_TD.T, a_NF, dw2.transpose(1, 2), cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add,
+                config=config)
 
 
 def sonic_layout(experts) -> None:
@@ -76,27 +154,25 @@ def weight_grad_buffers(w_gate_up_EDF2: torch.Tensor, w_down_EFD: torch.Tensor) 
 
 
 class _SonicExperts(torch.autograd.Function):
-    """SonicMoE's up projection (gather, GEMM, SwiGLU), down projection and weighted combine, forward and backward;
-    the weight-gradient GEMMs write into .grad or add to it (weight_grad_buffers)."""
+    """SonicMoE's routing metadata and combine with the six GEMMs above, forward and backward; the weight-gradient
+    GEMMs write into .grad or add to it (weight_grad_buffers)."""
 
     @staticmethod
     def forward(ctx, x_TD, scores_N, experts_TK, w_gate_up_EDF2, w_down_EFD):
-        from sonicmoe.functional.forward import _down_projection_forward, _up_projection_forward
         from sonicmoe.functional.reduction_over_k_gather import token_gather_and_sum_varlen_K_triton
         from sonicmoe.functional.triton_kernels import TC_topk_router_metadata_triton
 
         (T, D), (_, K), E = x_TD.shape, experts_TK.shape, w_gate_up_EDF2.shape[0]
-        F, N, dev = w_down_EFD.shape[1], T * K, x_TD.device
+        F, N, dev, cfg = w_down_EFD.shape[1], T * K, x_TD.device, _configs(x_TD.device)
         offsets_E1 = torch.empty(E + 1, dtype=torch.int32, device=dev)  # each expert's first grouped row
         gather_N, scatter_N, reverse_N = (torch.empty(N, dtype=torch.int32, device=dev) for _ in range(3))
         TC_topk_router_metadata_triton(experts_TK.int().contiguous(), E, torch.empty(E, dtype=torch.int32, device=dev),
                                        offsets_E1, gather_N, scatter_N, reverse_N)
-        w1_F2DE = in_sonic_order(w_gate_up_EDF2).permute(2, 1, 0)  # SonicMoE's argument views
-        w2_DFE = in_sonic_order(w_down_EFD).permute(2, 1, 0)
-        h_NF2, a_NF = x_TD.new_empty(N, 2 * F), x_TD.new_empty(N, F)
-        _up_projection_forward(x_TD, w1_F2DE, h_NF2, a_NF, None, offsets_E1, gather_N, "swiglu", False, True)
-        y_ND, out_TD = x_TD.new_empty(N, D), x_TD.new_empty(T, D)
-        _down_projection_forward(w2_DFE, a_NF, y_ND, None, offsets_E1)
+        w1, w2 = in_sonic_order(w_gate_up_EDF2), in_sonic_order(w_down_EFD)
+        h_NF2, a_NF, y_ND, out_TD = (x_TD.new_empty(N, 2 * F), x_TD.new_empty(N, F), x_TD.new_empty(N, D),
+                                     x_TD.new_empty(T, D))
+        gemm_up(x_TD, w1, h_NF2, a_NF, offsets_E1, gather_N, cfg["up"])
+        gemm_down(a_NF, w2, y_ND, offsets_E1, cfg["down"])
         token_gather_and_sum_varlen_K_triton(y_ND, scores_N, out_TD, reverse_N, None, T, K, D, False)
         ctx.save_for_backward(x_TD, h_NF2, scores_N, w_gate_up_EDF2, w_down_EFD, offsets_E1, gather_N, scatter_N,
                               reverse_N)
@@ -105,29 +181,23 @@ class _SonicExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        from quack.gemm_interface import gemm, gemm_add_inplace
-        from sonicmoe.functional.backward import (_down_projection_backward_act, _token_broadcast_backward,
-                                                  _up_projection_backward_act)
+        from sonicmoe.functional.reduction_over_k_gather import token_gather_and_sum_varlen_K_triton
 
-        x_TD, h_NF2, scores_N, w1, w2, offsets_E1, gather_N, scatter_N, reverse_N = ctx.saved_tensors
-        (T, D), N, F = x_TD.shape, h_NF2.shape[0], h_NF2.shape[1] // 2
+        x_TD, h_NF2, scores_N, w_gate_up_EDF2, w_down_EFD, offsets_E1, gather_N, scatter_N, reverse_N = \
+            ctx.saved_tensors
+        (T, D), N, F, cfg = x_TD.shape, h_NF2.shape[0], h_NF2.shape[1] // 2, _configs(x_TD.device)
         g_TD = g_TD.to(x_TD.dtype).contiguous()
-        w1_F2DE, w2_DFE = in_sonic_order(w1).permute(2, 1, 0), in_sonic_order(w2).permute(2, 1, 0)
+        w1, w2 = in_sonic_order(w_gate_up_EDF2), in_sonic_order(w_down_EFD)
         dh_NF2, a_NF, dscores_N = torch.empty_like(h_NF2), x_TD.new_empty(N, F), torch.empty_like(scores_N)
-        _down_projection_backward_act(g_TD, h_NF2, w2_DFE, dh_NF2, dscores_N, None, None, a_NF, scores_N, offsets_E1,
-                                      gather_N, scatter_N, "swiglu")
+        dscores_N[scatter_N] = gemm_down_dact(g_TD, w2, h_NF2, dh_NF2, a_NF, scores_N[scatter_N], offsets_E1,
+                                              gather_N, cfg["down_dact"])
         dx_ND = x_TD.new_empty(N, D)
-        _up_projection_backward_act(w1_F2DE, dx_ND, dh_NF2, None, offsets_E1, True, True)
-        dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w1, w2)
-        for A_MN, B_NK, out, concat in ((x_TD.T, dh_NF2, dw1_EDF2, ("out",)), (g_TD.T, a_NF, dw2_EFD.transpose(1, 2),
-                                                                               None)):
-            if accumulate:  # out += A @ B per expert, in the GEMM's epilogue
-                gemm_add_inplace(A_MN, B_NK, out, cu_seqlens_k=offsets_E1, A_idx=gather_N, tuned=False,
-                                 concat_layout=concat)
-            else:
-                gemm(A_MN, B_NK, out=out, cu_seqlens_k=offsets_E1, A_idx=gather_N, tuned=False, concat_layout=concat)
+        gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, cfg["up_dx"])
+        dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w_gate_up_EDF2, w_down_EFD)
+        gemm_up_dw(x_TD, dh_NF2, dw1_EDF2, offsets_E1, gather_N, accumulate, cfg["up_dw"])
+        gemm_down_dw(g_TD, a_NF, dw2_EFD, offsets_E1, gather_N, accumulate, cfg["down_dw"])
         dx_TD = torch.empty_like(x_TD)
-        _token_broadcast_backward(dx_TD, dx_ND, reverse_N, None, ctx.K, D, False)
+        token_gather_and_sum_varlen_K_triton(dx_ND, None, dx_TD, reverse_N, None, T, ctx.K, D, False)
         return dx_TD, dscores_N, None, *((None, None) if accumulate else (dw1_EDF2, dw2_EFD))
 
 
