@@ -21,8 +21,8 @@ rowwise's experts, moelab.model.fp8): `-rowwise-` quantises both weights in ever
 `-rowwise-cached-` reads the ExpertWeightCache refreshed once outside the timed region (the trainer refreshes it once
 per optimizer step: many micro batches); the refresh's own time is in the record. `moelab-sonic-*`:
 backend.experts=sonic as a run gets it (GroupedExperts(impl="sonic") built on the meta device,
-moelab.backends.sonic.sonic_layout, materialised, LocalDispatcher.route -> on_tokens -> sonic_experts; QuACK's default
-configs). SonicMoE variants: `-default-config`
+moelab.backends.sonic.sonic_layout, materialised, LocalDispatcher.route -> on_tokens -> sonic_experts; moelab's
+tiles, moelab.backends.sonic.TILES). SonicMoE variants: `-default-config`
 runs QuACK's GEMMs with their default tile config (tuned=False), `-autotuned` lets QuACK autotune every GEMM on its
 first call (each config a CuTe DSL compile, in QUACK_COMPILE_WORKERS subprocesses); every cute.compile is logged
 with its time, and each SonicMoE variant's first step is bounded by SONIC_TIMEOUT_S. All moelab variants run at
@@ -151,7 +151,7 @@ def sonic_setup(site_dir: str) -> str:
         for name in ("gemm", "gemm_gated", "gemm_dgated"):
             if hasattr(mod, name):
                 def tuned_as_set(*a, _f=getattr(mod, name), **k):
-                    k["tuned"] = _SONIC_TUNED[0]  # over moelab.backends.sonic's own default (tuned=False)
+                    k["tuned"] = _SONIC_TUNED[0]  # SonicMoE's own default is tuned=True
                     return _f(*a, **k)
                 setattr(mod, name, functools.wraps(getattr(mod, name))(tuned_as_set))
     try:
@@ -235,10 +235,7 @@ def moelab_sonic(w1, w2, E, D, F, rec, layout: bool = True):
         experts.w_gate_up_EDF2.transpose(1, 2).is_contiguous() and experts.w_down_EFD.transpose(1, 2).is_contiguous())
     route = moelab_route(experts)
 
-    def f(x_TD, weights_TK, experts_TK):
-        _SONIC_TUNED[0] = False  # sonic_setup's wrapper passes it; the backend's own default is tuned=False
-        return route(x_TD, weights_TK, experts_TK)
-    return f, [experts.w_gate_up_EDF2, experts.w_down_EFD]
+    return route, [experts.w_gate_up_EDF2, experts.w_down_EFD]
 
 
 def build(variants, w1, w2, E, D, F, sonic, rec, own):

@@ -37,7 +37,9 @@ CANDIDATES = [  # moelab.backends.sonic.TILE_FIELDS
     (128, 128, True, 2, 1, False), (128, 160, True, 2, 1, False), (192, 128, True, 2, 1, False),
     (256, 128, False, 2, 1, False), (256, 160, False, 2, 1, False), (256, 192, False, 2, 1, False),
     (128, 256, False, 2, 1, False), (128, 192, True, 1, 1, False),
-    (128, 192, True, 1, 2, False), (256, 128, False, 1, 2, False), (128, 192, True, 2, 1, True)]
+    (128, 192, True, 1, 2, False), (256, 128, False, 1, 2, False), (128, 192, True, 2, 1, True),
+    (128, 224, False, 2, 1, False), (128, 256, False, 1, 1, False), (256, 128, False, 1, 1, False),
+    (128, 256, False, 1, 2, False), (256, 192, False, 1, 2, False)]
 DEFAULT = CANDIDATES[0]
 GATHERED = ("up", "down_dact", "up_dw", "down_dw")  # the A operand's rows (or columns) gathered by token
 GATED = ("up", "down_dact")  # a SwiGLU (or its backward) epilogue

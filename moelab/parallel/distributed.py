@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moelab.backends.grad_norm import squared_norms
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.parallel.env import DistEnv
 from moelab.model.assemble import cast_params
@@ -93,7 +94,7 @@ class DistributedParallelized(Parallelized):
         if local:  # a replicated gradient (DDP, replicated experts, TP's norms) counts once: 1/replicas each
             share = torch.tensor([1.0 / (getattr(p, REPLICAS, 1) * _replicas(p)) for p in params],
                                  device=self.env.device)
-            sq = (torch.stack([n.float() for n in torch._foreach_norm(local)]).square() * share).sum()
+            sq = (squared_norms(local) * share).sum()  # moelab.train.grad_norm: Triton on large CUDA shards
         dist.all_reduce(sq)
         total = sq.sqrt()
         if max_norm > 0 and local:

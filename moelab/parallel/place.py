@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moelab.backends.grad_norm import on_kernel, squared_norms
 from moelab.config import Config, ParallelConfig
 from moelab.model.assemble import materialize as materialize_model
 from moelab.parallel.env import DistEnv
@@ -49,10 +50,17 @@ class Parallelized:
         return None
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The gradient norm (and clipping by it): on CUDA the large gradients' squares summed by one Triton pass
+        each (moelab.train.grad_norm), elsewhere torch's clip_grad_norm_ itself."""
         params = [p for p in model.parameters() if p.grad is not None]
+        if not any(on_kernel(p.grad) for p in params):
+            if max_norm > 0:
+                return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        total = squared_norms([p.grad for p in params]).sum().sqrt()
         if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
 
     # Statistics are summed over all ranks; these weights make that sum the right global value.
     def loss_contribution(self, loss_sum: torch.Tensor) -> torch.Tensor:

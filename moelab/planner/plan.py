@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import SONIC_WGRAD, predict as predict_speed
+from moelab.planner.speed import SONIC_TILES, SONIC_WGRAD, predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
 from moelab.planner.stages import split_layers
@@ -141,6 +141,9 @@ class Plan:
     # who adds backend.experts=sonic's expert gradients into .grad on one GPU: "gemm" (its weight-gradient GEMMs,
     # moelab.backends.sonic) or "autograd" (the code before af73383; planned for records measured with it)
     sonic_wgrad: str = "gemm"
+    # backend.experts=sonic's GEMM tiles: "moelab" (moelab.backends.sonic.TILES) or "quack" (QuACK's default config,
+    # the code before 756805e; planned for records measured with it)
+    sonic_tiles: str = "moelab"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -301,7 +304,7 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
          fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
-         suggest: bool = True) -> Plan:
+         sonic_tiles: str = "moelab", suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
@@ -309,7 +312,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     "wrapped" (before 6131a2c FSDP2 wrapped one-rank meshes too; moelab.planner.comm.FSDP_ONE_RANK), for
     records measured with old code (moelab.gallery.records.planner_options); `local_weighting` likewise: "experts"
     (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING); `sonic_wgrad` likewise: "gemm"
-    (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad). A plan that does not fit
+    (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad); `sonic_tiles` likewise: "moelab" or "quack" (before
+    756805e: Plan.sonic_tiles). A plan that does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -327,6 +331,9 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     if sonic_wgrad not in SONIC_WGRAD:
         raise ConfigError(f"sonic_wgrad={sonic_wgrad!r}: must be one of {', '.join(SONIC_WGRAD)} "
                           "(gemm: moelab's code; autograd: the code before af73383, for records measured with it)")
+    if sonic_tiles not in SONIC_TILES:
+        raise ConfigError(f"sonic_tiles={sonic_tiles!r}: must be one of {', '.join(SONIC_TILES)} "
+                          "(moelab: moelab's code; quack: the code before 756805e, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
     asked = cfg
@@ -346,7 +353,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     if not fits and suggest:
         verdict += _fix_text(asked, world, capacity_gb, biggest, dict(fsdp_one_rank=fsdp_one_rank,
                                                                       local_weighting=local_weighting,
-                                                                      sonic_wgrad=sonic_wgrad))
+                                                                      sonic_wgrad=sonic_wgrad,
+                                                                      sonic_tiles=sonic_tiles))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -369,7 +377,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
             ["routing weights applied at combine, the expert outputs kept for their gradient, as the code before "
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
-        fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad)
+        fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict

@@ -63,8 +63,8 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
 - backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
-  one H100 profile pair measured (rates.SONIC_MEASURED); on one GPU its GEMMs add the routed experts' gradients
-  into .grad (no accumulation pass over them).
+  H100 profiles measured (rates.SONIC_MEASURED: moelab's tiles, or QuACK's default config for records of the code
+  before them); on one GPU its GEMMs add the routed experts' gradients into .grad (no accumulation pass over them).
 Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
 SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates
 (all measured at the Qwen3-30B-A3B proxy's shapes).
@@ -82,6 +82,9 @@ from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_
 # Who adds backend.experts=sonic's routed-expert gradients into .grad on one GPU (Plan.sonic_wgrad): its weight-gradient
 # GEMMs (moelab.backends.sonic, since af73383), or autograd's accumulation pass (the code before)
 SONIC_WGRAD = ("gemm", "autograd")
+# the tiles of backend.experts=sonic's GEMMs (Plan.sonic_tiles): moelab's (moelab.backends.sonic.TILES, since 756805e)
+# or QuACK's default config for every GEMM (the code before)
+SONIC_TILES = ("moelab", "quack")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -269,6 +272,8 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
     # SonicMoE's experts (backend.experts=sonic): its GEMMs and what is left of the row moves, as measured against
     # torch's grouped path (rates.SONIC_MEASURED)
     sonic = {k: v for k, (v, _) in SONIC_MEASURED.items()} if cfg.backend.experts == "sonic" else {}
+    if sonic and p.sonic_tiles == "quack":
+        sonic["expert_matmul_ratio"] = sonic["expert_matmul_ratio_quack_tiles"]
     parts = {
         "dense_matmul": T * mm * (router / r.dense + (dense_flops - router) / (r.dense_fp8 if fp8 else r.dense)),
         "expert_matmul": T * mm * n_moe * fl["moe_experts"] / (r.grouped_fp8 if fp8 else r.grouped)

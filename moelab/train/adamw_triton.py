@@ -17,23 +17,12 @@ updated in fp32 by the kernel and stored rounded to nearest; the other parameter
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 
 import torch
 
+from moelab.backends.flat import cdiv, dense, kernel_devices
 from moelab.train.adamw_moments import keep_moments_in, moments_step, new_state
-
-
-def triton_available() -> bool:
-    """Whether triton is installed (found, not imported: importing it costs seconds)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def kernel_devices() -> tuple[str, ...]:
-    """Where the kernel runs: CUDA, and the CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests)."""
-    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -41,22 +30,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its memory span exactly once, in any dimension order (contiguous, or e.g. the
-    transposed experts' weights of backend.experts=sonic): the kernel then walks that span as one flat vector."""
-    if t.is_contiguous():
-        return True
-    span = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):  # innermost dimension first
-        if size != 1 and stride != span:
-            return False
-        span *= size
-    return True
-
-
 def _same_layout(p: torch.Tensor, *others: torch.Tensor) -> bool:
     """p dense, and every other tensor the same shape and strides: element i of each span is the same element."""
-    return _dense(p) and all(o.shape == p.shape and o.stride() == p.stride() for o in others)
+    return dense(p) and all(o.shape == p.shape and o.stride() == p.stride() for o in others)
 
 
 @functools.cache
@@ -101,13 +77,9 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
     """One AdamW update of p, m, v (in place) from g, all dense in one layout (``_same_layout``); `step` (a 0-d
     tensor) already counts this step. Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
     n = p.numel()
-    _kernel()[(triton_cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
+    _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
                                         math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
                                         BLOCK=BLOCK, num_warps=8)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def use_triton_adamw(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:

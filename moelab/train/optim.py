@@ -19,7 +19,7 @@ def optimizer_kind(setting: str, on_cuda: bool) -> str:
     triton imports). adamw_triton runs its kernels on CUDA tensors, or on CPU ones under Triton's interpreter
     (TRITON_INTERPRET=1, the tests); anywhere else it is refused rather than quietly being torch's AdamW."""
     from moelab.config import ConfigError
-    from moelab.train.adamw_triton import kernel_devices, triton_available
+    from moelab.backends.flat import kernel_devices, triton_available
 
     if setting == "adamw":
         return "adamw"

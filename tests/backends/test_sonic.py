@@ -228,3 +228,43 @@ def test_grads_that_autograd_must_add_are_returned_instead(monkeypatch, why):
     with torch.no_grad():
         dw1, dw2, accumulate = weight_grad_buffers(w1, w2)
     assert not accumulate and dw1 is not w1.grad and dw2 is not w2.grad
+
+
+def test_the_tile_table_is_the_sweeps_choice():
+    # moelab.backends.sonic.TILES on sm90: what gallery/scripts/gpu_sonic_tiles.py chose on the GPU, each tile
+    # timed there, correct against QuACK's default and faster than it by the sweep's margin
+    import json
+    from pathlib import Path
+
+    from moelab.backends.sonic import GEMMS, TILES
+
+    rec = json.loads((Path(__file__).resolve().parents[2] / "gallery/results"
+                      / "qwen3-moe-30b-a3b-proxy--moelab--sonic-tiles-h100-issue41-call14.json").read_text())
+    assert {g: list(t) for g, t in TILES[9].items()} == rec["chosen"]
+    default = json.dumps([128, 192, True, 2, 1, False])
+    for gemm in GEMMS:
+        timed = rec["gemms"][gemm]["ms_by_tile"]
+        best = min(timed, key=timed.get)
+        if gemm in TILES[9]:
+            assert json.loads(best) == list(TILES[9][gemm]) and timed[best] <= 0.98 * timed[default]
+            assert all(r["rel_err_vs_default"] < 1e-2 for r in rec["gemms"][gemm]["tiles"][best].values())
+        else:  # QuACK's default stays where nothing beat it by the margin
+            assert timed[best] > 0.98 * timed[default]
+
+
+def test_a_tiles_file_replaces_the_tables_entries_and_bad_entries_are_named(tmp_path, monkeypatch):
+    import json
+
+    from moelab.backends.sonic import TILES, tiles_for
+
+    f = tmp_path / "tiles.json"
+    f.write_text(json.dumps({"down": [256, 128, False, 1, 2, False]}))
+    monkeypatch.setenv("MOELAB_SONIC_TILES", str(f))
+    assert tiles_for(9) == {**TILES[9], "down": (256, 128, False, 1, 2, False)}
+    assert tiles_for(10) == {"down": (256, 128, False, 1, 2, False)}  # no table for sm100: QuACK's defaults
+    f.write_text(json.dumps({"gate": [128, 128, True, 1, 1, False]}))
+    with pytest.raises(ValueError, match=r"SonicMoE tile gate=\[128, 128, True, 1, 1, False\]: the GEMMs are"):
+        tiles_for(9)
+    f.write_text(json.dumps({"up": [128, 128]}))
+    with pytest.raises(ValueError, match=r"tile up=\[128, 128\].*each tile \('tile_m'"):
+        tiles_for(9)

@@ -160,16 +160,21 @@ def test_the_grouped_gemm_shape_table_is_the_h100_record():
         assert GROUPED_FORWARD_TFLOPS[key] == pytest.approx(both, rel=1e-4), key
 
 
-def test_sonic_ratios_are_the_h100_profile_pair():
-    # backend.experts=sonic against torch's grouped path: the same compiled step, one H100 call (issue 41 call 11)
+def test_sonic_ratios_are_the_h100_profiles():
+    # backend.experts=sonic against torch's grouped path: compiled steps on H100s, the grouped path's from issue 41
+    # call 11; SonicMoE's GEMMs with moelab's tiles (call 14) and with QuACK's default config (call 11)
     from moelab.planner.rates import SONIC_MEASURED
 
+    tiled = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call14.json")
     sonic = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call11.json")
     base = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json")
-    assert sonic["experts"] == "sonic" and base["experts"] == "grouped_mm"
-    quack = kernels_ms(sonic, lambda n, c: c == "matmul" and "quackgemm" in n)
+    assert sonic["experts"] == tiled["experts"] == "sonic" and base["experts"] == "grouped_mm"
+    assert tiled["gpu_name"] == sonic["gpu_name"] == base["gpu_name"]
     grouped = kernels_ms(base, lambda n, c: c == "matmul" and "GemmUniversal" in n)
-    assert SONIC_MEASURED["expert_matmul_ratio"][0] == pytest.approx(quack / grouped, rel=1e-3)
+    for key, prof in (("expert_matmul_ratio", tiled), ("expert_matmul_ratio_quack_tiles", sonic)):
+        quack = kernels_ms(prof, lambda n, c: c == "matmul" and "quackgemm" in n)
+        assert SONIC_MEASURED[key][0] == pytest.approx(quack / grouped, rel=1e-3), key
+    assert SONIC_MEASURED["expert_matmul_ratio"][0] < SONIC_MEASURED["expert_matmul_ratio_quack_tiles"][0]
     assert SONIC_MEASURED["permute_ratio"][0] == pytest.approx(
         sonic["by_category_ms"]["permute"] / base["by_category_ms"]["permute"], rel=1e-3)
     for key, (value, source) in SONIC_MEASURED.items():

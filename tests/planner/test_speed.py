@@ -265,6 +265,24 @@ def test_hiding_communication_bounds_the_step_from_above():
     assert s.comm_hidden_tokens_per_s_per_gpu > s.tokens_per_s_per_gpu
 
 
+def test_sonic_records_before_moelabs_tiles_are_planned_with_quacks_default_config():
+    # the routed experts' GEMMs at the ratio of their day's tiles (rates.SONIC_MEASURED); nothing else moves
+    from moelab.planner.rates import SONIC_MEASURED
+
+    cfg = load_config(PROXY, {**BF16, "train.compile": True, "backend.experts": "sonic"})
+    now, then = (plan(cfg, gpu="h200", sonic_tiles=t).speed for t in ("moelab", "quack"))
+    ratio = SONIC_MEASURED["expert_matmul_ratio_quack_tiles"][0] / SONIC_MEASURED["expert_matmul_ratio"][0]
+    assert then.parts_s["expert_matmul"] == pytest.approx(now.parts_s["expert_matmul"] * ratio, rel=1e-9)
+    assert {k: v for k, v in then.parts_s.items() if k != "expert_matmul"} == pytest.approx(
+        {k: v for k, v in now.parts_s.items() if k != "expert_matmul"})
+    grouped = load_config(PROXY, {**BF16, "train.compile": True, "backend.experts": "grouped_mm"})
+    assert plan(grouped, gpu="h200", sonic_tiles="quack").speed.parts_s == plan(grouped, gpu="h200").speed.parts_s
+    assert planner_options({"date": "2026-12-06T07:00:00Z"})["sonic_tiles"] == "quack"
+    assert "sonic_tiles" not in planner_options({"date": "2026-12-06T07:54:05Z"})  # issue 41 call 14
+    with pytest.raises(ConfigError, match="sonic_tiles='auto'.*moelab, quack"):
+        plan(cfg, sonic_tiles="auto")
+
+
 def test_sonic_on_one_gpu_accumulates_only_the_gradients_outside_the_routed_experts():
     # SonicMoE's weight-gradient GEMMs add into the routed experts' .grad: the accumulation pass moves the rest;
     # with several ranks (a process group up) autograd accumulates all of it again

@@ -1,0 +1,74 @@
+"""The gradients' squared norms with one Triton pass per large CUDA gradient (the step's gradient norm:
+moelab.parallel.place's and moelab.parallel.distributed's clip_grad_norm). torch's `_foreach_norm` read the Qwen3
+proxy's 11 GB of bf16 gradients at 2.1 TB/s on an H100 and 2.4 on an H200 (5.3 / 4.7 ms a step: issue 41 calls
+13-14's profiles, its LpNorm kernel); this kernel reads each gradient once with wide loads, each program adding its
+block's squares in fp32 into a slot of its own (no atomics, no host sync), and one sum per gradient at the end.
+The other gradients (below MIN_NUMEL elements, not dense, not on a kernel device) take torch's `_foreach_norm`.
+
+    sq_G = squared_norms(grads)        # fp32, one per gradient: sum of g**2 over its elements
+    total = squared_norms(grads).sum().sqrt()
+
+Every gradient counts in fp32: torch's foreach norm of bf16 gradients rounds each gradient's norm to bf16 first.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moelab.backends.flat import cdiv, dense, kernel_devices, triton_available
+
+MIN_NUMEL = 1 << 20
+BLOCK, ITERS = 4096, 8  # one program: ITERS blocks of BLOCK elements
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sumsq_kernel(g_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * BLOCK * ITERS
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            g = tl.load(g_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc += g * g
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return sumsq_kernel
+
+
+def on_kernel(g: torch.Tensor) -> bool:
+    """Whether g's squares are summed by the kernel: large, dense (any dimension order: its span walked flat) and
+    on a kernel device (CUDA; the CPU under Triton's interpreter)."""
+    return g.device.type in kernel_devices() and g.numel() >= MIN_NUMEL and dense(g) and triton_available()
+
+
+def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 [len(grads)]: each gradient's sum of squares, on the first gradient's device. No host-to-device copy
+    (a pageable one would wait for the queued backward): the kernel's gradients write into rows of one zeroed
+    [gradients, most programs] buffer, summed per row."""
+    if not grads:
+        return torch.zeros(0)
+    dev = grads[0].device
+    big = [g for g in grads if on_kernel(g)]
+    rest = [g for g in grads if not on_kernel(g)]
+    rest_sq = torch.stack([n.float().to(dev) for n in torch._foreach_norm(rest)]).square() if rest else None
+    if big:
+        grids = [cdiv(g.numel(), BLOCK * ITERS) for g in big]
+        partial = torch.zeros(len(big), max(grids), dtype=torch.float32, device=dev)
+        for row, (g, grid) in enumerate(zip(big, grids)):
+            _kernel()[(grid,)](g, partial[row], g.numel(), BLOCK=BLOCK, ITERS=ITERS, num_warps=8)
+        big_sq = partial.sum(1)
+    order, b, r = [], 0, 0
+    for g in grads:  # each gradient's own slot, in the given order (views: no kernel until the stack)
+        if on_kernel(g):
+            order.append(big_sq[b])
+            b += 1
+        else:
+            order.append(rest_sq[r])
+            r += 1
+    return torch.stack(order)

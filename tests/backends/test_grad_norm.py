@@ -1,0 +1,70 @@
+"""moelab.backends.grad_norm under Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess): each gradient's
+sum of squares in fp32, whether the kernel or torch's foreach norm takes it (large dense ones in any dimension order,
+the rest: small, strided); one process's clip_grad_norm then clips by that norm with torch's formula. Without the
+interpreter a CPU run keeps torch's clip_grad_norm_ itself (the golden losses stay bit-identical)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent('''
+    import torch
+    from torch import nn
+    import moelab.backends.grad_norm as G
+    from moelab.parallel.place import Parallelized
+
+    torch.manual_seed(0)
+    G.MIN_NUMEL = 1000
+    grads = [torch.randn(3000, dtype=torch.bfloat16) * 3, torch.randn(10), torch.randn(40, 50).t(),
+             torch.randn(70000), torch.randn(60, 60)[:, :30], torch.randn(2, 33000, dtype=torch.bfloat16)]
+    on = [G.on_kernel(g) for g in grads]
+    assert on == [True, False, True, True, False, True], on
+    got = G.squared_norms(grads)
+    want = torch.stack([g.double().square().sum() for g in grads])
+    assert got.dtype == torch.float32 and got.shape == (len(grads),)
+    assert torch.allclose(got.double(), want, rtol=1e-5), (got, want)
+
+    # one process's clip_grad_norm: the norm above, and torch's clipping formula applied with it
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 3))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 10
+    before = [p.grad.clone() for p in model.parameters()]
+    total = Parallelized.clip_grad_norm(None, model, 1.0)
+    norm = torch.stack([g.double().square().sum() for g in before]).sum().sqrt()
+    assert abs(float(total) - float(norm)) <= 1e-5 * float(norm)
+    coef = 1.0 / (float(total) + 1e-6)
+    assert all(torch.allclose(p.grad, b * coef, rtol=1e-6) for p, b in zip(model.parameters(), before))
+    print("ok")
+''')
+
+
+def test_squared_norms_and_clipping_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_a_cpu_run_keeps_torchs_own_clip_grad_norm(monkeypatch, max_norm):
+    from moelab.backends import grad_norm
+    from moelab.parallel.place import Parallelized
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(grad_norm, "MIN_NUMEL", 1)  # every gradient large enough: still not on a kernel device
+    torch.manual_seed(0)
+    model, ref = nn.Linear(32, 16), nn.Linear(32, 16)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        p.grad = torch.randn_like(p) * 5
+        q.grad = p.grad.clone()
+    total = Parallelized.clip_grad_norm(None, model, max_norm)
+    grads = [q.grad for q in ref.parameters()]
+    want = (torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm, foreach=True) if max_norm
+            else torch.nn.utils.get_total_norm(grads, foreach=True))
+    assert torch.equal(total, want)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
