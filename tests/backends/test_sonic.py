@@ -239,7 +239,7 @@ def test_the_tile_table_is_the_sweeps_choice():
     from moelab.backends.sonic import GEMMS, TILES
 
     rec = json.loads((Path(__file__).resolve().parents[2] / "gallery/results"
-                      / "qwen3-moe-30b-a3b-proxy--moelab--sonic-tiles-h100-issue41-call14.json").read_text())
+                      / "qwen3-moe-30b-a3b-proxy--moelab--sonic-tiles-h100-issue41-call15.json").read_text())
     assert {g: list(t) for g, t in TILES[9].items()} == rec["chosen"]
     default = json.dumps([128, 192, True, 2, 1, False])
     for gemm in GEMMS:
