@@ -8,8 +8,9 @@ is chosen. Then the whole layer (moelab.backends.sonic.sonic_experts, forward + 
 on a step's first micro batch) with QuACK's defaults and with the chosen tiles, at skewed and balanced routing, and
 the host's time for the same call (its Python and launches, the GPU kept busy so that no launch waits).
 
-    SONIC_SITE=DIR python gallery/scripts/gpu_sonic_tiles.py --out OUT
-        # OUT/sonic-tiles.json: the record; OUT/tiles.json: the chosen tiles, as MOELAB_SONIC_TILES reads them
+    SONIC_SITE=DIR python gallery/scripts/gpu_sonic_tiles.py --out OUT [--shape deepseek-v3-proxy --label L]
+        # OUT/sonic-tiles.json (OUT/L.json): the record; OUT/tiles.json: the chosen tiles, as MOELAB_SONIC_TILES
+        # reads them. The whole layer runs with QuACK's default, the sweep's choice and moelab.backends.sonic.TILES
 """
 from __future__ import annotations
 
@@ -26,12 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_moe_layer import rel, routing, sonic_setup  # noqa: E402
+from gpu_moe_layer import SHAPES, rel, routing, sonic_setup  # noqa: E402
 
 import moelab.backends.sonic as S  # noqa: E402
 from moelab.train.bench import StepTimer, commit_id  # noqa: E402
 
-SHAPE = (8192, 8, 128, 2048, 768)  # T, K, E, D, F
 CANDIDATES = [  # moelab.backends.sonic.TILE_FIELDS
     (128, 192, True, 2, 1, False),  # QuACK's default on sm90
     (128, 128, True, 2, 1, False), (128, 160, True, 2, 1, False), (192, 128, True, 2, 1, False),
@@ -72,10 +72,10 @@ def choose(ms: dict[tuple, float], margin: float) -> tuple | None:
 class Layer:
     """One layer's inputs, routing metadata and the intermediate tensors each GEMM reads, made with the defaults."""
 
-    def __init__(self, kind: str, gen: torch.Generator):
+    def __init__(self, kind: str, gen: torch.Generator, shape: tuple):
         from sonicmoe.functional.triton_kernels import TC_topk_router_metadata_triton
 
-        T, K, E, D, F = SHAPE
+        self.shape = T, K, E, D, F = shape
         dev, bf = "cuda", torch.bfloat16
         weights_TK, experts_TK = routing(kind, T, K, E, gen)
         self.weights_TK, self.experts_TK = weights_TK.to(dev), experts_TK.to(dev)
@@ -232,7 +232,8 @@ def whole_layer(layer: Layer, timer, reps: int) -> dict:
         layer_step(layer, params)
     host_ms = (time.perf_counter() - t0) / 5 * 1e3
     torch.cuda.synchronize()
-    return {"fwd_bwd_ms": ms, "tflops": 18 * SHAPE[0] * SHAPE[1] * SHAPE[3] * SHAPE[4] / ms / 1e9,
+    T, K, _, D, F = layer.shape
+    return {"fwd_bwd_ms": ms, "tflops": 18 * T * K * D * F / ms / 1e9,
             "host_ms_per_call": host_ms}
 
 
@@ -242,22 +243,25 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--margin", type=float, default=0.02, help="a tile is chosen if this much faster than default")
     ap.add_argument("--gemms", default=",".join(S.GEMMS))
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-moe-30b-a3b-proxy")
+    ap.add_argument("--label", default="sonic-tiles", help="the record's variant and file name (LABEL.json)")
     ap.add_argument("--workers", type=int, default=12, help="parallel CuTe-DSL compile processes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "sonic-tiles",
+    shape = SHAPES[args.shape]
+    rec = {"system": "moelab", "workload": args.shape, "variant": args.label,
            "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
            "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS),
-           "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), SHAPE)), "gemms": {},
+           "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
            "chosen": {}, "layer": {}, "errors": {}}
     rec["sonicmoe_version"] = sonic_setup(os.environ["SONIC_SITE"])
 
     def save():
-        (out / "sonic-tiles.json").write_text(json.dumps(rec, indent=1) + "\n")
+        (out / f"{args.label}.json").write_text(json.dumps(rec, indent=1) + "\n")
     timer = StepTimer("cuda")
     gen = torch.Generator().manual_seed(0)
-    layer = Layer("skewed", gen)
+    layer = Layer("skewed", gen, shape)
     gemms = args.gemms.split(",")
     modes = {g: (False, True) if g in WEIGHT_GRADS else (False,) for g in gemms}
     t0 = time.time()
@@ -291,11 +295,12 @@ def main() -> int:
         save()
     (out / "tiles.json").write_text(json.dumps(rec["chosen"]) + "\n")
     for kind in ("skewed", "balanced"):
-        lay = layer if kind == "skewed" else Layer(kind, gen)
-        for label, tiles_file in (("quack-default", None), ("chosen", out / "tiles.json")):
-            os.environ.pop("MOELAB_SONIC_TILES", None)
-            if tiles_file is not None:
-                os.environ["MOELAB_SONIC_TILES"] = str(tiles_file)
+        lay = layer if kind == "skewed" else Layer(kind, gen, shape)
+        runs = {"quack-default": {}, "chosen": rec["chosen"], "moelab-table": S.TILES.get(9, {})}
+        for label, tiles in runs.items():  # every GEMM named (QuACK's default where a choice has none): no table
+            tiles = {g: list(tiles.get(g, DEFAULT)) for g in S.GEMMS}
+            (out / "layer-tiles.json").write_text(json.dumps(tiles))
+            os.environ["MOELAB_SONIC_TILES"] = str(out / "layer-tiles.json")
             S.tile_configs.cache_clear()
             try:
                 rec["layer"].setdefault(kind, {})[label] = r = whole_layer(lay, timer, args.reps)
