@@ -244,6 +244,7 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.02, help="a tile is chosen if this much faster than default")
     ap.add_argument("--gemms", default=",".join(S.GEMMS))
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-moe-30b-a3b-proxy")
+    ap.add_argument("--routing", choices=("skewed", "balanced"), default="skewed", help="the GEMMs' routing")
     ap.add_argument("--label", default="sonic-tiles", help="the record's variant and file name (LABEL.json)")
     ap.add_argument("--workers", type=int, default=12, help="parallel CuTe-DSL compile processes")
     args = ap.parse_args()
@@ -252,7 +253,7 @@ def main() -> int:
     shape = SHAPES[args.shape]
     rec = {"system": "moelab", "workload": args.shape, "variant": args.label,
            "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
-           "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS),
+           "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS), "routing": args.routing,
            "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
            "chosen": {}, "layer": {}, "errors": {}}
     rec["sonicmoe_version"] = sonic_setup(os.environ["SONIC_SITE"])
@@ -261,7 +262,7 @@ def main() -> int:
         (out / f"{args.label}.json").write_text(json.dumps(rec, indent=1) + "\n")
     timer = StepTimer("cuda")
     gen = torch.Generator().manual_seed(0)
-    layer = Layer("skewed", gen, shape)
+    layer = Layer(args.routing, gen, shape)
     gemms = args.gemms.split(",")
     modes = {g: (False, True) if g in WEIGHT_GRADS else (False,) for g in gemms}
     t0 = time.time()
@@ -295,7 +296,7 @@ def main() -> int:
         save()
     (out / "tiles.json").write_text(json.dumps(rec["chosen"]) + "\n")
     for kind in ("skewed", "balanced"):
-        lay = layer if kind == "skewed" else Layer(kind, gen, shape)
+        lay = layer if kind == args.routing else Layer(kind, gen, shape)
         runs = {"quack-default": {}, "chosen": rec["chosen"], "moelab-table": S.TILES.get(9, {})}
         for label, tiles in runs.items():  # every GEMM named (QuACK's default where a choice has none): no table
             tiles = {g: list(tiles.get(g, DEFAULT)) for g in S.GEMMS}
