@@ -254,6 +254,7 @@ def main() -> int:
     rec = {"system": "moelab", "workload": args.shape, "variant": args.label,
            "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
            "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS), "routing": args.routing,
+           "moelab_table": {g: list(t) for g, t in S.TILES.get(9, {}).items()},
            "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
            "chosen": {}, "layer": {}, "errors": {}}
     rec["sonicmoe_version"] = sonic_setup(os.environ["SONIC_SITE"])

@@ -37,15 +37,16 @@ down_dact (the gathered output gradient @ w_down^T, SwiGLU's backward and the ro
 epilogue), up_dx (dh @ w_gate_up^T), up_dw and down_dw (the weights' gradients, summed over each expert's rows)."""
 
 TILE_FIELDS = ("tile_m", "tile_n", "pingpong", "cluster_m", "cluster_n", "is_dynamic_persistent")
-TILES: dict[int, dict[str, tuple]] = {9: {  # gallery/results/...--moelab--sonic-tiles-*-issue41-call1[4-8].json
-    "up": (128, 256, False, 2, 1, False),  # 0.85-0.95x QuACK's default's time in every sweep
-    "down_dact": (128, 256, False, 2, 1, False)}}  # 0.64-0.90x
+TILES: dict[int, dict[str, tuple]] = {9: {  # gallery/results/*--moelab--sonic-tiles-*-issue41-call1[4-8].json
+    "up": (128, 256, False, 2, 1, False),  # skewed routing 0.85-0.95x QuACK's default's time, balanced 1.02-1.03x
+    "down_dact": (128, 256, False, 2, 1, False)}}  # 0.64-0.90x skewed, 0.71-0.94x balanced
 """GPU compute capability (major) -> GEMM -> its QuACK tile (TILE_FIELDS); a GEMM not named runs QuACK's default
-config (on sm90: 128 x 192, pingpong, clusters of 2 x 1). The gated GEMMs take QuACK's cooperative 128 x 256 tile:
-it beat the default in every sweep of gallery/scripts/gpu_sonic_tiles.py (H100 and H200, the Qwen3 proxy's and
-DeepSeek-V3's shapes, skewed and balanced routing). The other GEMMs' best tiles changed from sweep to sweep by as
-much as they beat the default, and the whole layer with them ran slower than QuACK's defaults at balanced routing
-(issue 41 calls 15-16): they keep the default."""
+config (on sm90: 128 x 192, pingpong, clusters of 2 x 1). The gated GEMMs take QuACK's cooperative 128 x 256 tile,
+from the sweeps of gallery/scripts/gpu_sonic_tiles.py (H100 and H200, the Qwen3 proxy's and DeepSeek-V3's shapes):
+with both, the whole layer ran 0.90 / 0.94x QuACK's defaults' time at the Qwen3 proxy's skewed / balanced routing
+and 0.92 / 1.00x at DeepSeek-V3's (issue 41 call 18, one H100). The other GEMMs' best tiles changed from sweep to
+sweep by as much as they beat the default, and the layer with them ran slower than QuACK's defaults at balanced
+routing (calls 15-16): they keep the default."""
 
 
 @functools.cache

@@ -137,16 +137,16 @@ GROUPED_FORWARD_TFLOPS = {  # GROUPED_SHAPES: shapes.<name>.gate_up_bf16_tflops 
 # backend.experts=sonic (SonicMoE's kernels, which `auto` takes where installed) against torch's grouped GEMM path,
 # as ratios of H100 profiles of the same compiled step at global batch 2 (one micro batch, learned router): its
 # CuTe-DSL GEMMs (quackgemm kernels: the gathers and SwiGLU inside) over torch's grouped GEMM kernels, with moelab's
-# tiles (moelab.backends.sonic.TILES, issue 41 call 15) and with QuACK's default config (call 11, the code before
+# tiles (moelab.backends.sonic.TILES, issue 41 call 18) and with QuACK's default config (call 11, the code before
 # 756805e: Plan.sonic_tiles), and its permute category (the token_gather_sum of dx, what is left of the row moves)
 # over the grouped path's (dispatch, combine and their backward); the grouped path's profile is call 11's; ratios
 # carried onto the H200 figures above
 _SONIC = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call11.json"
-_SONIC_TILED = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call15.json"
+_SONIC_TILED = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call18.json"
 _SONIC_BASE = (_RESULTS
                + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json")
 SONIC_MEASURED = {
-    "expert_matmul_ratio": ((11.765 + 8.041 + 5.382 + 3.998) / (12.310 + 8.579 + 8.135),
+    "expert_matmul_ratio": ((19.405 + 5.413 + 3.906) / (12.310 + 8.579 + 8.135),
                             _SONIC_TILED + " against " + _SONIC_BASE + ": the quackgemm kernels of top_kernels over "
                             "the grouped GEMM kernels (enable_3x_kernel_for_sm9x GemmUniversal)"),
     "expert_matmul_ratio_quack_tiles": ((20.108 + 6.151 + 5.895) / (12.310 + 8.579 + 8.135),

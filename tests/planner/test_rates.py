@@ -162,10 +162,10 @@ def test_the_grouped_gemm_shape_table_is_the_h100_record():
 
 def test_sonic_ratios_are_the_h100_profiles():
     # backend.experts=sonic against torch's grouped path: compiled steps on H100s, the grouped path's from issue 41
-    # call 11; SonicMoE's GEMMs with moelab's tiles (call 15) and with QuACK's default config (call 11)
+    # call 11; SonicMoE's GEMMs with moelab's tiles (call 18) and with QuACK's default config (call 11)
     from moelab.planner.rates import SONIC_MEASURED
 
-    tiled = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call15.json")
+    tiled = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call18.json")
     sonic = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call11.json")
     base = record("qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-grouped_mm-compile-gbs2-h100-issue41-call11.json")
     assert sonic["experts"] == tiled["experts"] == "sonic" and base["experts"] == "grouped_mm"
