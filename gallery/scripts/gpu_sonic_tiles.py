@@ -1,16 +1,18 @@
 """Issue 41: QuACK's tiles for SonicMoE's six grouped GEMMs (moelab.backends.sonic.GEMMS) on this GPU, at one MoE
-layer of the Qwen3-30B-A3B proxy (T 8192, top-8 of 128, D 2048, F 768, bf16; skewed routing drawn as
-gpu_moe_layer.py draws it). Each GEMM runs with QuACK's default config and every candidate tile its epilogue and
-gather allow (CANDIDATES), compiled beforehand in parallel by QuACK's own compile workers; its outputs are checked
-against the default's and it is timed (median of --reps CUDA-event calls; the weight-gradient GEMMs both writing and
-adding into their output, chosen by the sum). The fastest tile per GEMM that beats the default by at least --margin
-is chosen. Then the whole layer (moelab.backends.sonic.sonic_experts, forward + backward, the gradients written as
-on a step's first micro batch) with QuACK's defaults and with the chosen tiles, at skewed and balanced routing, and
-the host's time for the same call (its Python and launches, the GPU kept busy so that no launch waits).
+layer of a proxy's shapes (--shape: gpu_moe_layer.py's SHAPES, the Qwen3-30B-A3B proxy by default; bf16) and routing
+(--routing: skewed or balanced, drawn as gpu_moe_layer.py draws them). Each GEMM runs with QuACK's default config and
+every candidate tile its epilogue and gather allow (CANDIDATES), compiled beforehand in parallel by QuACK's own
+compile workers; its outputs are checked against the default's and it is timed (median of --reps CUDA-event calls;
+the weight-gradient GEMMs both writing and adding into their output, chosen by the sum). The fastest tile per GEMM
+that beats the default by at least --margin is chosen. Then the whole layer (moelab.backends.sonic.sonic_experts,
+forward + backward, the gradients written as on a step's first micro batch) at both routings with QuACK's defaults,
+the sweep's choice and moelab.backends.sonic.TILES, and the host's time for the same call (its Python and launches,
+the GPU kept busy so that no launch waits).
 
-    SONIC_SITE=DIR python gallery/scripts/gpu_sonic_tiles.py --out OUT [--shape deepseek-v3-proxy --label L]
-        # OUT/sonic-tiles.json (OUT/L.json): the record; OUT/tiles.json: the chosen tiles, as MOELAB_SONIC_TILES
-        # reads them. The whole layer runs with QuACK's default, the sweep's choice and moelab.backends.sonic.TILES
+    SONIC_SITE=DIR python gallery/scripts/gpu_sonic_tiles.py --out OUT [--shape deepseek-v3-proxy]
+        [--routing balanced] [--gemms up,down_dact] [--label L]
+        # OUT/L.json (default sonic-tiles.json): the record; OUT/tiles.json: the chosen tiles, as MOELAB_SONIC_TILES
+        # reads them
 """
 from __future__ import annotations
 

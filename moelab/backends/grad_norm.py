@@ -54,8 +54,9 @@ def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(0)
     dev = grads[0].device
-    big = [g for g in grads if on_kernel(g)]
-    rest = [g for g in grads if not on_kernel(g)]
+    kernel = [on_kernel(g) for g in grads]
+    big = [g for g, k in zip(grads, kernel) if k]
+    rest = [g for g, k in zip(grads, kernel) if not k]
     rest_sq = torch.stack([n.float().to(dev) for n in torch._foreach_norm(rest)]).square() if rest else None
     if big:
         grids = [cdiv(g.numel(), BLOCK * ITERS) for g in big]
@@ -63,12 +64,9 @@ def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
         for row, (g, grid) in enumerate(zip(big, grids)):
             _kernel()[(grid,)](g, partial[row], g.numel(), BLOCK=BLOCK, ITERS=ITERS, num_warps=8)
         big_sq = partial.sum(1)
-    order, b, r = [], 0, 0
-    for g in grads:  # each gradient's own slot, in the given order (views: no kernel until the stack)
-        if on_kernel(g):
-            order.append(big_sq[b])
-            b += 1
-        else:
-            order.append(rest_sq[r])
-            r += 1
+    b = r = 0
+    order = []
+    for k in kernel:  # each gradient's own slot, in the given order (views: no kernel until the stack)
+        order.append(big_sq[b] if k else rest_sq[r])
+        b, r = b + k, r + (not k)
     return torch.stack(order)

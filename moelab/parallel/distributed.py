@@ -94,7 +94,7 @@ class DistributedParallelized(Parallelized):
         if local:  # a replicated gradient (DDP, replicated experts, TP's norms) counts once: 1/replicas each
             share = torch.tensor([1.0 / (getattr(p, REPLICAS, 1) * _replicas(p)) for p in params],
                                  device=self.env.device)
-            sq = (squared_norms(local) * share).sum()  # moelab.train.grad_norm: Triton on large CUDA shards
+            sq = (squared_norms(local) * share).sum()  # moelab.backends.grad_norm: Triton on large CUDA shards
         dist.all_reduce(sq)
         total = sq.sqrt()
         if max_norm > 0 and local:

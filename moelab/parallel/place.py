@@ -51,7 +51,7 @@ class Parallelized:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The gradient norm (and clipping by it): on CUDA the large gradients' squares summed by one Triton pass
-        each (moelab.train.grad_norm), elsewhere torch's clip_grad_norm_ itself."""
+        each (moelab.backends.grad_norm), elsewhere torch's clip_grad_norm_ itself."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not any(on_kernel(p.grad) for p in params):
             if max_norm > 0:

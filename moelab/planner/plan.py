@@ -325,15 +325,12 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         cfg = load_config(cfg)
     world = gpus if gpus is not None else default_world(cfg)
     check_one_rank(fsdp_one_rank)
-    if local_weighting not in LOCAL_WEIGHTING:
-        raise ConfigError(f"local_weighting={local_weighting!r}: must be one of {', '.join(LOCAL_WEIGHTING)} "
-                          "(experts: moelab's code; combine: the code before a3f8c38, for records measured with it)")
-    if sonic_wgrad not in SONIC_WGRAD:
-        raise ConfigError(f"sonic_wgrad={sonic_wgrad!r}: must be one of {', '.join(SONIC_WGRAD)} "
-                          "(gemm: moelab's code; autograd: the code before af73383, for records measured with it)")
-    if sonic_tiles not in SONIC_TILES:
-        raise ConfigError(f"sonic_tiles={sonic_tiles!r}: must be one of {', '.join(SONIC_TILES)} "
-                          "(moelab: moelab's code; quack: the code before 756805e, for records measured with it)")
+    for name, value, (now, then), commit in (("local_weighting", local_weighting, LOCAL_WEIGHTING, "a3f8c38"),
+                                             ("sonic_wgrad", sonic_wgrad, SONIC_WGRAD, "af73383"),
+                                             ("sonic_tiles", sonic_tiles, SONIC_TILES, "756805e")):
+        if value not in (now, then):
+            raise ConfigError(f"{name}={value!r}: must be one of {now}, {then} ({now}: moelab's code; {then}: the "
+                              f"code before {commit}, for records measured with it)")
     if world < 1:
         raise ConfigError(f"gpus={world!r}: must be >= 1")
     asked = cfg
