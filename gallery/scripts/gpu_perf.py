@@ -111,7 +111,12 @@ def profile_step(b: Bencher) -> dict:
             t = e.self_cpu_time_total
         if t:
             kernels.append((e.key, t / 1e3))
-    return {**summarize_kernels(kernels, ms), "idle_gaps": idle_gaps(prof.events())}
+    if os.environ.get("MOELAB_PROFILE_TRACE"):  # a folder: the step's whole timeline, for chrome://tracing
+        trace = Path(os.environ["MOELAB_PROFILE_TRACE"])
+        trace.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace / f"trace-gbs{b.tr.cfg.train.global_batch_size}.json"))
+    events = prof.events()
+    return {**summarize_kernels(kernels, ms), "idle_gaps": idle_gaps(events), "host_at_gaps": host_at_gaps(events)}
 
 
 def idle_gaps(events, top: int = 12) -> dict:
@@ -131,6 +136,50 @@ def idle_gaps(events, top: int = 12) -> dict:
             "by_size": {k: {"count": sum(lo <= g < hi for g, _, _ in gaps),
                             "ms": sum(g for g, _, _ in gaps if lo <= g < hi)} for k, (lo, hi) in sizes.items()},
             "largest": [{"ms": round(g, 4), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]]}
+
+
+def host_at_gaps(events, min_ms: float = 0.02, top: int = 12) -> dict:
+    """What the host was doing while the GPU waited: for each gap of at least min_ms between kernels, the CPU
+    ops running at its midpoint on each thread (outermost and innermost; "between ops" where a thread that ran
+    ops in the step ran none then: Python of its own). Summed over the step's gaps by innermost op and by
+    outermost > innermost chain, the largest first. A gap while the host waits on the GPU
+    (cudaStreamSynchronize, a blocking copy) is a synchronisation; one inside launches and Python is the host
+    falling behind."""
+    cuda = sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type.name == "CUDA" and not is_annotation(e.name))
+    gaps, end = [], None
+    for start, stop in cuda:
+        if end is not None and (start - end) / 1e3 >= min_ms:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    by_thread: dict[int, list] = {}
+    for e in events:
+        if e.device_type.name == "CPU" and e.time_range.end > e.time_range.start:
+            by_thread.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end, e.name))
+    mids = sorted(((a + b) / 2, (b - a) / 1e3) for a, b in gaps)
+    inner: dict[str, float] = {}
+    chain: dict[str, float] = {}
+    at: dict[float, list] = {mid: [] for mid, _ in mids}  # each gap: the host, thread by thread
+    for thread, spans in by_thread.items():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        first, last, label = spans[0][0], max(s[1] for s in spans), f"thread {thread % 10000}"
+        stack, i = [], 0
+        for mid, ms in mids:  # one sweep: the spans open at each gap's midpoint
+            while i < len(spans) and spans[i][0] <= mid:
+                stack.append(spans[i])
+                i += 1
+            stack = [s for s in stack if s[1] >= mid]
+            if not first <= mid <= last:
+                continue  # the thread ran none of the step's ops around then
+            name = stack[-1][2][:80] if stack else "between ops"
+            key = f"{stack[0][2][:60]} > {stack[-1][2][:60]}" if stack else "between ops"
+            inner[f"{label}: {name}"] = inner.get(f"{label}: {name}", 0.0) + ms
+            chain[f"{label}: {key}"] = chain.get(f"{label}: {key}", 0.0) + ms
+            at[mid].append(f"{label}: {key}")
+    rank = lambda d: [{"ms": round(v, 3), "host": k} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+    return {"gaps": len(gaps), "gap_ms": round(sum((b - a) / 1e3 for a, b in gaps), 3),
+            "by_innermost": rank(inner), "by_chain": rank(chain),
+            "largest": [{"ms": round(ms, 3), "host": at[mid]} for mid, ms in sorted(mids, key=lambda m: -m[1])[:top]]}
 
 
 def base_record(tr, b, args, fp8: str) -> dict:

@@ -32,3 +32,26 @@ def test_idle_gaps_are_the_waits_between_kernels_with_their_neighbours():
     assert g["by_size"]["over_1ms"] == {"count": 1, "ms": 1.5} and g["by_size"]["under_20us"]["count"] == 1
     assert g["by_size"]["20us_to_100us"]["count"] == 1 and g["by_size"]["100us_to_1ms"]["count"] == 0
     assert g["largest"][0] == {"ms": 1.5, "after": "add", "before": "norm"}
+
+
+def test_host_at_gaps_names_what_each_thread_ran_while_the_gpu_waited():
+    # GPU: a 1 ms gap (140 -> 1140 us) and a 50 us one (1200 -> 1250); the main thread is inside a synchronise
+    # under the step's op at the first and between ops at the second; the autograd thread runs one op at the
+    # first and has ended its ops by the second (not counted there); gaps under 20 us are not counted
+    from types import SimpleNamespace as NS
+
+    def ev(name, start_us, end_us, device="CUDA", thread=0):
+        return NS(name=name, device_type=NS(name=device), time_range=NS(start=start_us, end=end_us), thread=thread)
+    events = [ev("gemm", 0, 140), ev("add", 1140, 1200), ev("norm", 1250, 1300), ev("mul", 1310, 1320),
+              ev("train_step", 0, 1180, "CPU", 1), ev("cudaStreamSynchronize", 500, 800, "CPU", 1),
+              ev("aten::item", 450, 850, "CPU", 1), ev("aten::add", 1240, 1260, "CPU", 1),
+              ev("SonicBackward", 600, 700, "CPU", 2)]
+    h = gpu_perf.host_at_gaps(events)
+    assert h["gaps"] == 2 and abs(h["gap_ms"] - 1.05) < 1e-9
+    assert h["by_innermost"][0] == {"ms": 1.0, "host": "thread 1: cudaStreamSynchronize"}
+    assert {"ms": 1.0, "host": "thread 2: SonicBackward"} in h["by_innermost"]
+    assert {"ms": 0.05, "host": "thread 1: between ops"} in h["by_innermost"]
+    assert h["by_chain"][0]["host"] == "thread 1: train_step > cudaStreamSynchronize"
+    assert h["largest"][0] == {"ms": 1.0, "host": ["thread 1: train_step > cudaStreamSynchronize",
+                                                   "thread 2: SonicBackward > SonicBackward"]}
+    assert not any("thread 2" in host for host in h["largest"][1]["host"])
