@@ -65,6 +65,24 @@ def _quack():
     return qi.gemm_tuned.fn, qi.gemm_gated_tuned.fn, qi.gemm_dgated_tuned.fn
 
 
+ROWS_ONCE: frozenset[str] = frozenset()
+"""The backward GEMMs whose A operand (the output gradient's or the input's rows, by token) is copied into grouped
+order once (index_select) and read in place, where the others gather it inside the GEMM (cp.async loads, clusters
+of one along N, the static scheduler)."""
+
+
+def rows_once() -> frozenset[str]:
+    """ROWS_ONCE, or the GEMMs named by MOELAB_SONIC_ROWS_ONCE (comma-separated: a measurement's variant)."""
+    env = os.environ.get("MOELAB_SONIC_ROWS_ONCE")
+    if env is None:
+        return ROWS_ONCE
+    chosen = frozenset(g for g in env.split(",") if g)
+    if not chosen <= {"down_dact", "up_dw", "down_dw"}:
+        raise ValueError(f"MOELAB_SONIC_ROWS_ONCE={env}: the GEMMs that gather rows in backward are down_dact, "
+                         f"up_dw and down_dw")
+    return chosen
+
+
 def tiles_for(major: int) -> dict[str, tuple]:
     """GEMM -> its tile (TILE_FIELDS) on a GPU of this compute capability: TILES, with the entries of
     MOELAB_SONIC_TILES (a JSON file {GEMM: [TILE_FIELDS...]}) in place of the table's: a measurement's candidates
@@ -108,8 +126,9 @@ def gemm_down(a_NF, w2, y_ND, offsets_E1, config=None) -> None:
 
 
 def gemm_down_dact(g_TD, w2, h_NF2, dh_NF2, a_NF, s_N, offsets_E1, gather_N, config=None) -> torch.Tensor:
-    """da = g[gather] @ w2^T per expert; dh = SwiGLU's backward of (s * da) at h, a = SwiGLU(h) recomputed; returns
-    each grouped row's sum of da * a (the routing weight's gradient), fp32."""
+    """da = g[gather] @ w2^T per expert (gather_N None: g's rows are the grouped rows already); dh = SwiGLU's
+    backward of (s * da) at h, a = SwiGLU(h) recomputed; returns each grouped row's sum of da * a (the routing
+    weight's gradient), fp32."""
     return _quack()[2](g_TD, w2.transpose(1, 2), h_NF2, dh_NF2, a_NF, s_N, "swiglu", True, offsets_E1, gather_N,
                        False, config=config)
 
@@ -120,13 +139,14 @@ def gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, config=None) -> None:
 
 
 def gemm_up_dw(x_TD, dh_NF2, dw1, offsets_E1, gather_N, add: bool, config=None) -> None:
-    """dw1 (+)= x[gather]^T @ dh per expert."""
+    """dw1 (+)= x[gather]^T @ dh per expert (gather_N None: x's rows are the grouped rows already)."""
     _quack()[0](x_TD.T, dh_NF2, dw1, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
                 concat_layout=("out",))
 
 
 def gemm_down_dw(g_TD, a_NF, dw2, offsets_E1, gather_N, add: bool, config=None) -> None:
-    """dw2 (+)= (g[gather]^T @ a)^T per expert (written through dw2's transpose)."""
+    """dw2 (+)= (g[gather]^T @ a)^T per expert (written through dw2's transpose; gather_N None: g's rows are the
+    grouped rows already)."""
     _quack()[0](g_TD.T, a_NF, dw2.transpose(1, 2), cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add,
                 config=config)
 
@@ -196,13 +216,22 @@ class _SonicExperts(torch.autograd.Function):
         g_TD = g_TD.to(x_TD.dtype).contiguous()
         w1, w2 = in_sonic_order(w_gate_up_EDF2), in_sonic_order(w_down_EFD)
         dh_NF2, a_NF, dscores_N = torch.empty_like(h_NF2), x_TD.new_empty(N, F), torch.empty_like(scores_N)
-        dscores_N[scatter_N] = gemm_down_dact(g_TD, w2, h_NF2, dh_NF2, a_NF, scores_N[scatter_N], offsets_E1,
-                                              gather_N, cfg["down_dact"])
+        rows = rows_once()
+        g_rows = g_TD.index_select(0, gather_N) if rows & {"down_dact", "down_dw"} else None
+
+        def operand(gemm, t_TD, t_rows):  # (A, its gather): the grouped rows copied once, or gathered by the GEMM
+            return (t_rows, None) if gemm in rows else (t_TD, gather_N)
+        g_A, g_idx = operand("down_dact", g_TD, g_rows)
+        dscores_N[scatter_N] = gemm_down_dact(g_A, w2, h_NF2, dh_NF2, a_NF, scores_N[scatter_N], offsets_E1, g_idx,
+                                              cfg["down_dact"])
         dx_ND = x_TD.new_empty(N, D)
         gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, cfg["up_dx"])
         dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w_gate_up_EDF2, w_down_EFD)
-        gemm_up_dw(x_TD, dh_NF2, dw1_EDF2, offsets_E1, gather_N, accumulate, cfg["up_dw"])
-        gemm_down_dw(g_TD, a_NF, dw2_EFD, offsets_E1, gather_N, accumulate, cfg["down_dw"])
+        x_A, x_idx = operand("up_dw", x_TD, x_TD.index_select(0, gather_N) if "up_dw" in rows else None)
+        gemm_up_dw(x_A, dh_NF2, dw1_EDF2, offsets_E1, x_idx, accumulate, cfg["up_dw"])
+        del x_A
+        g_A, g_idx = operand("down_dw", g_TD, g_rows)
+        gemm_down_dw(g_A, a_NF, dw2_EFD, offsets_E1, g_idx, accumulate, cfg["down_dw"])
         dx_TD = torch.empty_like(x_TD)
         token_gather_and_sum_varlen_K_triton(dx_ND, None, dx_TD, reverse_N, None, T, ctx.K, D, False)
         return dx_TD, dscores_N, None, *((None, None) if accumulate else (dw1_EDF2, dw2_EFD))
