@@ -29,6 +29,7 @@ from torch import nn
 from moelab.planner.loss import chunk_tokens
 from moelab.backends.full_loss import IGNORE_INDEX, _is_dtensor, cross_entropy
 from moelab.backends.head_grad import add_weight_grad, weight_grad
+from moelab.backends.into_grad import linear
 
 KINDS = ("chunked", "full", "liger", "cce")
 
@@ -120,7 +121,7 @@ def lm_loss(h_BLD: torch.Tensor, head: nn.Module, targets_BL: torch.Tensor, kind
     """The mean next-token loss of hidden states `h_BLD` through the LM head `head` (an nn.Linear without bias;
     the embedding when tied) against `targets_BL`; `chunk`: backend.loss_chunk_tokens (0 = auto)."""
     if kind == "full":
-        return cross_entropy(head(h_BLD), targets_BL, compiled=compiled, pad_token_id=pad_token_id)
+        return cross_entropy(linear(head, h_BLD), targets_BL, compiled=compiled, pad_token_id=pad_token_id)
     if type(head) is not nn.Linear or head.bias is not None:
         raise TypeError(f"backend.loss={kind!r} computes the LM head itself and needs a plain nn.Linear without "
                         f"bias, not {type(head).__name__}; set backend.loss=full")

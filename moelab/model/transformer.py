@@ -14,6 +14,7 @@ import zlib
 import torch
 from torch import nn
 
+from moelab.backends.into_grad import embedding
 from moelab.backends.loss import lm_loss
 from moelab.config import BackendConfig, ModelConfig
 from moelab.model.attention import GQAttention
@@ -99,7 +100,7 @@ class MoETransformer(nn.Module):
         packed sequences (moelab.data.sft) pass [B, L], restarting at each document. `ctx`: the batch's token
         mask, packed documents and loss scale (moelab.model.batch_context; None: none of them)."""
         ctx = NO_CONTEXT if ctx is None else ctx
-        h_BLD = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
+        h_BLD = embedding(self.tok_embeddings, tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         if positions_L is None:
             positions_L = torch.arange(h_BLD.shape[1], device=h_BLD.device)
         cos_LD, sin_LD = rope_cos_sin(positions_L, self.rope_dim, self.cfg.rope_theta, h_BLD.dtype,
