@@ -2,7 +2,8 @@
 bf16 weights, micro batch 2 x 4,096 tokens), their backward over --micro-batches micro batches two ways: autograd's
 (each micro batch's gradient written in full, then `.grad +=`) and moelab.backends.into_grad's (a later micro batch
 added into .grad by the head's GEMM and row by row for the embedding). Checked against an fp32 sum of the same
-terms, timed (median of --reps CUDA-event runs of the whole accumulation, forward included).
+terms, timed (median of --reps CUDA-event runs of the whole accumulation, forward and the hidden states' gradient
+included, as in the model).
 
     python gallery/scripts/gpu_check_into_grad.py --out DIR      # DIR/into-grad.json
 """
@@ -33,7 +34,7 @@ def main() -> int:
     dev, bf = "cuda", torch.bfloat16
     emb, head = nn.Embedding(V, D).to(dev, bf), nn.Linear(D, V, bias=False).to(dev, bf)
     ids = [torch.randint(0, V, (2, T // 2), device=dev) for _ in range(args.micro_batches)]
-    hs = [torch.randn(2, T // 2, D, device=dev, dtype=bf) for _ in range(args.micro_batches)]
+    hs = [torch.randn(2, T // 2, D, device=dev, dtype=bf, requires_grad=True) for _ in range(args.micro_batches)]
     gs = [torch.randn(2, T // 2, V, device=dev, dtype=bf) * 1e-3 for _ in range(args.micro_batches)]
     gh = [torch.randn(2, T // 2, D, device=dev, dtype=bf) for _ in range(args.micro_batches)]
 
@@ -50,7 +51,7 @@ def main() -> int:
     exact_h = torch.zeros(V, D, device=dev)
     for i in range(args.micro_batches):
         exact_e.index_add_(0, ids[i].reshape(-1), gh[i].reshape(-1, D).float())
-        exact_h.addmm_(gs[i].reshape(-1, V).float().t(), hs[i].reshape(-1, D).float())
+        exact_h.addmm_(gs[i].reshape(-1, V).float().t(), hs[i].detach().reshape(-1, D).float())
     rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
     timer = StepTimer(dev)
     rec = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "into-grad-check",

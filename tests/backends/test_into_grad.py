@@ -100,3 +100,10 @@ def test_on_cpu_the_modules_run_as_they_are():
     assert type(h.grad_fn).__name__ == "EmbeddingBackward0"
     assert type(y.grad_fn).__name__ != "_LinearBackward" and torch.equal(y, head(emb(ids)))
     assert not G.applies(head, h)
+
+
+def test_linear_skips_the_input_gradient_nobody_asks_for():
+    head = nn.Linear(8, 12, bias=False)
+    x = torch.randn(3, 8)  # no grad: only the weight's
+    G._Linear.apply(x, head.weight).sum().backward()
+    torch.testing.assert_close(head.weight.grad, torch.ones(3, 12).t() @ x)
