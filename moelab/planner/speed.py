@@ -59,7 +59,8 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
 - TP (sequence parallel): a rank computes a tp-th of the micro batch; its all-gathers and reduce-scatters around
   attention and dense MLPs (moelab.planner.plan.tp_traffic) sit between the kernels that need them: exposed.
 - Fixed costs: idle gaps per layer and micro batch and once per step (two profiles with 1 and 8 micro batches),
-  and autograd's gradient accumulation from a step's second micro batch on.
+  and autograd's gradient accumulation from a step's second micro batch on (on one GPU without the token
+  embedding's and the full loss's LM head's gradients: their backward adds them, moelab.backends.into_grad).
 - Hidden communication costs compute nothing here (NCCL's share of the SMs and of HBM bandwidth is not
   modelled).
 - backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
@@ -85,6 +86,9 @@ SONIC_WGRAD = ("gemm", "autograd")
 # the tiles of backend.experts=sonic's GEMMs (Plan.sonic_tiles): moelab's (moelab.backends.sonic.TILES, since 756805e)
 # or QuACK's default config for every GEMM (the code before)
 SONIC_TILES = ("moelab", "quack")
+# who adds the token embedding's and the full loss's LM head's gradients into .grad on one GPU (Plan.into_grad):
+# their backward (moelab.backends.into_grad, since cba26db), or autograd's accumulation pass (the code before)
+INTO_GRAD = ("moelab", "autograd")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -237,15 +241,21 @@ def _accumulated_bytes(cfg, p) -> float:
     """Gradient bytes autograd adds into from the second micro batch of a step on: the sharded gradients FSDP2's
     reduce-scatters return (and a plain rank's whole ones), or, reduced once per step, every wrapped unit's
     unsharded gradient in the reduce dtype (moelab.layout.dims.grad_sync); on one GPU with backend.experts=sonic,
-    all but the routed experts'."""
+    all but the routed experts'; on one GPU also without the token embedding's and (backend.loss=full) the LM head's,
+    which their backward adds (moelab.backends.into_grad; Plan.into_grad)."""
     units = [u for u in p.comm.get("fsdp_units", []) if u["ranks"] > 1]
     if p.fsdp_grad_sync == "step" and units:
         return sum(u["count"] * u["params"] for u in units) * (2 if cfg.parallel.reduce_dtype == "bfloat16" else 4)
-    if cfg.backend.experts == "sonic" and p.gpus == 1 and not cfg.train.lora.rank and p.sonic_wgrad == "gemm":
-        # SonicMoE's weight-gradient GEMMs add into the routed experts' .grad themselves (moelab.backends.sonic)
-        pb = 2 if cfg.train.param_dtype == "bfloat16" else 4
-        return p.memory["gradients"] - count_params(cfg.model).experts_total * pb
-    return p.memory["gradients"]
+    if p.gpus > 1 or cfg.train.lora.rank:
+        return p.memory["gradients"]
+    pb, mdl = 2 if cfg.train.param_dtype == "bfloat16" else 4, cfg.model
+    added = 0  # parameters whose backward adds into .grad itself
+    if cfg.backend.experts == "sonic" and p.sonic_wgrad == "gemm":
+        added += count_params(mdl).experts_total  # SonicMoE's weight-gradient GEMMs (moelab.backends.sonic)
+    if p.into_grad == "moelab":  # the embedding's rows, and the full loss's head GEMM (moelab.backends.into_grad)
+        full = cfg.backend.loss == "full"  # a tied weight: one gradient, added by its backward only with both
+        added += mdl.vocab_size * mdl.hidden_size * (int(full) if mdl.tie_embeddings else 1 + int(full))
+    return p.memory["gradients"] - added * pb
 
 
 def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:

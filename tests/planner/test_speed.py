@@ -306,3 +306,27 @@ def test_sonic_on_one_gpu_accumulates_only_the_gradients_outside_the_routed_expe
     two = {**gbs16, "parallel.pp": 2}
     grouped, sonic = (speed(PROXY, gpus=2, **{**two, "backend.experts": e}) for e in ("grouped_mm", "sonic"))
     assert sonic.parts_s["grad_accumulate"] == pytest.approx(grouped.parts_s["grad_accumulate"])
+
+
+def test_one_gpu_accumulates_neither_the_embedding_nor_the_full_loss_head():
+    # moelab.backends.into_grad: their backward adds a later micro batch's gradient into .grad; the chunked loss's
+    # head and a tied weight under it still go through autograd; a record before cba26db is planned as that code ran
+    gbs16 = {**BF16, "train.global_batch_size": 16, "train.compile": True}
+    cfg = load_config(PROXY, {**gbs16, "backend.loss": "full"})
+    V, D = cfg.model.vocab_size, cfg.model.hidden_size
+    passes, rate = 16 // cfg.train.micro_batch_size - 1, H200_MEASURED["grad_accumulate_tb_s"][0] * 1e12
+
+    def accumulate(loss="full", tied=False, **kw):
+        c = load_config(PROXY, {**gbs16, "backend.loss": loss, "model.tie_embeddings": tied})
+        return plan(c, gpu="h200", **kw).speed.parts_s["grad_accumulate"]
+    for loss, tied, weights in (("full", False, 2), ("chunked", False, 1), ("full", True, 1), ("chunked", True, 0)):
+        moved = 3 * passes * weights * V * D * 2  # bf16: read the gradient and the new term, write the sum
+        assert accumulate(loss, tied, into_grad="autograd") - accumulate(loss, tied) == pytest.approx(
+            moved / rate, rel=1e-9), (loss, tied)
+    assert planner_options({"date": "2026-12-06T10:00:00Z"})["into_grad"] == "autograd"
+    assert "into_grad" not in planner_options({"date": "2026-12-06T11:05:00Z"})  # issue 41 call 21
+    with pytest.raises(ConfigError, match="into_grad='yes'.*moelab, autograd"):
+        plan(cfg, into_grad="yes")
+    two = load_config(PROXY, {**gbs16, "backend.loss": "full", "parallel.pp": 2})
+    assert plan(two, gpus=2, gpu="h200").speed.parts_s["grad_accumulate"] == pytest.approx(
+        plan(two, gpus=2, gpu="h200", into_grad="autograd").speed.parts_s["grad_accumulate"])
