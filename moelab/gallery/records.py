@@ -112,11 +112,13 @@ LEAN_FSDP = ("6131a2c", "2026-12-01T11:45:53Z")  # lean FSDP: one-rank meshes le
 LOCAL_WEIGHTING = ("a3f8c38", "2026-12-02T05:04")
 SONIC_WGRAD = ("af73383", "2026-12-06T03:11:55Z")  # SonicMoE's weight-gradient GEMMs add into .grad
 SONIC_TILES = ("756805e", "2026-12-06T07:51:21Z")  # SonicMoE's GEMMs with moelab's tiles, not QuACK's default config
+GRAD_NORM = ("3187545", "2026-12-06T08:02:32Z")  # the gradient norm in one Triton pass per gradient
 INTO_GRAD = ("cba26db", "2026-12-06T10:57:20Z")  # the embedding's and the full loss head's backward add into .grad
 CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),  # FSDP2 wrapped units on one-rank meshes too
                ("local_weighting", "combine", *LOCAL_WEIGHTING),
                ("sonic_wgrad", "autograd", *SONIC_WGRAD),
                ("sonic_tiles", "quack", *SONIC_TILES),
+               ("grad_norm", "torch", *GRAD_NORM),
                ("into_grad", "autograd", *INTO_GRAD))
 # the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
 _OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}

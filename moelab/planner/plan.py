@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import INTO_GRAD, SONIC_TILES, SONIC_WGRAD, predict as predict_speed
+from moelab.planner.speed import GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD, predict as predict_speed
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
 from moelab.planner.stages import split_layers
@@ -147,6 +147,9 @@ class Plan:
     # who adds the token embedding's and the full loss's head's gradients into .grad on one GPU: "moelab" (their
     # backward, moelab.backends.into_grad) or "autograd" (the code before cba26db; planned for records measured with it)
     into_grad: str = "moelab"
+    # the gradient norm beside the Triton AdamW: "triton" (moelab.backends.grad_norm) or "torch" (torch's foreach
+    # norm, the code before 3187545; planned for records measured with it)
+    grad_norm: str = "triton"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -307,7 +310,8 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
          fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
-         sonic_tiles: str = "moelab", into_grad: str = "moelab", suggest: bool = True) -> Plan:
+         sonic_tiles: str = "moelab", into_grad: str = "moelab", grad_norm: str = "triton",
+         suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
@@ -316,8 +320,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     records measured with old code (moelab.gallery.records.planner_options); `local_weighting` likewise: "experts"
     (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING); `sonic_wgrad` likewise: "gemm"
     (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad); `sonic_tiles` likewise: "moelab" or "quack" (before
-    756805e: Plan.sonic_tiles); `into_grad` likewise: "moelab" or "autograd" (before cba26db: Plan.into_grad). A
-    plan that does not fit
+    756805e: Plan.sonic_tiles); `into_grad` likewise: "moelab" or "autograd" (before cba26db: Plan.into_grad);
+    `grad_norm` likewise: "triton" or "torch" (before 3187545: Plan.grad_norm). A plan that does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -332,7 +336,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     for name, value, (now, then), commit in (("local_weighting", local_weighting, LOCAL_WEIGHTING, "a3f8c38"),
                                              ("sonic_wgrad", sonic_wgrad, SONIC_WGRAD, "af73383"),
                                              ("sonic_tiles", sonic_tiles, SONIC_TILES, "756805e"),
-                                             ("into_grad", into_grad, INTO_GRAD, "cba26db")):
+                                             ("into_grad", into_grad, INTO_GRAD, "cba26db"),
+                                             ("grad_norm", grad_norm, GRAD_NORM, "3187545")):
         if value not in (now, then):
             raise ConfigError(f"{name}={value!r}: must be one of {now}, {then} ({now}: moelab's code; {then}: the "
                               f"code before {commit}, for records measured with it)")
@@ -357,7 +362,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                                                       local_weighting=local_weighting,
                                                                       sonic_wgrad=sonic_wgrad,
                                                                       sonic_tiles=sonic_tiles,
-                                                                      into_grad=into_grad))
+                                                                      into_grad=into_grad, grad_norm=grad_norm))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -380,7 +385,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
             ["routing weights applied at combine, the expert outputs kept for their gradient, as the code before "
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
-        fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles, into_grad=into_grad)
+        fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles, into_grad=into_grad,
+        grad_norm=grad_norm)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict

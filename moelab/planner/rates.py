@@ -1,6 +1,7 @@
 """The kernel rates the step-time model (moelab.planner.speed) computes at: measured on this project's H200 (each
 figure with the record it comes from; tests/planner/test_rates.py derives every one again from its file), and
-carried to another GPU kind by the ratio of the datasheet figures (moelab.planner.gpus); torch-free.
+carried to another GPU kind by the ratio of the datasheet figures (moelab.planner.gpus), but for TritonAdamW, measured
+on the H100 and the H200 (OPTIMIZER_MEASURED); torch-free.
 
     r = rates(gpu_kind("h100"), balanced=True)
     r.dense / 1e12                     # 761.5: H100 and H200 share the BF16 peak
@@ -9,7 +10,8 @@ carried to another GPU kind by the ratio of the datasheet figures (moelab.planne
 The profiles are single compiled steps of the Qwen3-30B-A3B proxy (8 layers, 8,192 tokens per micro batch,
 learned router, bf16 parameters and moments) with their kernels summed by category and name:
 - _PROFILE (commit f7ecd22): the full loss, torch's fused AdamW;
-- _PROFILE_CHUNKED (5ad9062): the same step with the fused chunked loss and the Triton AdamW;
+- _PROFILE_CHUNKED (5ad9062): the same step with the fused chunked loss and the Triton AdamW (torch's gradient norm,
+  the code before 3187545);
 - _PROFILE_FP8 (5fe5a16): train.fp8=rowwise (full loss, torch's AdamW); its top 40 kernels leave 1.7 ms of
   the matmul category unnamed, which no FP8 figure here counts.
 """
@@ -78,8 +80,9 @@ H200_MEASURED = {
     # (16 B per bf16 parameter with bf16 moments) for the proxy's 5.61 B parameters
     "adamw_tb_s": (16 * 5.607e9 / 33.966e-3 / 1e12, _PROFILE + ": category optimizer 33.97 ms (torch's fused "
                    "AdamW + gradient norm)"),
+    # the Triton AdamW with torch's gradient norm (the code before 3187545: Plan.grad_norm; OPTIMIZER_MEASURED since)
     "adamw_triton_tb_s": (16 * 5.607e9 / 23.901e-3 / 1e12, _PROFILE_CHUNKED + ": category optimizer 23.90 ms "
-                          "(TritonAdamW + gradient norm)"),
+                          "(TritonAdamW + torch's gradient norm)"),
     # FP8 (train.fp8=rowwise): the experts' forward and dgrad GEMM in e4m3 and wgrad in bf16, 10.89 + 11.15 ms
     "grouped_fp8_tflops": (_EXPERT_FLOP / (10.8886 + 11.1503) / 1e9, _PROFILE_FP8 + ": the grouped GEMM kernels "
                            "(GroupProblemShape: the scaled one, MainloopSm90Array, and torch's bf16 wgrad)"),
@@ -154,6 +157,17 @@ SONIC_MEASURED = {
                                         "config for every GEMM"),
     "permute_ratio": (2.62 / 12.37, _SONIC + " against " + _SONIC_BASE + ": category permute"),
 }
+# TritonAdamW and the gradient norm (moelab.backends.grad_norm, since issue 41 call 15), bytes per second as above:
+# the adamw and sumsq kernels of one-micro-batch compiled profiles, on each GPU kind measured (moelab's sonic step,
+# the same 5.61 B bf16 parameters); a kind not measured carries the H200's by the HBM ratio
+_OPT_H200 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h200-issue41-call17.json"
+_OPT_H100 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call21.json"
+OPTIMIZER_MEASURED = {
+    "h200": (16 * 5.607e9 / ((19.4567 + 2.8042) * 1e-3) / 1e12, _OPT_H200 + ": top_kernels adamw_kernel 19.46 ms "
+             "+ sumsq_kernel 2.80 ms"),
+    "h100": (16 * 5.607e9 / ((26.0919 + 3.8219) * 1e-3) / 1e12, _OPT_H100 + ": top_kernels adamw_kernel 26.09 ms "
+             "+ sumsq_kernel 3.82 ms"),
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -181,7 +195,7 @@ class Rates:
     dense_fp8: float
     grouped_fp8: float
     mem: float  # HBM time scale: seconds per element of the H200 figures times this
-    optimizer: dict  # train.optimizer kind -> bytes/s
+    optimizer: dict  # train.optimizer kind (adamw_triton_torch_norm: with torch's gradient norm) -> bytes/s
     copy: float  # bytes/s
     reduce_copy: float  # bytes/s of FSDP2's reduce-scatter copy-in
     nvlink: float
@@ -196,6 +210,15 @@ class Rates:
         return H200_MEASURED[key][0] * self.mem
 
 
+def _triton_adamw(kind: GPUKind) -> float:
+    """TB/s of TritonAdamW + the gradient norm on `kind`: measured there (OPTIMIZER_MEASURED), else the H200's by
+    the HBM bandwidth ratio."""
+    key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
+    if key in OPTIMIZER_MEASURED:
+        return OPTIMIZER_MEASURED[key][0]
+    return OPTIMIZER_MEASURED["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
+
+
 def rates(kind: GPUKind, balanced: bool) -> Rates:
     """The rates on `kind`; `balanced`: the fake balanced gate's routing (the grouped GEMM's balanced gain)."""
     v = {k: x for k, (x, _) in H200_MEASURED.items()}
@@ -207,7 +230,8 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
     return Rates(dense=v["dense_tflops"] * flop, attention=v["attention_tflops"] * flop,
                  grouped=v["grouped_tflops"] * flop * gain, dense_fp8=v["dense_fp8_tflops"] * fp8,
                  grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
-                 optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": v["adamw_triton_tb_s"] * 1e12 * hbm},
+                 optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": _triton_adamw(kind) * 1e12,
+                            "adamw_triton_torch_norm": v["adamw_triton_tb_s"] * 1e12 * hbm},
                  copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
                  nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],

@@ -89,6 +89,9 @@ SONIC_TILES = ("moelab", "quack")
 # who adds the token embedding's and the full loss's LM head's gradients into .grad on one GPU (Plan.into_grad):
 # their backward (moelab.backends.into_grad, since cba26db), or autograd's accumulation pass (the code before)
 INTO_GRAD = ("moelab", "autograd")
+# the gradient norm beside train.optimizer=adamw_triton (Plan.grad_norm): moelab's Triton pass (moelab.backends.grad_norm,
+# since 3187545) or torch's foreach norm (the code before)
+GRAD_NORM = ("triton", "torch")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -230,7 +233,8 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
     mem = p.memory
     trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
     opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
-    passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / r.optimizer[opt_kind]}
+    rate = r.optimizer["adamw_triton_torch_norm" if opt_kind == "adamw_triton" and p.grad_norm == "torch" else opt_kind]
+    passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / rate}
     passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0

@@ -181,6 +181,7 @@ def test_speed_tables_render_from_the_result_files(gallery):
     """The predicted-vs-measured table has a row per 1- or 2-GPU moelab record on a known GPU, with the record's
     figure and the model's; the published table has the six reference rows; editing a file changes the table."""
     from moelab.config import load_config
+    from moelab.gallery.records import planner_options
     from moelab.planner.plan import plan as plan_of
 
     rec = _result("moelab", "qwen3-moe-30b-a3b-proxy", tokens_per_s_per_gpu=40000.0, global_batch_size=2,
@@ -192,8 +193,10 @@ def test_speed_tables_render_from_the_result_files(gallery):
     speed = render_report(gallery, plots=False).split("## Predicted vs measured throughput")[1]
     measured, published = speed.split("## Predicted vs published")
     row = [x for x in measured.splitlines() if x.startswith("| s |")][0].split(" | ")
+    # planned as the code of its day ran (moelab.gallery.records.CODE_BEFORE: torch's gradient norm then)
+    assert planner_options(rec)["grad_norm"] == "torch"
     predicted = plan_of(load_config("qwen3-moe-30b-a3b-proxy", {"train.compile": True, "train.param_dtype": "bfloat16"}),
-                        gpus=1, gpu="h200").speed.tokens_per_s_per_gpu
+                        gpus=1, gpu="h200", **planner_options(rec)).speed.tokens_per_s_per_gpu
     assert row[3] == "40,000" and row[4] == f"{predicted:,.0f}" and row[5] == f"{predicted / 40000:.2f}"
     assert row[2] == "learned (inferred)"  # the record predates the router field: its preset's default
     assert "not predicted: the record lacks" in [x for x in measured.splitlines() if x.startswith("| bare |")][0]

@@ -103,7 +103,7 @@ def test_a_record_from_before_lean_fsdp_is_planned_as_its_code_wrapped(gallery):
     old_date = "2026-11-30T10:00:00Z"
     assert planner_options({"date": old_date}) == {"fsdp_one_rank": "wrapped", "local_weighting": "combine",
                                                   "sonic_wgrad": "autograd", "sonic_tiles": "quack",
-                                                  "into_grad": "autograd"}
+                                                  "grad_norm": "torch", "into_grad": "autograd"}
     assert planner_options(BASE) == planner_options({}) == {}
     planned, text = _render(gallery, {"ep2-old": {**two, "date": old_date}, "ep2-new": two,
                                       "1gpu-old": {"date": old_date}, "1gpu-new": {}})

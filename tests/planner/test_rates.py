@@ -92,9 +92,30 @@ def test_the_chunked_loss_and_the_triton_adamw_are_the_second_profile(proxy):
     head_s = T * fl["head"] / (H200_MEASURED["dense_tflops"][0] * 1e12)
     assert H200_MEASURED["chunked_head_factor"][0] == pytest.approx(
         1 + (b["matmul"] - a["matmul"]) * 1e-3 / head_s, rel=1e-3)
-    params = count_params(mdl).total
+    params = count_params(mdl).total  # the Triton AdamW with torch's gradient norm (the code before 3187545)
     assert 16 * params / (b["optimizer"] * 1e-3) / 1e12 == pytest.approx(H200_MEASURED["adamw_triton_tb_s"][0],
                                                                        rel=2e-3)
+
+
+def test_the_triton_adamw_and_norm_are_each_kinds_profile(proxy):
+    """TritonAdamW + the Triton gradient norm: their kernels in one-micro-batch profiles on the H200 (issue 41 call
+    17) and the H100 (call 21); another kind carries the H200's by the HBM ratio."""
+    from moelab.planner.gpus import GPUKind
+    from moelab.planner.rates import OPTIMIZER_MEASURED
+
+    mdl, _ = proxy
+    params = count_params(mdl).total
+    for kind, name, gpu in (("h200", "h200-issue41-call17", "NVIDIA H200"),
+                            ("h100", "h100-issue41-call21", "NVIDIA H100 80GB HBM3")):
+        prof = record(f"qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-{name}.json")
+        assert (prof["gpu_name"], prof["optimizer"], prof["global_batch_size"]) == (gpu, "TritonAdamW", 2)
+        ms = kernels_ms(prof, lambda n, c: n in ("adamw_kernel", "sumsq_kernel"))
+        assert OPTIMIZER_MEASURED[kind][0] == pytest.approx(16 * params / (ms * 1e-3) / 1e12, rel=2e-3), kind
+        assert rates(GPU_KINDS[kind], balanced=False).optimizer["adamw_triton"] == OPTIMIZER_MEASURED[kind][0] * 1e12
+    other = GPUKind("half an H200", memory_gb=80, bf16_tflops=989.5, fp8_tflops=1979, hbm_tb_s=2.4, nvlink_gb_s=450,
+                    ib_gb_s=50, gpus_per_node=8, sources={})
+    assert rates(other, balanced=False).optimizer["adamw_triton"] == pytest.approx(
+        OPTIMIZER_MEASURED["h200"][0] * 1e12 / 2)
 
 
 def test_fp8_rates_are_the_fp8_profile_and_kernel_check(proxy):

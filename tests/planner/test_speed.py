@@ -198,9 +198,13 @@ def test_under_pp_the_reduce_after_the_last_backward_is_exposed():
 
 
 def test_h100_against_h200_scales_memory_bound_terms_by_hbm_only():
+    # but the Triton AdamW's, measured on both (moelab.planner.rates.OPTIMIZER_MEASURED)
+    from moelab.planner.rates import OPTIMIZER_MEASURED
+
     h100, h200 = speed(PROXY, gpu="h100", **BF16), speed(PROXY, gpu="h200", **BF16)  # fits 80 GB
     ratio = GPU_KINDS["h200"].hbm_tb_s / GPU_KINDS["h100"].hbm_tb_s
-    assert h100.parts_s["optimizer"] == pytest.approx(ratio * h200.parts_s["optimizer"])
+    measured = OPTIMIZER_MEASURED["h200"][0] / OPTIMIZER_MEASURED["h100"][0]
+    assert h100.parts_s["optimizer"] == pytest.approx(measured * h200.parts_s["optimizer"])
     assert h100.parts_s["elementwise"] == pytest.approx(ratio * h200.parts_s["elementwise"])
     assert h100.parts_s["dense_matmul"] == pytest.approx(h200.parts_s["dense_matmul"])  # the same BF16 peak
     assert h100.gpu == "H100 SXM 80GB" and h100.tokens_per_s_per_gpu < h200.tokens_per_s_per_gpu
@@ -330,3 +334,24 @@ def test_one_gpu_accumulates_neither_the_embedding_nor_the_full_loss_head():
     two = load_config(PROXY, {**gbs16, "backend.loss": "full", "parallel.pp": 2})
     assert plan(two, gpus=2, gpu="h200").speed.parts_s["grad_accumulate"] == pytest.approx(
         plan(two, gpus=2, gpu="h200", into_grad="autograd").speed.parts_s["grad_accumulate"])
+
+
+def test_records_before_the_triton_norm_are_planned_with_torchs():
+    # the Triton AdamW's step with the gradient norm of its day: torch's foreach norm before 3187545 (the H200
+    # profile of that code, HBM-scaled), moelab.backends.grad_norm since (measured on each kind); nothing else moves
+    from moelab.planner.rates import H200_MEASURED as H, OPTIMIZER_MEASURED
+
+    cfg = load_config(PROXY, {**BF16, "train.compile": True, "train.optimizer": "adamw_triton"})
+    for gpu in ("h100", "h200"):
+        now, then = (plan(cfg, gpu=gpu, grad_norm=n).speed for n in ("triton", "torch"))
+        hbm = GPU_KINDS[gpu].hbm_tb_s / GPU_KINDS["h200"].hbm_tb_s
+        assert then.parts_s["optimizer"] / now.parts_s["optimizer"] == pytest.approx(
+            OPTIMIZER_MEASURED[gpu][0] / (H["adamw_triton_tb_s"][0] * hbm), rel=1e-9)
+        assert {k: v for k, v in then.parts_s.items() if k != "optimizer"} == pytest.approx(
+            {k: v for k, v in now.parts_s.items() if k != "optimizer"})
+    torch_adamw = load_config(PROXY, {**BF16, "train.optimizer": "adamw"})
+    assert plan(torch_adamw, gpu="h200", grad_norm="torch").speed.parts_s == plan(torch_adamw, gpu="h200").speed.parts_s
+    assert planner_options({"date": "2026-12-06T07:54:05Z"})["grad_norm"] == "torch"  # issue 41 call 14
+    assert "grad_norm" not in planner_options({"date": "2026-12-06T08:10:00Z"})
+    with pytest.raises(ConfigError, match="grad_norm='fast'.*triton, torch"):
+        plan(cfg, grad_norm="fast")
