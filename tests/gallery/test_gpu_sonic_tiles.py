@@ -30,3 +30,18 @@ def test_a_tile_is_chosen_only_when_it_beats_the_default_by_the_margin():
     assert sweep.choose({sweep.DEFAULT: 1.0, other: 0.99}, 0.02) is None
     assert sweep.choose({sweep.DEFAULT: 1.0, other: float("inf")}, 0.02) is None  # failed or wrong: never chosen
     assert sweep.choose({other: 0.5}, 0.02) is None  # without the default's time there is nothing to beat
+
+
+def test_the_rows_sweep_frees_the_gathered_gemms_and_names_moelabs_sets():
+    # gallery/scripts/gpu_sonic_rows.py: a GEMM reading rows copied once may take any tile (its gathered form only
+    # the ones above); its layer variants are the sets moelab.backends.sonic.rows_once accepts
+    import gpu_sonic_rows as rows
+    from moelab.backends.sonic import ROWS_ONCE
+
+    for gemm in rows.ROW_GEMMS:
+        assert gemm in sweep.GATHERED
+        assert set(sweep.candidates(gemm)) < set(rows.row_candidates(gemm))
+    assert rows.row_candidates("up_dw") == sweep.CANDIDATES
+    assert all(t[1] % 32 == 0 for t in rows.row_candidates("down_dact"))
+    sets = {frozenset(filter(None, names.split(","))) for names in rows.ROW_SETS.values()}
+    assert ROWS_ONCE in sets and all(s <= set(rows.ROW_GEMMS) for s in sets)
