@@ -49,6 +49,8 @@ class _Linear(torch.autograd.Function):
         x_c, w_c, w_VD = ctx.saved_tensors
         g_TV = g_TV.to(x_c.dtype)
         dx_TD = g_TV @ w_c if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:  # a frozen head (LoRA elsewhere): no weight gradient to compute
+            return dx_TD, None
         g_2, x_2 = g_TV.reshape(-1, g_TV.shape[-1]), x_c.reshape(-1, x_c.shape[-1])
         if accumulates_into(w_VD):
             add_weight_grad(w_VD.grad, g_2, x_2)  # one rounding into .grad's dtype

@@ -107,3 +107,14 @@ def test_linear_skips_the_input_gradient_nobody_asks_for():
     x = torch.randn(3, 8)  # no grad: only the weight's
     G._Linear.apply(x, head.weight).sum().backward()
     torch.testing.assert_close(head.weight.grad, torch.ones(3, 12).t() @ x)
+
+
+def test_a_frozen_head_gets_no_weight_gradient_computed(monkeypatch):
+    # LoRA elsewhere leaves the head frozen: its backward gives the input's gradient and computes no g^T x
+    head = nn.Linear(8, 12, bias=False).requires_grad_(False)
+    x = torch.randn(3, 8, requires_grad=True)
+    transposes, real = [], torch.Tensor.t
+    monkeypatch.setattr(torch.Tensor, "t", lambda self: (transposes.append(1), real(self))[1])
+    G._Linear.apply(x, head.weight).sum().backward()
+    assert not transposes and head.weight.grad is None
+    torch.testing.assert_close(x.grad, torch.ones(3, 12) @ head.weight)
