@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_moe_layer import SHAPES, rel, sonic_setup  # noqa: E402
 from gpu_sonic_tiles import (CANDIDATES, DEFAULT, Layer, candidates, captured_call, compile_all,  # noqa: E402
-                             time_gemm, whole_layer)
+                             record_head, time_gemm, whole_layer)
 
 import moelab.backends.sonic as S  # noqa: E402
-from moelab.train.bench import StepTimer, commit_id  # noqa: E402
+from moelab.train.bench import StepTimer  # noqa: E402
 
 ROW_GEMMS = ("down_dact", "up_dw", "down_dw")
 ROW_SETS = {"none": "", "weight-grads": "up_dw,down_dw", "all": "down_dact,up_dw,down_dw"}
@@ -83,12 +83,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
-    rec = {"system": "moelab", "workload": args.shape, "variant": args.label,
-           "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
-           "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS), "routing": args.routing,
-           "moelab_table": {g: list(t) for g, t in S.TILES.get(9, {}).items()},
-           "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
-           "copy_ms": {}, "best": {}, "layer": {}, "errors": {}}
+    rec = {**record_head(args), "copy_ms": {}, "best": {}}
     rec["sonicmoe_version"] = sonic_setup(os.environ["SONIC_SITE"])
 
     def save():

@@ -239,6 +239,18 @@ def whole_layer(layer: Layer, timer, reps: int) -> dict:
             "host_ms_per_call": host_ms}
 
 
+def record_head(args) -> dict:
+    """A sweep record's common fields (this script's and gpu_sonic_rows.py's): what ran, where, at which shapes and
+    routing, with moelab's tile table; empty `gemms`, `layer` and `errors` to fill."""
+    shape = SHAPES[args.shape]
+    return {"system": "moelab", "workload": args.shape, "variant": args.label,
+            "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
+            "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS), "routing": args.routing,
+            "moelab_table": {g: list(t) for g, t in S.TILES.get(9, {}).items()},
+            "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
+            "layer": {}, "errors": {}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -253,12 +265,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
-    rec = {"system": "moelab", "workload": args.shape, "variant": args.label,
-           "device": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
-           "command": " ".join(["python"] + sys.argv), "tile_fields": list(S.TILE_FIELDS), "routing": args.routing,
-           "moelab_table": {g: list(t) for g, t in S.TILES.get(9, {}).items()},
-           "shapes": dict(zip(("tokens", "top_k", "experts", "hidden", "expert_ffn"), shape)), "gemms": {},
-           "chosen": {}, "layer": {}, "errors": {}}
+    rec = {**record_head(args), "chosen": {}}
     rec["sonicmoe_version"] = sonic_setup(os.environ["SONIC_SITE"])
 
     def save():
