@@ -98,8 +98,17 @@ def profile_step(b: Bencher) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    b.tr.join_optimizer()  # train.optimizer_overlap: the step before ends outside the profile
     with profile(activities=acts) as prof:
         ms = b.run(1)[0]
+        if getattr(b.tr, "overlap", None) is not None and torch.cuda.is_available():
+            # the step's own optimizer ran beside the main stream after its last event: the step is timed to
+            # the end of both (one step alone, no next forward to overlap with)
+            end = torch.cuda.Event(enable_timing=True)
+            b.tr.join_optimizer()
+            end.record()
+            end.synchronize()
+            ms += b.timer.last_end.elapsed_time(end)
     kernels = []
     for e in prof.key_averages():
         if torch.cuda.is_available():
@@ -191,7 +200,8 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "fake_balanced_gate": backend.fake_balanced_gate, "fake_gate_noise": backend.fake_gate_noise,
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
-            "optimizer": type(tr.optimizer).__name__, "commit": commit_id(), "torch_version": torch.__version__,
+            "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
+            "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
                if os.environ.get("MOELAB_SONIC_TILES") else {})}
@@ -236,6 +246,13 @@ def cmd_bench(args) -> None:
     for mode in modes:
         if mode == "off" and args.losses:  # the LM-head losses x micro batches (the optimizer: train.optimizer's)
             bench_losses(tr, b, args, out)
+            continue
+        if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
+            bench_mode(tr, b, args, mode, out)
+            if tr.overlap is not None:
+                tr.overlap.remove()
+                tr.overlap = None
+                bench_mode(tr, b, args, mode, out, tag="bf16-no-overlap", profile=False)
             continue
         if mode == "off" and args.triton_adamw:  # the same model and step with the other AdamW
             from moelab.train.adamw_triton import TritonAdamW, use_triton_adamw
@@ -439,6 +456,8 @@ def main(argv=None):
             p.add_argument("--profile-gbs", default="2", help="the global batches --profile profiles, e.g. 2,16")
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
+            p.add_argument("--overlap-off", action="store_true",
+                           help="also time the step with train.optimizer_overlap=off (tag bf16-no-overlap)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

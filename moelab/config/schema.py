@@ -237,6 +237,11 @@ class TrainConfig:
     # adamw_triton = one Triton kernel per large tensor (moelab.train.adamw_triton; same math and state dict);
     # auto = adamw_triton on CUDA when Triton imports, else adamw.
     optimizer: Literal["auto", "adamw", "adamw_triton"] = "auto"
+    # The optimizer step on a side stream, overlapped with the next step's forward (moelab.train.overlap): each
+    # block's weights are updated in the forward's order and the forward waits for a block's update as it reaches
+    # it. auto = on one CUDA process without a pipeline (elsewhere the step runs after the backward); off = never.
+    # The update is the same, bitwise.
+    optimizer_overlap: Literal["auto", "off"] = "auto"
     # FP8 (moelab.model.fp8): rowwise = e4m3 GEMMs scaled per row for the experts and the attention / dense
     # projections (router, norms, embedding, LM head in bf16); rowwise_lm_head adds the LM head (opt-in).
     # Where it pays (gallery/perf-notes.md, issue 41): at DeepSeek-V3's expert shapes (hidden 7168, expert width

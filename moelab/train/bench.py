@@ -65,6 +65,7 @@ class StepTimer:
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
+        self.last_end = None  # CUDA: the event that ended the last timed step
 
     def time(self, fn, n: int) -> list[float]:
         if not self.cuda:
@@ -80,6 +81,7 @@ class StepTimer:
             fn(i)
             events[i + 1].record()
         torch.cuda.synchronize()
+        self.last_end = events[-1]  # the current stream's end of the last step
         return [events[i].elapsed_time(events[i + 1]) for i in range(n)]
 
 

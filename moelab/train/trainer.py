@@ -44,6 +44,7 @@ from moelab.contract.stream import MetricsWriter, scan_events
 from moelab.contract.writes import FolderWriteError, write_atomic
 from moelab.config.schedule import lr_at
 from moelab.train.optim import build_optimizer, set_lr
+from moelab.train.overlap import OptimizerOverlap
 from moelab.train.signals import StopNow, StopSignals
 from moelab.train.stats import StatsPack
 from moelab.contract.summary import summarize
@@ -128,6 +129,9 @@ class Trainer:
                             place=lambda model: parallelize(model, cfg, env, self.dims))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
+        # the step on a side stream, overlapped with the next forward (one GPU; None elsewhere)
+        self.overlap = OptimizerOverlap.attach(self.model, self.optimizer, cfg, env.world_size,
+                                               pipeline=self.par.pipeline is not None)
         self.dataset = make_dataset(cfg, progress=self.progress)  # bad data is a ConfigError here
         self.expert_lr = self.evaluator = self.expert_tokens = None
         self.rebuild_from_config()
@@ -189,6 +193,7 @@ class Trainer:
         if self.cfg.train.fp8 != "off" and self.micro_per_rank > 1:
             from moelab.model.fp8_cache import expert_weights_cached
 
+            self.join_optimizer()  # the cache reads the expert weights before the blocks' forward
             with expert_weights_cached(self.model, self.dtype if self.env.is_cuda else None):
                 return self.micro_batches(step)
         return self.micro_batches(step)
@@ -314,7 +319,10 @@ class Trainer:
     def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
         """The optimizer step and the routing updates after it, from the per-expert token counts summed over
         ranks ([tokens kept, tokens routed] x layers x experts, on the device; None without MoE layers)."""
-        self.optimizer.step()
+        if self.overlap is not None and self.expert_lr is None:
+            self.overlap.step()  # on its side stream; the next forward waits for each block's update
+        else:  # ExpertLR rescales the update on this stream right after it
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if counts_2ME is None:
             return
@@ -325,6 +333,12 @@ class Trainer:
             if moe is not None:
                 moe.router.update_bias(routed[i])
                 moe.router.update_capacity(routed[i])
+
+    def join_optimizer(self) -> None:
+        """This stream waits for the optimizer's update still running beside it (train.optimizer_overlap): before
+        anything but the forward reads the weights or the optimizer's state."""
+        if self.overlap is not None:
+            self.overlap.join()
 
     def nonfinite_hint(self) -> str:
         """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails)."""
@@ -396,6 +410,7 @@ class Trainer:
                 break
             if (t.checkpoint_every and step % t.checkpoint_every == 0) or checkpoint_now:
                 self.save_checkpoint(step)
+        self.join_optimizer()  # the weights are final for whoever reads them after the run
         if self.saved_step != self.step:  # at the end, and on a stop signal
             self.save_checkpoint(self.step)
         if status == "COMPLETED":  # rank 0: no request is left pending; a later one is refused
@@ -438,17 +453,22 @@ class Trainer:
     def after_step(self, step: int, last: bool) -> None:
         """Held-out evaluation and expert-token records, every N steps and after the last step (all ranks)."""
         t = self.cfg.train
-        if self.evaluator is not None and (step % t.eval_every == 0 or last):
+        evaluate = self.evaluator is not None and (step % t.eval_every == 0 or last)
+        record = self.expert_tokens is not None and (step % t.expert_tokens_every == 0 or last)
+        if evaluate or record:
+            self.join_optimizer()  # both run the model's parts on this stream
+        if evaluate:
             event = EvalEvent(**self.evaluator.run(step))
             self.evals.append(event)
             if self.writer:
                 self.writer.emit(event)
-        if self.expert_tokens is not None and (step % t.expert_tokens_every == 0 or last):
+        if record:
             self.expert_tokens.record(step)
 
     def save_checkpoint(self, step: int) -> None:
         saved = self.cfg.train.save_checkpoints
         if saved:
+            self.join_optimizer()
             path = self.checkpointer.save(step, self.model, self.optimizer, getattr(self.par, "meshes", None),
                                           rank_state={**self.par.rank_state(), **self.controls.rank_state()})
             self.saved_step = step
