@@ -1,8 +1,8 @@
 """Issue 41: the optimizer step overlapped with the next forward (moelab.train.overlap) on the GPU's streams.
 
 A deterministic model whose optimizer pass is long against its forward (a 151,936-token vocabulary, small blocks,
-torch's grouped GEMM, deterministic algorithms) trains --steps steps four times from the same seed: without the
-overlap, with it, without it again, and with it but the forward's waits taken off (the negative control: the
+torch's grouped GEMM, eager attention, deterministic algorithms) trains --steps steps four times from the same
+seed: without the overlap, with it, without it again, and with it but the forward's waits taken off (the negative control: the
 forward then reads weights the side stream is still writing). The first three must agree bitwise (losses and every
 weight); the control shows that the check sees a missing wait.
 
@@ -26,8 +26,8 @@ SET = ["model.vocab_size=151936", "model.hidden_size=1024", "model.num_layers=4"
        "model.num_kv_heads=4", "model.head_dim=128", "model.moe.num_experts=16", "model.moe.top_k=4",
        "model.moe.expert_ffn_size=512", "train.seq_len=512", "train.micro_batch_size=2", "train.global_batch_size=4",
        "train.dtype=bfloat16", "train.param_dtype=bfloat16", "train.compile=false", "train.device=cuda",
-       "backend.experts=grouped_mm", "backend.loss=chunked", "train.save_checkpoints=false", "train.lr=1e-3",
-       "train.warmup_steps=0", "data.kind=random"]
+       "backend.experts=grouped_mm", "backend.attention=eager", "backend.loss=chunked",
+       "train.save_checkpoints=false", "train.lr=1e-3", "train.warmup_steps=0", "data.kind=random"]
 
 
 def run(steps: int, overlap: str, waits: bool = True) -> tuple[list[float], list[torch.Tensor], bool]:
