@@ -76,8 +76,10 @@ def configuration_of(r: dict) -> tuple:
     parameter dtype. Two records with one configuration measure the same thing, whichever script wrote them."""
     ran = record_settings(r) if r.get("system") == "moelab" else {}  # (the defaults of moelab's past days)
     chosen = tuple(sorted((k, v) for k, v in recorded_overrides(r).items() if k in _BACKEND_CHOICES))
+    # a record that says it ran without train.optimizer_overlap is another configuration (records before the
+    # field ran without it too, as the code then did: they stay in the slot of today's code)
     return (bool(r.get("compile")), r.get("compile_mode"), fp8_of(r), ran.get("loss"), ran.get("optimizer"),
-            r.get("experts_implementation"), chosen, r.get("param_dtype"))
+            r.get("experts_implementation"), chosen, r.get("param_dtype"), r.get("optimizer_overlap") is False)
 
 
 def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
@@ -98,6 +100,8 @@ def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
     ran = record_settings(r)
     if ran.get("optimizer") != AUTO_OPTIMIZER:
         out["optimizer"] = (ran.get("optimizer", "unrecorded"), AUTO_OPTIMIZER)
+    if r.get("optimizer_overlap") is False:  # timed without the overlap beside the default (gpu_perf --overlap-off)
+        out["optimizer_overlap"] = ("off", "auto")
     cfg, why = rebuild_config(r, entries or {})
     if cfg is None:
         out["config"] = (why, "rebuildable")

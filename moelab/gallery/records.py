@@ -103,7 +103,9 @@ REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "pa
 # what changed a default that records did not write down: records older than the commit's date ran the old value
 # (the record field, its value before, the commit, its date)
 DEFAULTS_BEFORE = (("loss", "full", "f0b7924", "2026-12-01T21:41"),  # the chunked loss became the default
-                   ("optimizer", "adamw", "258d1aa", "2026-12-01T21:53"))  # TritonAdamW became auto's kernel
+                   ("optimizer", "adamw", "258d1aa", "2026-12-01T21:53"),  # TritonAdamW became auto's kernel
+                   # the optimizer step overlapped with the next forward (train.optimizer_overlap=auto)
+                   ("optimizer_overlap", "off", "eda0b33", "2026-12-06T13:59"))
 # what changed in moelab's code, with no config field to say it, that the planner can still plan the old way
 # (moelab.planner.plan.plan's keywords): records older than the commit's date are planned with the option's value
 # before it (the planner option, its value before, the commit, its date); ``planner_options`` reads it
@@ -142,6 +144,8 @@ def record_settings(r: dict) -> dict:
         out["loss"] = loss
     if opt:
         out["optimizer"] = _OPTIMIZERS.get(opt, opt)
+    if r.get("optimizer_overlap") is not None:  # gpu_perf's records say whether the overlap ran
+        out["optimizer_overlap"] = "auto" if r["optimizer_overlap"] else "off"
     elif "triton-adamw" in r.get("_file", ""):  # a variant that ran TritonAdamW by the benchmark script's flag
         out["optimizer"] = "adamw_triton"
     date = str(r.get("date") or "")
@@ -209,6 +213,8 @@ def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
             over["train.optimizer"] = ran["optimizer"]
         if "fp8" in ran:
             over["train.fp8"] = ran["fp8"]
+        if "optimizer_overlap" in ran:
+            over["train.optimizer_overlap"] = ran["optimizer_overlap"]
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
         return cfg.replace(**over), ""
     except (ConfigError, KeyError, TypeError, ValueError) as e:

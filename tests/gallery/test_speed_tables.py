@@ -21,13 +21,20 @@ def record(name="r", **kw):
 
 def test_record_settings_read_the_fields_and_the_code_of_the_records_day():
     assert record_settings(record(loss="chunked (the default at 5ad9062)", optimizer="TritonAdamW", fp8="rowwise")
-                           ) == {"loss": "chunked", "optimizer": "adamw_triton", "fp8": "rowwise"}
+                           ) == {"loss": "chunked", "optimizer": "adamw_triton", "fp8": "rowwise",
+                                 "optimizer_overlap": "off"}
     assert record_settings(record(optimizer="auto: adamw_triton (the default at 5ad9062)"))["optimizer"] == \
         "adamw_triton"
-    assert record_settings(record(date=OLD)) == {"loss": "full", "optimizer": "adamw"}  # the defaults then
+    # the defaults then
+    assert record_settings(record(date=OLD)) == {"loss": "full", "optimizer": "adamw", "optimizer_overlap": "off"}
     assert record_settings(record(date=OLD, loss="chunked"))["loss"] == "chunked"  # a field wins
     assert record_settings(record("x-triton-adamw-gbs2", date=OLD))["optimizer"] == "adamw_triton"
-    assert record_settings(record()) == {}
+    assert record_settings(record()) == {"optimizer_overlap": "off"}  # before train.optimizer_overlap
+    today = "2026-12-06T15:00:00Z"
+    assert record_settings(record(date=today)) == {}
+    assert record_settings(record(date=today, optimizer_overlap=False)) == {"optimizer_overlap": "off"}
+    assert record_settings(record(date=OLD, optimizer_overlap=True)) == {"loss": "full", "optimizer": "adamw",
+                                                                        "optimizer_overlap": "auto"}
 
 
 def table(records, planned):
