@@ -66,7 +66,8 @@ Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s ho
 - backend.experts=sonic: the routed experts' GEMMs and row moves at torch's grouped path's figures times the ratios
   H100 profiles measured (rates.SONIC_MEASURED: moelab's tiles, or QuACK's default config for records of the code
   before them); on one GPU its GEMMs add the routed experts' gradients into .grad (no accumulation pass over them).
-Not modelled: async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
+Not modelled: train.optimizer_overlap (one GPU: the step times its optimizer after the backward, as measured
+within 1% of the overlapped step, gallery/perf-notes.md, issue 41 eighth step), async TP (collectives overlapped with the matmuls), kernel backends other than torch's grouped GEMM,
 SonicMoE's and SDPA (te, grouped_gemm, triton_fused, flex), the liger / cce losses, shape-dependence of the rates
 (all measured at the Qwen3-30B-A3B proxy's shapes).
 """

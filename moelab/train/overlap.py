@@ -5,7 +5,11 @@ parameters: 26 ms on an H100, a fifth of a one-micro-batch step), and the next f
 it runs on a side stream in the forward's order, one stage at a time: the parameters used before the blocks (the
 token embedding), then each block's, then those used after them (the final norm, the LM head). Each stage ends
 with an event; the main stream waits for a stage's event just before the forward first uses it (forward pre-hooks
-on the model, each block and the final norm), so block i's forward runs while block i+1's weights are updated.
+on the model, each block and the final norm), so the forward of block i may start before block i+1's update ends.
+
+Measured (issue 41 call 25, one H100, gallery/perf-notes.md): 0.5% at global batch 2 and 1.0% at 16, within the
+run-to-run spread at 2. Both streams have the same priority, and the GPU's block scheduler ran the update's queued
+blocks mostly before the forward's kernels: the overlap is in the launch gaps, not beside the GEMMs.
 
 The update is the optimizer's own, per element: staging it only hides the other stages' gradients from each call,
 so the weights and moments are bitwise those of one optimizer.step() (tests/train/test_overlap.py; on the GPU
@@ -15,7 +19,8 @@ held until the side stream has read them (record_stream).
 Where it applies (``OptimizerOverlap.attach``): CUDA, one process (no process group: FSDP2, DDP and expert
 parallelism reduce or reshard gradients on their own streams), no pipeline, train.optimizer_overlap=auto. Anything
 that reads or writes the weights outside a forward calls ``join()`` first (the trainer: checkpoints, the FP8
-weight cache, the per-expert learning rates, the run's end).
+weight cache, evaluation and expert-token records, the run's end); with per-expert learning rates
+(moelab.train.expert_lr rescales the update right after it) the trainer steps on its own stream.
 
     overlap = OptimizerOverlap.attach(model, optimizer, cfg, world_size=1)   # None where it does not apply
     overlap.step()     # in place of optimizer.step(): queued on the side stream, stage by stage
