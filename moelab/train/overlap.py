@@ -42,8 +42,8 @@ def stages(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[torc
     for i, block in enumerate(layers.values()):
         for p in block.parameters():
             owner[id(p)] = i + 1
-    first = {id(p) for name in ("tok_embeddings",) if getattr(model, name, None) is not None
-             for p in getattr(model, name).parameters()}
+    embedding = getattr(model, "tok_embeddings", None)
+    first = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     last = len(layers) + 1
     for name in ("norm", "output"):
         module = getattr(model, name, None)
