@@ -209,12 +209,7 @@ def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:
             over["backend.experts"] = r["experts"]  # records: auto's choice resolved, e.g. SonicMoE where installed)
         ran = record_settings(r)
         over["backend.loss"] = ran.get("loss", "full")  # no loss recorded: it predates backend.loss (the full loss)
-        if "optimizer" in ran:
-            over["train.optimizer"] = ran["optimizer"]
-        if "fp8" in ran:
-            over["train.fp8"] = ran["fp8"]
-        if "optimizer_overlap" in ran:
-            over["train.optimizer_overlap"] = ran["optimizer_overlap"]
+        over.update({f"train.{k}": ran[k] for k in ("optimizer", "fp8", "optimizer_overlap") if k in ran})
         over.update({f"parallel.{k}": v for k, v in (r.get("layout") or {}).items()})
         return cfg.replace(**over), ""
     except (ConfigError, KeyError, TypeError, ValueError) as e:
