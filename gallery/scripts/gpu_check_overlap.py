@@ -2,9 +2,9 @@
 
 A deterministic model whose optimizer pass is long against its forward (a 151,936-token vocabulary, small blocks,
 torch's grouped GEMM, eager attention, deterministic algorithms) trains --steps steps four times from the same
-seed: without the overlap, with it, without it again, and with it but the forward's waits taken off (the negative control: the
-forward then reads weights the side stream is still writing). The first three must agree bitwise (losses and every
-weight). The control is reported, not required: in call 25 it agreed too (the update's blocks ran before the
+seed: without the overlap, with it, without it again, and with it but the forward's waits taken off (the negative
+control: the forward then reads weights the side stream is still writing). The first three must agree bitwise
+(losses and every weight). The control is reported, not required: in call 25 it agreed too (the update's blocks ran before the
 forward's kernels at equal stream priorities), so this model did not show a missing wait.
 
     python gallery/scripts/gpu_check_overlap.py --out DIR      # DIR/overlap-check.json

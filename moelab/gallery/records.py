@@ -144,10 +144,10 @@ def record_settings(r: dict) -> dict:
         out["loss"] = loss
     if opt:
         out["optimizer"] = _OPTIMIZERS.get(opt, opt)
-    if r.get("optimizer_overlap") is not None:  # gpu_perf's records say whether the overlap ran
-        out["optimizer_overlap"] = "auto" if r["optimizer_overlap"] else "off"
     elif "triton-adamw" in r.get("_file", ""):  # a variant that ran TritonAdamW by the benchmark script's flag
         out["optimizer"] = "adamw_triton"
+    if r.get("optimizer_overlap") is not None:  # gpu_perf's records say whether the overlap ran
+        out["optimizer_overlap"] = "auto" if r["optimizer_overlap"] else "off"
     date = str(r.get("date") or "")
     for key, value, _, since in DEFAULTS_BEFORE:
         if date and date < since:

@@ -29,6 +29,8 @@ def test_record_settings_read_the_fields_and_the_code_of_the_records_day():
     assert record_settings(record(date=OLD)) == {"loss": "full", "optimizer": "adamw", "optimizer_overlap": "off"}
     assert record_settings(record(date=OLD, loss="chunked"))["loss"] == "chunked"  # a field wins
     assert record_settings(record("x-triton-adamw-gbs2", date=OLD))["optimizer"] == "adamw_triton"
+    assert record_settings(record("x-triton-adamw-gbs2", optimizer_overlap=False))["optimizer"] == "adamw_triton"
+    assert record_settings(record("x-triton-adamw-gbs2", optimizer="AdamW"))["optimizer"] == "adamw"  # a field wins
     assert record_settings(record()) == {"optimizer_overlap": "off"}  # before train.optimizer_overlap
     today = "2026-12-06T15:00:00Z"
     assert record_settings(record(date=today)) == {}
