@@ -11,7 +11,8 @@
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
-#                 OVERLAP_OFF=1: the same model then without train.optimizer_overlap (tag bf16-no-overlap)
+#                 OVERLAP_OFF=1: the same model then with the overlap's streams at one priority (tag
+#                 bf16-overlap-equal-priority) and without train.optimizer_overlap (tag bf16-no-overlap)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
@@ -87,7 +88,7 @@ part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RU
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
 part overlap-check 150 python3 gallery/scripts/gpu_check_overlap.py --out $R
-part moelab 300 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
+part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} $DRY
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \

@@ -28,6 +28,8 @@ weight cache, evaluation and expert-token records, the run's end); with per-expe
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -114,7 +116,12 @@ class OptimizerOverlap:
         self.stages = stages(model, optimizer)
         self.device = next(p.device for ps in self.stages for p in ps)
         self.streams = torch.get_device_module(self.device.type)  # torch.cuda, or torch.cpu's no-op streams
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else self.streams.Stream()
+        cuda = self.device.type == "cuda"
+        # the optimizer's stream at the lowest priority, the step's (``compute``) at a higher one: where both have
+        # work waiting, the GPU's block scheduler runs the step's kernels first and the update fills the rest
+        self.stream = torch.cuda.Stream(self.device, priority=0) if cuda else self.streams.Stream()
+        self.main = torch.cuda.Stream(self.device, priority=-1) if cuda else self.streams.Stream()
+        self.prioritize = True  # False: the step stays on the caller's stream (call 25's equal priorities; A/B)
         self.events: list = [None] * len(self.stages)
         self.handles = [module.register_forward_pre_hook(self._hook(waits))
                         for module, waits in wait_points(model, len(self.stages))]
@@ -125,6 +132,25 @@ class OptimizerOverlap:
         """An OptimizerOverlap where it applies (``applies``), else None (the trainer calls optimizer.step())."""
         on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
         return cls(model, optimizer) if applies(cfg, world_size, on_cuda, pipeline) else None
+
+    @contextlib.contextmanager
+    def compute(self):
+        """The training step's work on the high-priority stream, ordered after the caller's stream's work before
+        it, and the caller's stream after it (so code outside the step, e.g. a timer's events, sees it in order).
+
+            with overlap.compute():
+                trainer_step()
+        """
+        if not self.prioritize:
+            yield
+            return
+        outer = self.streams.current_stream(self.device)
+        self.main.wait_stream(outer)
+        try:
+            with self.streams.stream(self.main):
+                yield
+        finally:
+            outer.wait_stream(self.main)
 
     def _hook(self, waits: tuple[int, ...]):
         @torch.compiler.disable  # the blocks are compiled with their hooks: the wait stays a host call

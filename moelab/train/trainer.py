@@ -10,6 +10,7 @@ same read, before the optimizer steps.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import platform
 import resource
@@ -231,6 +232,14 @@ class Trainer:
         return loss_sum
 
     def train_step(self, step: int, metrics: bool = True) -> dict:
+        """One optimizer step (``_train_step``); with train.optimizer_overlap on the overlap's high-priority stream,
+        its optimizer update left running beside the next step's forward (moelab.train.overlap)."""
+        if self.overlap is None:
+            return self._train_step(step, metrics)
+        with self.overlap.compute():
+            return self._train_step(step, metrics)
+
+    def _train_step(self, step: int, metrics: bool = True) -> dict:
         """One optimizer step. metrics=False (moelab.train.bench's metrics-overhead variant) makes the same updates
         (optimizer, expert learning rates, router bias, capacity) without collecting metrics: only the routing
         counts those updates need are summed over ranks, on the device; nothing is read on the host, so there
@@ -255,6 +264,9 @@ class Trainer:
         comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
         pack = self._pack_step(step, loss_sum, grad_norm, stats, comm)
         packed = par.all_reduce_sum(pack.pack())
+        # the summed counts stay on the device for the routing updates (queued before the read: the GPU's wait
+        # between the backward and the optimizer is the host's work after the read)
+        counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
         got = pack.unpack(packed.tolist())
         loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
         gnorm = got["grad_norm"][0]
@@ -263,9 +275,6 @@ class Trainer:
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
         else:
-            # the summed counts are still on the device: no host-to-device copy (it would wait for the
-            # optimizer step just queued)
-            counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
             self.apply_step(counts_2ME if n_layers else None)
         # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
         per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
@@ -309,7 +318,7 @@ class Trainer:
 
     def _finite(self, step: int, loss: float, gnorm: float) -> bool:
         """Are the step's loss and grad norm finite? NonFiniteLoss when not and train.on_nan is "stop"."""
-        if torch.isfinite(torch.tensor(loss)) and torch.isfinite(torch.tensor(gnorm)):
+        if math.isfinite(loss) and math.isfinite(gnorm):
             return True
         if self.cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
