@@ -26,6 +26,9 @@
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
+#     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
+#                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
+#                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
 #     blockwise   issue 31's blockwise FP8 trial at the experts' GEMMs (gpu_fp8_blockwise.py, about 60 s): bf16,
 #                 rowwise and 1x128/128x128 blockwise (torch's grouped op, cuBLAS dense, a Triton grouped kernel),
 #                 the quantisation passes and a per-layer projection; not run by default (PARTS=blockwise)
@@ -95,6 +98,7 @@ part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8
   --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \
   --tag bf16-${EXPERTS:-sonic} $DRY
 part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
+part attention 240 python3 gallery/scripts/gpu_attention.py --out $R
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \
   --losses ${LOSSES:-chunked,full,liger,cce} --mbs ${LOSS_MBS:-2,4} --steps 4 --warmup 2 $DRY
 # parity: one process per mode, side by side on the GPU (the small model leaves it mostly idle; the curves do not
