@@ -201,9 +201,6 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
-            # the step on a higher-priority stream than the update (moelab.train.overlap), or both at one priority
-            **({"overlap_priority": "high" if tr.overlap.prioritize else "equal"}
-               if getattr(tr, "overlap", None) is not None else {}),
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
@@ -253,9 +250,6 @@ def cmd_bench(args) -> None:
         if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
             bench_mode(tr, b, args, mode, out)
             if tr.overlap is not None:
-                tr.join_optimizer()
-                tr.overlap.prioritize = False  # the step and the update at one priority (call 25's overlap)
-                bench_mode(tr, b, args, mode, out, tag="bf16-overlap-equal-priority", profile=False)
                 tr.overlap.remove()
                 tr.overlap = None
                 bench_mode(tr, b, args, mode, out, tag="bf16-no-overlap", profile=False)
@@ -463,8 +457,7 @@ def main(argv=None):
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--overlap-off", action="store_true",
-                           help="also time the step with the overlap's two streams at one priority (tag "
-                                "bf16-overlap-equal-priority) and with train.optimizer_overlap=off (tag bf16-no-overlap)")
+                           help="also time the step with train.optimizer_overlap=off (tag bf16-no-overlap)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

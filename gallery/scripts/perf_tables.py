@@ -195,10 +195,12 @@ def targets(results: list, cur) -> list[str]:
 
 
 def profiles(results: list) -> list[str]:
-    """The newest compiled-step profile (gpu_perf.py bench --profile) of each FP8 mode."""
+    """The newest compiled-step profile (gpu_perf.py bench --profile) of each FP8 mode, of a step that ran today's
+    optimizer overlap (call 26's profile ran the trial with the step above the update's stream priority)."""
     newest: dict = {}
     for r in results:
-        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict):
+        if (r.get("workload") == W and isinstance(r.get("by_category_ms"), dict)
+                and r.get("overlap_priority") != "high"):
             if fp8_of(r) not in newest or _date(r) > _date(newest[fp8_of(r)]):
                 newest[fp8_of(r)] = r
     out = []

@@ -77,9 +77,11 @@ def configuration_of(r: dict) -> tuple:
     ran = record_settings(r) if r.get("system") == "moelab" else {}  # (the defaults of moelab's past days)
     chosen = tuple(sorted((k, v) for k, v in recorded_overrides(r).items() if k in _BACKEND_CHOICES))
     # a record that says it ran without train.optimizer_overlap is another configuration (records before the
-    # field ran without it too, as the code then did: they stay in the slot of today's code)
+    # field ran without it too, as the code then did: they stay in the slot of today's code); so is one whose step
+    # ran on a higher-priority stream than the update (issue 41 call 26's trial, not kept)
     return (bool(r.get("compile")), r.get("compile_mode"), fp8_of(r), ran.get("loss"), ran.get("optimizer"),
-            r.get("experts_implementation"), chosen, r.get("param_dtype"), r.get("optimizer_overlap") is False)
+            r.get("experts_implementation"), chosen, r.get("param_dtype"), r.get("optimizer_overlap") is False,
+            r.get("overlap_priority") == "high")
 
 
 def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
@@ -102,6 +104,8 @@ def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
         out["optimizer"] = (ran.get("optimizer", "unrecorded"), AUTO_OPTIMIZER)
     if r.get("optimizer_overlap") is False:  # timed without the overlap beside the default (gpu_perf --overlap-off)
         out["optimizer_overlap"] = ("off", "auto")
+    if r.get("overlap_priority") == "high":  # the step above the update's stream priority (call 26, not kept)
+        out["overlap_priority"] = ("high", "equal")
     cfg, why = rebuild_config(r, entries or {})
     if cfg is None:
         out["config"] = (why, "rebuildable")

@@ -9,7 +9,10 @@ on the model, each block and the final norm), so the forward of block i may star
 
 Measured (issue 41 call 25, one H100, gallery/perf-notes.md): 0.5% at global batch 2 and 1.0% at 16, within the
 run-to-run spread at 2. Both streams have the same priority, and the GPU's block scheduler ran the update's queued
-blocks mostly before the forward's kernels: the overlap is in the launch gaps, not beside the GEMMs.
+blocks mostly before the forward's kernels: the overlap is in the launch gaps, not beside the GEMMs. Call 26
+ran the step on a higher-priority stream than the update (same model, same call): 121.7 / 794.1 ms a step at global
+batch 2 / 16 against 121.9 / 793.9 at one priority. The forward's kernels leave the update no SMs either way, so
+the streams keep one priority.
 
 The update is the optimizer's own, per element: staging it only hides the other stages' gradients from each call,
 so the weights and moments are bitwise those of one optimizer.step() (tests/train/test_overlap.py; on the GPU
@@ -27,8 +30,6 @@ weight cache, evaluation and expert-token records, the run's end); with per-expe
     overlap.join()     # the current stream waits for the whole update
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -116,12 +117,7 @@ class OptimizerOverlap:
         self.stages = stages(model, optimizer)
         self.device = next(p.device for ps in self.stages for p in ps)
         self.streams = torch.get_device_module(self.device.type)  # torch.cuda, or torch.cpu's no-op streams
-        cuda = self.device.type == "cuda"
-        # the optimizer's stream at the lowest priority, the step's (``compute``) at a higher one: where both have
-        # work waiting, the GPU's block scheduler runs the step's kernels first and the update fills the rest
-        self.stream = torch.cuda.Stream(self.device, priority=0) if cuda else self.streams.Stream()
-        self.main = torch.cuda.Stream(self.device, priority=-1) if cuda else self.streams.Stream()
-        self.prioritize = True  # False: the step stays on the caller's stream (call 25's equal priorities; A/B)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else self.streams.Stream()
         self.events: list = [None] * len(self.stages)
         self.handles = [module.register_forward_pre_hook(self._hook(waits))
                         for module, waits in wait_points(model, len(self.stages))]
@@ -132,25 +128,6 @@ class OptimizerOverlap:
         """An OptimizerOverlap where it applies (``applies``), else None (the trainer calls optimizer.step())."""
         on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
         return cls(model, optimizer) if applies(cfg, world_size, on_cuda, pipeline) else None
-
-    @contextlib.contextmanager
-    def compute(self):
-        """The training step's work on the high-priority stream, ordered after the caller's stream's work before
-        it, and the caller's stream after it (so code outside the step, e.g. a timer's events, sees it in order).
-
-            with overlap.compute():
-                trainer_step()
-        """
-        if not self.prioritize:
-            yield
-            return
-        outer = self.streams.current_stream(self.device)
-        self.main.wait_stream(outer)
-        try:
-            with self.streams.stream(self.main):
-                yield
-        finally:
-            outer.wait_stream(self.main)
 
     def _hook(self, waits: tuple[int, ...]):
         @torch.compiler.disable  # the blocks are compiled with their hooks: the wait stays a host call

@@ -232,14 +232,6 @@ class Trainer:
         return loss_sum
 
     def train_step(self, step: int, metrics: bool = True) -> dict:
-        """One optimizer step (``_train_step``); with train.optimizer_overlap on the overlap's high-priority stream,
-        its optimizer update left running beside the next step's forward (moelab.train.overlap)."""
-        if self.overlap is None:
-            return self._train_step(step, metrics)
-        with self.overlap.compute():
-            return self._train_step(step, metrics)
-
-    def _train_step(self, step: int, metrics: bool = True) -> dict:
         """One optimizer step. metrics=False (moelab.train.bench's metrics-overhead variant) makes the same updates
         (optimizer, expert learning rates, router bias, capacity) without collecting metrics: only the routing
         counts those updates need are summed over ranks, on the device; nothing is read on the host, so there

@@ -60,6 +60,9 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     assert default_deviations(rec("loss", loss=OTHER)) == {"loss": (OTHER, TODAY)}
     assert default_deviations(rec("opt", optimizer="AdamW")) == {"optimizer": ("adamw", AUTO_OPTIMIZER)}
     assert default_deviations(rec("serial", optimizer_overlap=False)) == {"optimizer_overlap": ("off", "auto")}
+    assert default_deviations(rec("priority", optimizer_overlap=True, overlap_priority="high")) == {
+        "overlap_priority": ("high", "equal")}
+    assert default_deviations(rec("equal", optimizer_overlap=True, overlap_priority="equal")) == {}
     assert set(default_deviations(rec("eager", compile=False))) >= {"compile"}
     assert "config" in default_deviations(rec("script", dtype=None, workload="not-a-preset"))
     # a record older than TritonAdamW's default, with no optimizer field, ran torch's AdamW
