@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from moelab.backends import sonic_squares
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
@@ -202,6 +203,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
             "step_before_read": getattr(tr, "step_before_read", False),  # the update queued before the step's read
+            "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
@@ -254,6 +256,9 @@ def cmd_bench(args) -> None:
                 tr.step_before_read = False  # the update queued after the step's read (the trainer before 429d8d5)
                 bench_mode(tr, b, args, mode, out, tag="bf16-step-after-read", profile=False)
                 tr.step_before_read = True
+                sonic_squares.ENABLED = False  # the norm's own pass over the experts' gradients (before it)
+                bench_mode(tr, b, args, mode, out, tag="bf16-norm-pass", profile=False)
+                sonic_squares.ENABLED = True
                 tr.overlap.remove()
                 tr.overlap = None
                 bench_mode(tr, b, args, mode, out, tag="bf16-no-overlap", profile=False)
@@ -461,8 +466,9 @@ def main(argv=None):
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--overlap-off", action="store_true",
-                           help="also time the step with its update queued after the step's read (tag bf16-step-after-read) "
-                                "and with train.optimizer_overlap=off (tag bf16-no-overlap)")
+                           help="also time the step with its update queued after the step's read (tag bf16-step-after-read), "
+                                "with the norm's own pass over the experts' gradients (bf16-norm-pass) and with "
+                                "train.optimizer_overlap=off (tag bf16-no-overlap)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

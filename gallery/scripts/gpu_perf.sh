@@ -12,7 +12,8 @@
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
 #                 OVERLAP_OFF=1: the same model then with the update queued after the step's read (tag
-#                 bf16-step-after-read) and without train.optimizer_overlap (tag bf16-no-overlap)
+#                 bf16-step-after-read), with the norm's own pass over the experts' gradients (bf16-norm-pass)
+#                 and without train.optimizer_overlap (tag bf16-no-overlap)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
@@ -26,6 +27,8 @@
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
+#     squares-check  issue 41: the experts' gradient squares summed by SonicMoE's GEMMs (gpu_check_sonic_squares.py,
+#                 SONIC_TAR): gradients bitwise as without, the sums against float64; not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
@@ -91,6 +94,7 @@ part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RU
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
 part overlap-check 150 python3 gallery/scripts/gpu_check_overlap.py --out $R
+part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out $R
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} $DRY
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)

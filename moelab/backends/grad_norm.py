@@ -8,10 +8,19 @@ The other gradients (below MIN_NUMEL elements, not dense, not on a kernel device
     sq_G = squared_norms(grads)        # fp32, one per gradient: sum of g**2 over its elements
     total = squared_norms(grads).sum().sqrt()
 
+A backward that writes a gradient whole may sum its squares on the way (moelab.backends.sonic_squares: SonicMoE's
+weight-gradient GEMMs, in their epilogue) during the step's last micro batch (``squares_in_backward``, the trainer's);
+``param_squared_norms`` then takes those sums and reads only the other gradients.
+
+    with squares_in_backward(True):
+        loss.backward()
+    total = param_squared_norms(params).sum().sqrt()
+
 Every gradient counts in fp32: torch's foreach norm of bf16 gradients rounds each gradient's norm to bf16 first.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -70,3 +79,47 @@ def squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
         order.append(big_sq[b] if k else rest_sq[r])
         b, r = b + k, r + (not k)
     return torch.stack(order)
+
+
+_collecting = False
+_recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(parameter) -> (parameter, its gradient's sum)
+
+
+@contextlib.contextmanager
+def squares_in_backward(on: bool):
+    """While on, a backward that writes a plain parameter's gradient whole may record its sum of squares
+    (``record_squares``): the trainer turns it on for the step's last micro batch."""
+    global _collecting
+    was, _collecting = _collecting, on
+    try:
+        yield
+    finally:
+        _collecting = was
+
+
+def wants_squares(w: torch.Tensor) -> bool:
+    """Whether the backward now writing w's whole gradient should sum its squares: inside ``squares_in_backward``,
+    w a parameter of one process (no process group: its gradient is then reduced or resharded after), no hooks
+    that would change the gradient after it is written."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return (_collecting and type(w) is torch.nn.Parameter and w.grad is None and not distributed
+            and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
+
+
+def record_squares(w: torch.Tensor, sq: torch.Tensor) -> None:
+    """w's gradient of this backward has the sum of squares sq (fp32, 0-d, on w's device)."""
+    _recorded[id(w)] = (w, sq)
+
+
+def param_squared_norms(params: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 [len(params)]: each parameter's gradient's sum of squares: the backward's recorded sum where it made
+    one this step, else ``squared_norms``. Consumes the records (a later step records anew)."""
+    recorded = {i: _recorded[id(p)][1] for i, p in enumerate(params)
+                if id(p) in _recorded and _recorded[id(p)][0] is p}
+    _recorded.clear()
+    if not recorded:
+        return squared_norms([p.grad for p in params])
+    rest = [i for i in range(len(params)) if i not in recorded]
+    rest_sq = squared_norms([params[i].grad for i in rest]) if rest else None
+    where = {i: j for j, i in enumerate(rest)}
+    return torch.stack([recorded[i].float() if i in recorded else rest_sq[where[i]] for i in range(len(params))])

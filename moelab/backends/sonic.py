@@ -28,8 +28,10 @@ import os
 import torch
 from torch import nn
 
+from moelab.backends.grad_norm import record_squares, wants_squares
 from moelab.backends.ops import accumulates_into
 from moelab.backends.packages import import_package
+from moelab.backends.sonic_squares import gemm_sq, n_tiles
 
 GEMMS = ("up", "down", "down_dact", "up_dx", "up_dw", "down_dw")
 """The layer's grouped GEMMs: up (the gathered rows @ w_gate_up, SwiGLU in the epilogue), down (a @ w_down),
@@ -138,17 +140,29 @@ def gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, config=None) -> None:
     _quack()[0](dh_NF2, w1.transpose(1, 2), dx_ND, cu_seqlens_m=offsets_E1, config=config, concat_layout=("B",))
 
 
-def gemm_up_dw(x_TD, dh_NF2, dw1, offsets_E1, gather_N, add: bool, config=None) -> None:
+def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares_of) -> None:
+    """D (+)= A @ B per expert (QuACK's varlen-K GEMM). `squares_of`: the weight whose gradient D is, written whole
+    (add False): the sum of D's squares is recorded for the step's gradient norm (moelab.backends.grad_norm) by
+    the same GEMM's epilogue where moelab.backends.sonic_squares applies."""
+    if squares_of is not None and not add:
+        sq_LMT = torch.zeros(D.shape[0], D.shape[1], n_tiles(D.shape[2], D.device, config), dtype=torch.float32,
+                             device=D.device)
+        if gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT):
+            record_squares(squares_of, sq_LMT.sum())
+            return
+    _quack()[0](A, B, D, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
+                concat_layout=concat_layout)
+
+
+def gemm_up_dw(x_TD, dh_NF2, dw1, offsets_E1, gather_N, add: bool, config=None, squares_of=None) -> None:
     """dw1 (+)= x[gather]^T @ dh per expert (gather_N None: x's rows are the grouped rows already)."""
-    _quack()[0](x_TD.T, dh_NF2, dw1, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
-                concat_layout=("out",))
+    _dw(x_TD.T, dh_NF2, dw1, offsets_E1, gather_N, add, config, ("out",), squares_of)
 
 
-def gemm_down_dw(g_TD, a_NF, dw2, offsets_E1, gather_N, add: bool, config=None) -> None:
+def gemm_down_dw(g_TD, a_NF, dw2, offsets_E1, gather_N, add: bool, config=None, squares_of=None) -> None:
     """dw2 (+)= (g[gather]^T @ a)^T per expert (written through dw2's transpose; gather_N None: g's rows are the
     grouped rows already)."""
-    _quack()[0](g_TD.T, a_NF, dw2.transpose(1, 2), cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add,
-                config=config)
+    _dw(g_TD.T, a_NF, dw2.transpose(1, 2), offsets_E1, gather_N, add, config, None, squares_of)
 
 
 def sonic_layout(experts) -> None:
@@ -227,11 +241,12 @@ class _SonicExperts(torch.autograd.Function):
         dx_ND = x_TD.new_empty(N, D)
         gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, cfg["up_dx"])
         dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w_gate_up_EDF2, w_down_EFD)
+        sq1, sq2 = (w if wants_squares(w) else None for w in (w_gate_up_EDF2, w_down_EFD))  # for the norm
         x_A, x_idx = operand("up_dw", x_TD, x_TD.index_select(0, gather_N) if "up_dw" in rows else None)
-        gemm_up_dw(x_A, dh_NF2, dw1_EDF2, offsets_E1, x_idx, accumulate, cfg["up_dw"])
+        gemm_up_dw(x_A, dh_NF2, dw1_EDF2, offsets_E1, x_idx, accumulate, cfg["up_dw"], sq1)
         del x_A
         g_A, g_idx = operand("down_dw", g_TD, g_rows)
-        gemm_down_dw(g_A, a_NF, dw2_EFD, offsets_E1, g_idx, accumulate, cfg["down_dw"])
+        gemm_down_dw(g_A, a_NF, dw2_EFD, offsets_E1, g_idx, accumulate, cfg["down_dw"], sq2)
         dx_TD = torch.empty_like(x_TD)
         token_gather_and_sum_varlen_K_triton(dx_ND, None, dx_TD, reverse_N, None, T, ctx.K, D, False)
         return dx_TD, dscores_N, None, *((None, None) if accumulate else (dw1_EDF2, dw2_EFD))

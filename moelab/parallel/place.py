@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelab.backends.grad_norm import on_kernel, squared_norms
+from moelab.backends.grad_norm import on_kernel, param_squared_norms
 from moelab.config import Config, ParallelConfig
 from moelab.model.assemble import materialize as materialize_model
 from moelab.parallel.env import DistEnv
@@ -57,7 +57,7 @@ class Parallelized:
             if max_norm > 0:
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        total = squared_norms([p.grad for p in params]).sum().sqrt()
+        total = param_squared_norms(params).sum().sqrt()  # with the sums the backward made (grad_norm)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total

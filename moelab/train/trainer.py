@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moelab.config import Config, ConfigError, save_config
+from moelab.backends.grad_norm import squares_in_backward
 from moelab.model.batch_context import BatchContext
 from moelab.model.router import PER_EXPERT_STATS, ROUTER_STATS, SUMMED_STATS
 from moelab.planner.flops import FLOPS_CONVENTION, count_params, flops_per_token, peak_tflops
@@ -228,7 +229,10 @@ class Trainer:
                                 enabled=self.dtype != torch.float32 and not par.casts_params):
                 # the LM head and its loss inside the model's forward (FSDP2 has gathered the head there)
                 loss = self.model(inputs, positions, targets_BL=targets, ctx=ctx)
-            (loss / self.micro_per_rank).backward()
+            # the last micro batch's backward leaves the gradients final: a GEMM that writes one whole may sum
+            # its squares for the step's norm (moelab.backends.grad_norm)
+            with squares_in_backward(i == self.micro_per_rank - 1):
+                (loss / self.micro_per_rank).backward()
             loss_sum += loss.detach()
         return loss_sum
 

@@ -68,3 +68,30 @@ def test_a_cpu_run_keeps_torchs_own_clip_grad_norm(monkeypatch, max_norm):
             else torch.nn.utils.get_total_norm(grads, foreach=True))
     assert torch.equal(total, want)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_the_norm_takes_the_sums_the_backward_recorded_and_reads_the_rest():
+    """A backward that wrote a parameter's gradient whole inside squares_in_backward may record its sum of squares
+    (SonicMoE's weight-gradient GEMMs do, on the GPU); the norm takes that sum for it, computes the others, and the
+    records are used once."""
+    import moelab.backends.grad_norm as G
+
+    a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(3))
+    assert not G.wants_squares(a), "outside squares_in_backward"
+    with G.squares_in_backward(True):
+        assert G.wants_squares(a)
+        with G.squares_in_backward(False):  # nested: the inner setting holds inside it
+            assert not G.wants_squares(a)
+        assert G.wants_squares(a)
+        G.record_squares(a, torch.tensor(100.0))  # not a's gradient's: the norm must read the record
+    assert not G.wants_squares(a), "restored on exit"
+    a.grad, b.grad = torch.full((4,), 2.0), torch.full((3,), 3.0)
+    assert not G.wants_squares(a) and not G.wants_squares(torch.ones(2)), "a gradient to add to; not a parameter"
+    assert G.param_squared_norms([b, a]).tolist() == pytest.approx([27.0, 100.0])
+    assert G.param_squared_norms([b, a]).tolist() == pytest.approx([27.0, 16.0]), "a record counts for one step only"
+    G.record_squares(torch.nn.Parameter(torch.ones(4)), torch.tensor(5.0))  # another parameter's: not a's
+    assert G.param_squared_norms([a]).tolist() == pytest.approx([16.0])
+    hooked = nn.Parameter(torch.ones(2))
+    hooked.register_post_accumulate_grad_hook(lambda p: None)
+    with G.squares_in_backward(True):
+        assert not G.wants_squares(hooked), "a hook may change the gradient after it is written"
