@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from torch import nn
 from moelab.backends.grad_norm import record_squares, wants_squares
 from moelab.backends.ops import accumulates_into
 from moelab.backends.packages import import_package
+from moelab.backends import sonic_squares
 from moelab.backends.sonic_squares import gemm_sq, n_tiles
 
 GEMMS = ("up", "down", "down_dact", "up_dx", "up_dw", "down_dw")
@@ -144,10 +146,17 @@ def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares
     """D (+)= A @ B per expert (QuACK's varlen-K GEMM). `squares_of`: the weight whose gradient D is, written whole
     (add False): the sum of D's squares is recorded for the step's gradient norm (moelab.backends.grad_norm) by
     the same GEMM's epilogue where moelab.backends.sonic_squares applies."""
-    if squares_of is not None and not add:
+    if squares_of is not None and not add and sonic_squares.ENABLED:
         sq_LMT = torch.zeros(D.shape[0], D.shape[1], n_tiles(D.shape[2], D.device, config), dtype=torch.float32,
                              device=D.device)
-        if gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT):
+        try:
+            done = gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT)
+        except Exception as e:  # noqa: BLE001 - QuACK's compile of the epilogue: the plain GEMM and the norm's pass
+            sonic_squares.ENABLED = False
+            warnings.warn(f"moelab.backends.sonic_squares is off for this process ({type(e).__name__}: {e}); the "
+                          "gradient norm reads the experts' gradients in its own pass")
+            done = False
+        if done:
             record_squares(squares_of, sq_LMT.sum())
             return
     _quack()[0](A, B, D, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
