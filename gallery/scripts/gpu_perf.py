@@ -202,7 +202,6 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
-            "step_before_read": getattr(tr, "step_before_read", False),  # the update queued before the step's read
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
@@ -253,9 +252,6 @@ def cmd_bench(args) -> None:
         if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
             bench_mode(tr, b, args, mode, out)
             if tr.overlap is not None:
-                tr.step_before_read = False  # the update queued after the step's read (the trainer before 429d8d5)
-                bench_mode(tr, b, args, mode, out, tag="bf16-step-after-read", profile=False)
-                tr.step_before_read = True
                 sonic_squares.ENABLED = False  # the norm's own pass over the experts' gradients (before it)
                 bench_mode(tr, b, args, mode, out, tag="bf16-norm-pass", profile=False)
                 sonic_squares.ENABLED = True
@@ -466,9 +462,8 @@ def main(argv=None):
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--overlap-off", action="store_true",
-                           help="also time the step with its update queued after the step's read (tag bf16-step-after-read), "
-                                "with the norm's own pass over the experts' gradients (bf16-norm-pass) and with "
-                                "train.optimizer_overlap=off (tag bf16-no-overlap)")
+                           help="also time the step with the norm's own pass over the experts' gradients (tag "
+                                "bf16-norm-pass) and with train.optimizer_overlap=off (tag bf16-no-overlap)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

@@ -11,9 +11,8 @@
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
-#                 OVERLAP_OFF=1: the same model then with the update queued after the step's read (tag
-#                 bf16-step-after-read), with the norm's own pass over the experts' gradients (bf16-norm-pass)
-#                 and without train.optimizer_overlap (tag bf16-no-overlap)
+#                 OVERLAP_OFF=1: the same model then with the norm's own pass over the experts' gradients (tag
+#                 bf16-norm-pass) and without train.optimizer_overlap (tag bf16-no-overlap)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload

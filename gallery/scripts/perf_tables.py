@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 
 from moelab.gallery import entry_result, load_entries, load_results
-from moelab.gallery.current import call_of, commit_of, configuration_of, current_records, fp8_of, stem
+from moelab.gallery.current import (call_of, commit_of, configuration_of, current_records, fp8_of, stem,
+                                    step_trials)
 from moelab.gallery.records import by_router, fmt, record_settings, router_of
 
 GALLERY = Path(__file__).resolve().parents[1]
@@ -195,12 +196,11 @@ def targets(results: list, cur) -> list[str]:
 
 
 def profiles(results: list) -> list[str]:
-    """The newest compiled-step profile (gpu_perf.py bench --profile) of each FP8 mode, of a step that ran today's
-    optimizer overlap (call 26's profile ran the trial with the step above the update's stream priority)."""
+    """The newest compiled-step profile (gpu_perf.py bench --profile) of each FP8 mode, of a step that ran as today's
+    in the one-GPU step's trials (moelab.gallery.current.step_trials)."""
     newest: dict = {}
     for r in results:
-        if (r.get("workload") == W and isinstance(r.get("by_category_ms"), dict)
-                and r.get("overlap_priority") != "high"):
+        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and not step_trials(r):
             if fp8_of(r) not in newest or _date(r) > _date(newest[fp8_of(r)]):
                 newest[fp8_of(r)] = r
     out = []

@@ -77,11 +77,26 @@ def configuration_of(r: dict) -> tuple:
     ran = record_settings(r) if r.get("system") == "moelab" else {}  # (the defaults of moelab's past days)
     chosen = tuple(sorted((k, v) for k, v in recorded_overrides(r).items() if k in _BACKEND_CHOICES))
     # a record that says it ran without train.optimizer_overlap is another configuration (records before the
-    # field ran without it too, as the code then did: they stay in the slot of today's code); so is one whose step
-    # ran on a higher-priority stream than the update (issue 41 call 26's trial, not kept)
+    # field ran without it too, as the code then did: they stay in the slot of today's code); so is each step trial
     return (bool(r.get("compile")), r.get("compile_mode"), fp8_of(r), ran.get("loss"), ran.get("optimizer"),
             r.get("experts_implementation"), chosen, r.get("param_dtype"), r.get("optimizer_overlap") is False,
-            r.get("overlap_priority") == "high")
+            tuple(sorted(step_trials(r))))
+
+
+def step_trials(r: dict) -> dict:
+    """How a record's step ran other than today's, in the one-GPU step's A/B trials (issue 41): the step on a
+    higher-priority stream than the optimizer's update (call 26, not kept), the update queued before the step's
+    read (call 28, `step_before_read`, not kept), the norm's own pass over the experts' gradients (`norm_in_gemms`
+    false). {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the
+    code then did."""
+    out = {}
+    if r.get("overlap_priority") == "high":
+        out["overlap_priority"] = ("high", "equal")
+    if r.get("optimizer_overlap") and r.get("step_before_read") is True:
+        out["update_before_read"] = (True, False)
+    if r.get("norm_in_gemms") is False:
+        out["norm_in_gemms"] = (False, True)
+    return out
 
 
 def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
@@ -104,8 +119,7 @@ def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
         out["optimizer"] = (ran.get("optimizer", "unrecorded"), AUTO_OPTIMIZER)
     if r.get("optimizer_overlap") is False:  # timed without the overlap beside the default (gpu_perf --overlap-off)
         out["optimizer_overlap"] = ("off", "auto")
-    if r.get("overlap_priority") == "high":  # the step above the update's stream priority (call 26, not kept)
-        out["overlap_priority"] = ("high", "equal")
+    out.update(step_trials(r))  # the one-GPU step's A/B variants
     cfg, why = rebuild_config(r, entries or {})
     if cfg is None:
         out["config"] = (why, "rebuildable")

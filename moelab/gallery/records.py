@@ -116,12 +116,14 @@ SONIC_WGRAD = ("af73383", "2026-12-06T03:11:55Z")  # SonicMoE's weight-gradient 
 SONIC_TILES = ("756805e", "2026-12-06T07:51:21Z")  # SonicMoE's GEMMs with moelab's tiles, not QuACK's default config
 GRAD_NORM = ("3187545", "2026-12-06T08:02:32Z")  # the gradient norm in one Triton pass per gradient
 INTO_GRAD = ("cba26db", "2026-12-06T10:57:20Z")  # the embedding's and the full loss head's backward add into .grad
+EXPERT_NORM = ("d255f7c", "2026-12-06T17:48:10Z")  # the experts' gradient squares summed by their GEMMs
 CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),  # FSDP2 wrapped units on one-rank meshes too
                ("local_weighting", "combine", *LOCAL_WEIGHTING),
                ("sonic_wgrad", "autograd", *SONIC_WGRAD),
                ("sonic_tiles", "quack", *SONIC_TILES),
                ("grad_norm", "torch", *GRAD_NORM),
-               ("into_grad", "autograd", *INTO_GRAD))
+               ("into_grad", "autograd", *INTO_GRAD),
+               ("expert_norm", "pass", *EXPERT_NORM))
 # the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
 _OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
 # recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)
@@ -165,7 +167,10 @@ def planner_options(r: dict) -> dict:
         planner_options({"date": "2026-11-30T12:53:02Z"})   # {'fsdp_one_rank': 'wrapped'}
     """
     date = str(r.get("date") or "")
-    return {key: value for key, value, _, since in CODE_BEFORE if date and date < since}
+    out = {key: value for key, value, _, since in CODE_BEFORE if date and date < since}
+    if r.get("norm_in_gemms") is False:  # timed with the norm's own pass (gpu_perf's bf16-norm-pass)
+        out["expert_norm"] = "pass"
+    return out
 
 
 def rebuild_config(r: dict, entries: dict) -> tuple[Config | None, str]:

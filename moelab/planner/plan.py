@@ -63,7 +63,8 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD, predict as predict_speed
+from moelab.planner.speed import (EXPERT_NORM, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD,
+                                  predict as predict_speed)
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
 from moelab.planner.stages import split_layers
@@ -150,6 +151,9 @@ class Plan:
     # the gradient norm beside the Triton AdamW: "triton" (moelab.backends.grad_norm) or "torch" (torch's foreach
     # norm, the code before 3187545; planned for records measured with it)
     grad_norm: str = "triton"
+    # the experts' gradient norm on one GPU, one micro batch, backend.experts=sonic: "gemm" (their GEMMs' epilogue,
+    # moelab.backends.sonic_squares) or "pass" (the norm's pass, the code before d255f7c; planned for records of it)
+    expert_norm: str = "gemm"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -311,7 +315,7 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
          fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
          sonic_tiles: str = "moelab", into_grad: str = "moelab", grad_norm: str = "triton",
-         suggest: bool = True) -> Plan:
+         expert_norm: str = "gemm", suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
@@ -321,7 +325,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     (moelab's) or "combine" (before a3f8c38; moelab.planner.saved.LOCAL_WEIGHTING); `sonic_wgrad` likewise: "gemm"
     (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad); `sonic_tiles` likewise: "moelab" or "quack" (before
     756805e: Plan.sonic_tiles); `into_grad` likewise: "moelab" or "autograd" (before cba26db: Plan.into_grad);
-    `grad_norm` likewise: "triton" or "torch" (before 3187545: Plan.grad_norm). A plan that does not fit
+    `grad_norm` likewise: "triton" or "torch" (before 3187545: Plan.grad_norm); `expert_norm` likewise: "gemm" or
+    "pass" (before d255f7c: Plan.expert_norm). A plan that does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -337,7 +342,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                              ("sonic_wgrad", sonic_wgrad, SONIC_WGRAD, "af73383"),
                                              ("sonic_tiles", sonic_tiles, SONIC_TILES, "756805e"),
                                              ("into_grad", into_grad, INTO_GRAD, "cba26db"),
-                                             ("grad_norm", grad_norm, GRAD_NORM, "3187545")):
+                                             ("grad_norm", grad_norm, GRAD_NORM, "3187545"),
+                                             ("expert_norm", expert_norm, EXPERT_NORM, "d255f7c")):
         if value not in (now, then):
             raise ConfigError(f"{name}={value!r}: must be one of {now}, {then} ({now}: moelab's code; {then}: the "
                               f"code before {commit}, for records measured with it)")
@@ -362,7 +368,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                                                       local_weighting=local_weighting,
                                                                       sonic_wgrad=sonic_wgrad,
                                                                       sonic_tiles=sonic_tiles,
-                                                                      into_grad=into_grad, grad_norm=grad_norm))
+                                                                      into_grad=into_grad, grad_norm=grad_norm,
+                                                                      expert_norm=expert_norm))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -386,7 +393,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles, into_grad=into_grad,
-        grad_norm=grad_norm)
+        grad_norm=grad_norm, expert_norm=expert_norm)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict

@@ -168,6 +168,18 @@ OPTIMIZER_MEASURED = {
     "h100": (16 * 5.607e9 / ((26.0919 + 3.8219) * 1e-3) / 1e12, _OPT_H100 + ": top_kernels adamw_kernel 26.09 ms "
              "+ sumsq_kernel 3.82 ms"),
 }
+# The gradient norm's own pass (moelab.backends.grad_norm's sumsq kernel, bf16 gradients read once) on each kind
+# measured, from the same profiles; and what summing the experts' gradient squares in their weight-gradient GEMMs'
+# epilogue costs against that pass over the same two gradients (moelab.backends.sonic_squares: issue 41 call 28's
+# check, one MoE layer at the Qwen3 proxy's shape on an H100: +0.137 ms on a 4.346 ms forward + backward, against
+# the pass's 0.460 ms)
+_SQ_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--sonic-squares-check-h100-issue41-call28.json"
+GRAD_NORM_MEASURED = {
+    "h200": (2 * 5.607e9 / (2.8042e-3) / 1e12, _OPT_H200 + ": top_kernels sumsq_kernel 2.80 ms over 11.2 GB"),
+    "h100": (2 * 5.607e9 / (3.8219e-3) / 1e12, _OPT_H100 + ": top_kernels sumsq_kernel 3.82 ms over 11.2 GB"),
+}
+NORM_EPILOGUE = ((4.4830 - 4.3460) / 0.4600, _SQ_CHECK + ": ms_fwd_bwd_with_squares - ms_fwd_bwd_plain over "
+                 "ms_norm_pass_of_the_two_gradients")
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -204,6 +216,8 @@ class Rates:
     idle_s_per_layer: float
     idle_s_per_step: float
     grad_accumulate: float  # bytes/s of autograd's gradient accumulation (read both, write one)
+    grad_norm: float  # bytes/s of the gradient norm's own pass (GRAD_NORM_MEASURED)
+    norm_epilogue: float  # the experts' squares in their GEMMs' epilogue, in units of that pass's time (NORM_EPILOGUE)
 
     def per_element(self, key: str) -> float:
         """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
@@ -217,6 +231,15 @@ def _triton_adamw(kind: GPUKind) -> float:
     if key in OPTIMIZER_MEASURED:
         return OPTIMIZER_MEASURED[key][0]
     return OPTIMIZER_MEASURED["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
+
+
+def _grad_norm(kind: GPUKind) -> float:
+    """TB/s of the gradient norm's pass on `kind`: measured there (GRAD_NORM_MEASURED), else the H200's by the HBM
+    bandwidth ratio."""
+    key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
+    if key in GRAD_NORM_MEASURED:
+        return GRAD_NORM_MEASURED[key][0]
+    return GRAD_NORM_MEASURED["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
 
 
 def rates(kind: GPUKind, balanced: bool) -> Rates:
@@ -235,4 +258,5 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
                  nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],
-                 idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm)
+                 idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm,
+                 grad_norm=_grad_norm(kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0])

@@ -93,6 +93,9 @@ INTO_GRAD = ("moelab", "autograd")
 # the gradient norm beside train.optimizer=adamw_triton (Plan.grad_norm): moelab's Triton pass (moelab.backends.grad_norm,
 # since 3187545) or torch's foreach norm (the code before)
 GRAD_NORM = ("triton", "torch")
+# the experts' gradient norm on a one-GPU, one-micro-batch backend.experts=sonic step (Plan.expert_norm): summed by
+# their weight-gradient GEMMs' epilogue (moelab.backends.sonic_squares, since d255f7c) or read by the norm's pass
+EXPERT_NORM = ("gemm", "pass")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -236,6 +239,10 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
     opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
     rate = r.optimizer["adamw_triton_torch_norm" if opt_kind == "adamw_triton" and p.grad_norm == "torch" else opt_kind]
     passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / rate}
+    if (p.expert_norm == "gemm" and cfg.backend.experts == "sonic" and p.gpus == 1 and m == 1
+            and not t.lora.rank and opt_kind == "adamw_triton" and p.grad_norm == "triton"):
+        # the experts' gradients are not read by the norm's pass: their GEMMs summed the squares, at a fraction of it
+        passes["optimizer"] -= (1 - r.norm_epilogue) * count_params(cfg.model).experts_total * pb / r.grad_norm
     passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0

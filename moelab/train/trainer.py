@@ -131,7 +131,6 @@ class Trainer:
                             place=lambda model: parallelize(model, cfg, env, self.dims))
         self.model = self.par.model
         self.optimizer = build_optimizer(self.model, cfg)
-        self.step_before_read = True  # train_step: the update queued before the step's read (False: after; A/B)
         # the step on a side stream, overlapped with the next forward (one GPU; None elsewhere)
         self.overlap = OptimizerOverlap.attach(self.model, self.optimizer, cfg, env.world_size,
                                                pipeline=self.par.pipeline is not None)
@@ -261,23 +260,17 @@ class Trainer:
         comm = par.pop_comm_counts()  # bytes sent and the like, counted on the host (moelab.parallel)
         pack = self._pack_step(step, loss_sum, grad_norm, stats, comm)
         packed = par.all_reduce_sum(pack.pack())
+        # the summed counts stay on the device for the routing updates (queued before the read: the GPU's wait
+        # between the backward and the optimizer is the host's work after the read)
         counts_2ME = torch.stack([packed[pack.slice(key)] for key in PER_EXPERT_STATS]).view(2, n_layers, E)
-        # With the update on the overlap's side stream and train.on_nan=stop (a non-finite step ends the run whatever
-        # the weights are), the update is queued before the host waits for the read: the GPU goes from the backward
-        # straight into it. The gradients are held until the read, which names the first non-finite one.
-        early = (self.step_before_read and self.overlap is not None and self.expert_lr is None
-                 and cfg.train.on_nan == "stop")
-        held = [p.grad for p in self.model.parameters()] if early else None
-        if early:
-            self.apply_step(counts_2ME if n_layers else None)
         got = pack.unpack(packed.tolist())
         loss = got["loss"][0] / (self.micro_per_rank * par.dp_size)
         gnorm = got["grad_norm"][0]
         self._read_step_flags(got, comm)
-        skipped = not self._finite(step, loss, gnorm, held)
+        skipped = not self._finite(step, loss, gnorm)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
-        elif not early:
+        else:
             self.apply_step(counts_2ME if n_layers else None)
         # per MoE layer: a list of E counts (routed_per_expert: before dropping), or one value
         per_layer = {key: [got[key][i * E: (i + 1) * E] for i in range(n_layers)] if key in PER_EXPERT_STATS
@@ -319,14 +312,13 @@ class Trainer:
         self.stop_requested = got["stop"][0] > 0
         self.controls_due = got["controls"][0] > 0
 
-    def _finite(self, step: int, loss: float, gnorm: float, grads: "list | None" = None) -> bool:
-        """Are the step's loss and grad norm finite? NonFiniteLoss when not and train.on_nan is "stop" (naming the
-        first non-finite gradient of `grads`, the parameters' in order, or of their .grad)."""
+    def _finite(self, step: int, loss: float, gnorm: float) -> bool:
+        """Are the step's loss and grad norm finite? NonFiniteLoss when not and train.on_nan is "stop"."""
         if math.isfinite(loss) and math.isfinite(gnorm):
             return True
         if self.cfg.train.on_nan == "stop":
             raise NonFiniteLoss(f"non-finite loss at step {step}: loss={loss}, grad_norm={gnorm}. "
-                                f"{self.nonfinite_hint(grads)}Set train.on_nan='skip' to skip such steps.")
+                                f"{self.nonfinite_hint()}Set train.on_nan='skip' to skip such steps.")
         return False
 
     def apply_step(self, counts_2ME: "torch.Tensor | None") -> None:
@@ -353,11 +345,10 @@ class Trainer:
         if self.overlap is not None:
             self.overlap.join()
 
-    def nonfinite_hint(self, grads: "list | None" = None) -> str:
-        """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails); `grads`:
-        the parameters' gradients in order, held past the optimizer step that released them."""
-        named = list(self.model.named_parameters())
-        for (name, p), g in zip(named, grads if grads is not None else [p.grad for _, p in named]):
+    def nonfinite_hint(self) -> str:
+        """Name the first parameter with a non-finite gradient (cheap: only computed when a step fails)."""
+        for name, p in self.model.named_parameters():
+            g = p.grad
             if g is not None:
                 g = g.full_tensor() if hasattr(g, "full_tensor") else g
                 if not torch.isfinite(g).all():

@@ -63,6 +63,13 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     assert default_deviations(rec("priority", optimizer_overlap=True, overlap_priority="high")) == {
         "overlap_priority": ("high", "equal")}
     assert default_deviations(rec("equal", optimizer_overlap=True, overlap_priority="equal")) == {}
+    assert default_deviations(rec("early", optimizer_overlap=True, step_before_read=True)) == {
+        "update_before_read": (True, False)}
+    assert default_deviations(rec("serial2", optimizer_overlap=False, step_before_read=True)) == {
+        "optimizer_overlap": ("off", "auto")}  # without the overlap the update always followed the read
+    assert default_deviations(rec("after", optimizer_overlap=True, step_before_read=False, norm_in_gemms=True)) == {}
+    assert default_deviations(rec("pass", optimizer_overlap=True, norm_in_gemms=False)) == {
+        "norm_in_gemms": (False, True)}
     assert set(default_deviations(rec("eager", compile=False))) >= {"compile"}
     assert "config" in default_deviations(rec("script", dtype=None, workload="not-a-preset"))
     # a record older than TritonAdamW's default, with no optimizer field, ran torch's AdamW

@@ -8,7 +8,7 @@ import pytest
 from moelab.config import ConfigError, load_config
 from moelab.gallery.records import planner_options
 from moelab.planner.comm import fsdp_bytes
-from moelab.planner.flops import attention_flops_per_token
+from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPU_KINDS, gpu_kind
 from moelab.planner.plan import plan
 from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED
@@ -334,6 +334,32 @@ def test_one_gpu_accumulates_neither_the_embedding_nor_the_full_loss_head():
     two = load_config(PROXY, {**gbs16, "backend.loss": "full", "parallel.pp": 2})
     assert plan(two, gpus=2, gpu="h200").speed.parts_s["grad_accumulate"] == pytest.approx(
         plan(two, gpus=2, gpu="h200", into_grad="autograd").speed.parts_s["grad_accumulate"])
+
+
+def test_the_experts_gradient_norm_in_their_gemms_saves_its_share_of_the_norms_pass():
+    # one GPU, one micro batch, SonicMoE: the norm's pass no longer reads the experts' gradients (their GEMMs sum the
+    # squares at NORM_EPILOGUE of that pass's time); with more micro batches, another experts backend or the norm
+    # of before 3187545 nothing moves; records before d255f7c, or timed with the pass, are planned with it
+    from moelab.planner.rates import GRAD_NORM_MEASURED, NORM_EPILOGUE
+
+    one = load_config(PROXY, {**BF16, "train.compile": True, "backend.experts": "sonic",
+                              "train.global_batch_size": 2, "train.micro_batch_size": 2})
+    for gpu in ("h100", "h200"):
+        now, then = (plan(one, gpu=gpu, expert_norm=n).speed.parts_s for n in ("gemm", "pass"))
+        saved = (1 - NORM_EPILOGUE[0]) * count_params(one.model).experts_total * 2 / (GRAD_NORM_MEASURED[gpu][0] * 1e12)
+        assert then["optimizer"] - now["optimizer"] == pytest.approx(saved, rel=1e-9)
+        assert {k: v for k, v in then.items() if k != "optimizer"} == pytest.approx(
+            {k: v for k, v in now.items() if k != "optimizer"})
+    for other in ({"train.global_batch_size": 16}, {"backend.experts": "grouped_mm"}):
+        cfg = one.replace(**other)
+        assert plan(cfg, gpu="h100").speed.parts_s == plan(cfg, gpu="h100", expert_norm="pass").speed.parts_s
+    assert (plan(one, gpu="h100", grad_norm="torch").speed.parts_s
+            == plan(one, gpu="h100", grad_norm="torch", expert_norm="pass").speed.parts_s)
+    assert planner_options({"date": "2026-12-06T17:20:00Z"})["expert_norm"] == "pass"  # issue 41 call 26
+    assert "expert_norm" not in planner_options({"date": "2026-12-06T17:53:00Z"})  # call 28's default
+    assert planner_options({"date": "2026-12-06T17:53:00Z", "norm_in_gemms": False}) == {"expert_norm": "pass"}
+    with pytest.raises(ConfigError, match="expert_norm='fast'.*gemm, pass"):
+        plan(one, gpu="h100", expert_norm="fast")
 
 
 def test_records_before_the_triton_norm_are_planned_with_torchs():
