@@ -33,7 +33,6 @@ from moelab.backends.grad_norm import record_squares, wants_squares
 from moelab.backends.ops import accumulates_into
 from moelab.backends.packages import import_package
 from moelab.backends import sonic_squares
-from moelab.backends.sonic_squares import gemm_sq, n_tiles
 
 GEMMS = ("up", "down", "down_dact", "up_dx", "up_dw", "down_dw")
 """The layer's grouped GEMMs: up (the gathered rows @ w_gate_up, SwiGLU in the epilogue), down (a @ w_down),
@@ -147,10 +146,10 @@ def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares
     (add False): the sum of D's squares is recorded for the step's gradient norm (moelab.backends.grad_norm) by
     the same GEMM's epilogue where moelab.backends.sonic_squares applies."""
     if squares_of is not None and not add and sonic_squares.ENABLED:
-        sq_LMT = torch.zeros(D.shape[0], D.shape[1], n_tiles(D.shape[2], D.device, config), dtype=torch.float32,
-                             device=D.device)
+        tiles = sonic_squares.n_tiles(D.shape[2], D.device, config)
+        sq_LMT = torch.zeros(D.shape[0], D.shape[1], tiles, dtype=torch.float32, device=D.device)
         try:
-            done = gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT)
+            done = sonic_squares.gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT)
         except Exception as e:  # noqa: BLE001 - QuACK's compile of the epilogue: the plain GEMM and the norm's pass
             sonic_squares.ENABLED = False
             warnings.warn(f"moelab.backends.sonic_squares is off for this process ({type(e).__name__}: {e}); the "

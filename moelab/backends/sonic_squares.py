@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-ENABLED = True  # False: the plain GEMMs, and the norm's own pass reads these gradients (gallery's A/B)
+ENABLED = True  # False: moelab.backends.sonic runs the plain GEMMs and the norm's pass reads these gradients (the
+# gallery's A/B; also set when this path fails to compile, with a warning)
 
 
 def _config(device: torch.device, config):
@@ -33,8 +34,8 @@ def n_tiles(n: int, device: torch.device, config=None) -> int:
     return -(-n // tile_n)
 
 
-def _compile_sonic_dw_sq(a_dtype, b_dtype, d_dtype, a_major, b_major, d_major, tile_shape_mn, cluster_shape_mnk, pingpong,
-             is_dynamic_persistent, gather_A, concat_layout, device_capacity):
+def _compile_sonic_dw_sq(a_dtype, b_dtype, d_dtype, a_major, b_major, d_major, tile_shape_mn, cluster_shape_mnk,
+                         pingpong, is_dynamic_persistent, gather_A, concat_layout, device_capacity):
     """quack.gemm's default-epilogue compile with quack.gemm_sq_reduce's class and its (L, M, N-tiles) output."""
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_sq_reduce import GemmSqReduceSm90
@@ -71,14 +72,14 @@ def gemm_sq(A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, cu_seqlens_k: tor
             concat_layout: "tuple | None", sq_LMT: torch.Tensor) -> bool:
     """D = A @ B per expert (QuACK's varlen-K layout: A (M, total_K) or gathered by A_idx, B (total_K, N), D (E, M,
     N)) and sq_LMT[e, m, t] = the sum over N tile t of D[e, m, :]^2 (fp32, before rounding). False (nothing run)
-    where this path does not apply: not SM90, a config that swaps A and B, or ENABLED off."""
+    where this path does not apply: not SM90, or a config that swaps A and B (or gathers rows across N)."""
     from quack.cute_dsl_utils import get_device_capacity, get_max_active_clusters, torch2cute_dtype_map
     from quack.gemm_tvm_ffi_utils import get_majors, make_scheduler_args, make_varlen_args, perm3d
     from quack.gemm_sq_reduce import GemmSqReduceMixin
 
     capacity = get_device_capacity(A.device)
     config = _config(A.device, config)
-    if not ENABLED or capacity[0] != 9 or getattr(config, "swap_ab", False) or (A_idx is not None and config.cluster_n != 1):
+    if capacity[0] != 9 or getattr(config, "swap_ab", False) or (A_idx is not None and config.cluster_n != 1):
         return False
     B = B.mT  # (N, total_K), as quack.gemm_interface passes it
     A_p, B_p, D_p, _ = perm3d(A, B, D, None, varlen_k=True)
