@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moelab.train.bench import commit_id
+from moelab.train.bench import StepTimer, commit_id
 
 B, L, H, G, DH = 2, 4096, 32, 4, 128
 
@@ -102,18 +102,14 @@ def rel_err(a, ref) -> float:
 
 
 def time_fn(fn, q, k, v, do, iters: int) -> list[float]:
+    """ms of each of `iters` forward + backward calls (moelab.train.bench.StepTimer's CUDA events)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn(q, k, v)
-        out.backward(do)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+
+    def once(_):
+        fn(q, k, v).backward(do)
         q.grad = k.grad = v.grad = None
-    return times
+
+    return StepTimer("cuda").time(once, iters)
 
 
 def main() -> int:

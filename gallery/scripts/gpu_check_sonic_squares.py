@@ -21,7 +21,7 @@ from torch import nn
 
 from moelab.backends import grad_norm as G
 from moelab.backends.sonic import sonic_experts
-from moelab.train.bench import commit_id
+from moelab.train.bench import StepTimer, commit_id
 
 T, K, E, D, F = 8192, 8, 128, 2048, 768
 
@@ -45,15 +45,8 @@ def fwd_bwd(x_TD, weights_TK, experts_TK, g_TD, w1, w2, squares: bool):
 
 
 def timed(f, reps: int = 10) -> float:
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        f()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+    """Median ms of f() over `reps` calls after two warm-up calls (moelab.train.bench.StepTimer's CUDA events)."""
+    return statistics.median(StepTimer("cuda").time(lambda i: f(), reps + 2)[2:])
 
 
 def main() -> int:

@@ -224,22 +224,13 @@ class Rates:
         return H200_MEASURED[key][0] * self.mem
 
 
-def _triton_adamw(kind: GPUKind) -> float:
-    """TB/s of TritonAdamW + the gradient norm on `kind`: measured there (OPTIMIZER_MEASURED), else the H200's by
-    the HBM bandwidth ratio."""
+def _measured_tb_s(table: dict, kind: GPUKind) -> float:
+    """TB/s of a memory-bound pass on `kind` from `table` (OPTIMIZER_MEASURED: TritonAdamW + the gradient norm;
+    GRAD_NORM_MEASURED: the norm's pass): measured there, else the H200's by the HBM bandwidth ratio."""
     key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
-    if key in OPTIMIZER_MEASURED:
-        return OPTIMIZER_MEASURED[key][0]
-    return OPTIMIZER_MEASURED["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
-
-
-def _grad_norm(kind: GPUKind) -> float:
-    """TB/s of the gradient norm's pass on `kind`: measured there (GRAD_NORM_MEASURED), else the H200's by the HBM
-    bandwidth ratio."""
-    key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
-    if key in GRAD_NORM_MEASURED:
-        return GRAD_NORM_MEASURED[key][0]
-    return GRAD_NORM_MEASURED["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
+    if key in table:
+        return table[key][0]
+    return table["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
 
 
 def rates(kind: GPUKind, balanced: bool) -> Rates:
@@ -253,10 +244,11 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
     return Rates(dense=v["dense_tflops"] * flop, attention=v["attention_tflops"] * flop,
                  grouped=v["grouped_tflops"] * flop * gain, dense_fp8=v["dense_fp8_tflops"] * fp8,
                  grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
-                 optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm, "adamw_triton": _triton_adamw(kind) * 1e12,
+                 optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm,
+                            "adamw_triton": _measured_tb_s(OPTIMIZER_MEASURED, kind) * 1e12,
                             "adamw_triton_torch_norm": v["adamw_triton_tb_s"] * 1e12 * hbm},
                  copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
                  nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],
                  idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm,
-                 grad_norm=_grad_norm(kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0])
+                 grad_norm=_measured_tb_s(GRAD_NORM_MEASURED, kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0])
