@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.backends import sonic_squares
+from moelab.backends import full_loss, sonic_squares
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
@@ -203,6 +203,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
+            "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
@@ -252,9 +253,9 @@ def cmd_bench(args) -> None:
         if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
             bench_mode(tr, b, args, mode, out)
             if tr.overlap is not None:
-                sonic_squares.ENABLED = False  # the norm's own pass over the experts' gradients (before it)
-                bench_mode(tr, b, args, mode, out, tag="bf16-norm-pass", profile=False)
-                sonic_squares.ENABLED = True
+                full_loss.IN_PLACE = False  # the compiled full loss (before the in-place kernel)
+                bench_mode(tr, b, args, mode, out, tag="bf16-loss-compiled", profile=False)
+                full_loss.IN_PLACE = True
                 tr.overlap.remove()
                 tr.overlap = None
                 bench_mode(tr, b, args, mode, out, tag="bf16-no-overlap", profile=False)
@@ -462,8 +463,8 @@ def main(argv=None):
             p.add_argument("--triton-adamw", action="store_true",
                            help="also time the bf16 step with moelab.train.adamw_triton.TritonAdamW")
             p.add_argument("--overlap-off", action="store_true",
-                           help="also time the step with the norm's own pass over the experts' gradients (tag "
-                                "bf16-norm-pass) and with train.optimizer_overlap=off (tag bf16-no-overlap)")
+                           help="also time the step with the compiled full loss instead of its in-place kernel "
+                                "(tag bf16-loss-compiled) and with train.optimizer_overlap=off (tag bf16-no-overlap)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

@@ -11,8 +11,8 @@
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
-#                 OVERLAP_OFF=1: the same model then with the norm's own pass over the experts' gradients (tag
-#                 bf16-norm-pass) and without train.optimizer_overlap (tag bf16-no-overlap)
+#                 OVERLAP_OFF=1: the same model then with the compiled full loss instead of its in-place kernel
+#                 (tag bf16-loss-compiled) and without train.optimizer_overlap (tag bf16-no-overlap)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
@@ -28,6 +28,9 @@
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
 #     squares-check  issue 41: the experts' gradient squares summed by SonicMoE's GEMMs (gpu_check_sonic_squares.py,
 #                 SONIC_TAR): gradients bitwise as without, the sums against float64; not run by default
+#     loss-check  issue 41: backend.loss=full's in-place kernel against the compiled loss at the proxy's LM head
+#                 (gpu_check_loss_kernel.py): loss and gradients, the kernel's blocks swept, head + loss timed and
+#                 their peak memory; not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
@@ -80,7 +83,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^first losses\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^first losses\|^loss kernel\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -94,6 +97,7 @@ part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--sma
 TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
 part overlap-check 150 python3 gallery/scripts/gpu_check_overlap.py --out $R
 part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out $R
+part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} $DRY
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)

@@ -3,12 +3,14 @@ token-mean cross entropy on fp32 logits.
 
 Shapes: B batch, L sequence, V vocabulary.
 
-With train.compile the loss is compiled too: inductor fuses the fp32 upcast into the log-sum-exp and the
-gradient (softmax - one-hot) into one pass writing bf16, instead of materialising fp32 copies of the logits
-(at vocabulary 151,936 and 8,192 tokens each fp32 copy is 5 GB; eager spends about 10 ms per step there on an
-H200).
+On CUDA, where the caller gives the logits up (`backward_scale`: the LM head's own loss, moelab.backends.loss), one
+Triton kernel computes the loss and writes the logits' gradient over them (moelab.backends.loss_kernel). Otherwise,
+with train.compile, the loss is compiled: inductor fuses the fp32 upcast into the log-sum-exp and the gradient
+(softmax - one-hot) into one pass writing bf16, instead of materialising fp32 copies of the logits (at vocabulary
+151,936 and 8,192 tokens each fp32 copy is 5 GB; eager spends about 10 ms per step there on an H200).
 
     loss = cross_entropy(logits_BLV, targets_BL, compiled=cfg.train.compile, pad_token_id=cfg.model.pad_token_id)
+    loss = cross_entropy(logits_BLV, targets_BL, backward_scale=ctx.loss_scale)   # the logits are the gradient now
 
 Targets equal to -100 or to `pad_token_id` are left out (the mean is over the others). Logits that are a DTensor
 sharded on the vocabulary (tensor parallelism) take moelab.backends.vocab_parallel: the same loss, no gather.
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from moelab.data.sft import IGNORE_INDEX  # targets left out of the loss
+
+IN_PLACE = True  # the in-place kernel where it applies; gpu_perf turns it off to time the compiled loss beside it
 
 
 def loss_mask(targets_BL: torch.Tensor, pad_token_id: int = -1) -> torch.Tensor | None:
@@ -57,13 +61,22 @@ def _compiled_cross_entropy():
 
 
 def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, compiled: bool = False,
-                  pad_token_id: int = -1) -> torch.Tensor:
+                  pad_token_id: int = -1, backward_scale: float | None = None) -> torch.Tensor:
+    """The mean loss; `backward_scale` given, the caller gives the logits up to the in-place kernel where it applies
+    (the scale backward is expected to bring; see the module docstring)."""
     if _is_dtensor(logits_BLV):  # vocabulary-sharded logits (tensor parallelism's loss parallel)
         from moelab.backends.vocab_parallel import vocab_parallel_cross_entropy
 
         if pad_token_id >= 0:
             targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
         return vocab_parallel_cross_entropy(logits_BLV, targets_BL)
+    if backward_scale is not None and IN_PLACE:
+        from moelab.backends import loss_kernel
+
+        if loss_kernel.applies(logits_BLV.flatten(0, 1)):
+            if pad_token_id >= 0:
+                targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
+            return loss_kernel.cross_entropy_in_place(logits_BLV.flatten(0, 1), targets_BL.flatten(), backward_scale)
     if pad_token_id >= 0:
         return _masked_cross_entropy(logits_BLV, targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX))
     if compiled and logits_BLV.is_cuda:

@@ -117,11 +117,15 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 
 def lm_loss(h_BLD: torch.Tensor, head: nn.Module, targets_BL: torch.Tensor, kind: str = "chunked",
-            pad_token_id: int = -1, compiled: bool = False, chunk: int = 0) -> torch.Tensor:
+            pad_token_id: int = -1, compiled: bool = False, chunk: int = 0,
+            backward_scale: float = 1.0) -> torch.Tensor:
     """The mean next-token loss of hidden states `h_BLD` through the LM head `head` (an nn.Linear without bias;
-    the embedding when tied) against `targets_BL`; `chunk`: backend.loss_chunk_tokens (0 = auto)."""
-    if kind == "full":
-        return cross_entropy(linear(head, h_BLD), targets_BL, compiled=compiled, pad_token_id=pad_token_id)
+    the embedding when tied) against `targets_BL`; `chunk`: backend.loss_chunk_tokens (0 = auto);
+    `backward_scale`: the scale backward is expected to bring (the full loss's in-place kernel computes the
+    logits' gradient with it in forward; moelab.backends.loss_kernel)."""
+    if kind == "full":  # the logits are this call's own: the in-place kernel may take their buffer
+        return cross_entropy(linear(head, h_BLD), targets_BL, compiled=compiled, pad_token_id=pad_token_id,
+                             backward_scale=backward_scale)
     if type(head) is not nn.Linear or head.bias is not None:
         raise TypeError(f"backend.loss={kind!r} computes the LM head itself and needs a plain nn.Linear without "
                         f"bias, not {type(head).__name__}; set backend.loss=full")

@@ -116,7 +116,7 @@ class MoETransformer(nn.Module):
         if targets_BL is None:
             return self.output(h_BLD)
         return lm_loss(h_BLD, self.output, targets_BL, self.loss_kind, self.cfg.pad_token_id, self.loss_compiled,
-                       self.loss_chunk_tokens)
+                       self.loss_chunk_tokens, backward_scale=ctx.loss_scale)
 
     def tie_weights(self) -> None:
         """With tie_embeddings the head IS the embedding (one parameter). Call again after `to_empty`, which

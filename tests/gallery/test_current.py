@@ -70,6 +70,10 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     assert default_deviations(rec("after", optimizer_overlap=True, step_before_read=False, norm_in_gemms=True)) == {}
     assert default_deviations(rec("pass", optimizer_overlap=True, norm_in_gemms=False)) == {
         "norm_in_gemms": (False, True)}
+    if TODAY == "full":  # the compiled full loss timed beside its in-place kernel (gpu_perf's bf16-loss-compiled)
+        assert default_deviations(rec("compiled loss", loss_in_place=False)) == {"loss_in_place": (False, True)}
+        assert default_deviations(rec("kernel", loss_in_place=True)) == {}
+    assert default_deviations(rec("chunked", loss="chunked", loss_in_place=False)).get("loss_in_place") is None
     assert set(default_deviations(rec("eager", compile=False))) >= {"compile"}
     assert "config" in default_deviations(rec("script", dtype=None, workload="not-a-preset"))
     # a record older than TritonAdamW's default, with no optimizer field, ran torch's AdamW
