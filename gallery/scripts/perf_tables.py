@@ -215,7 +215,7 @@ def profiles(results: list) -> list[str]:
 
 # Named parts of a profiled step, found by kernel name among its top kernels (pattern, what it is)
 STEP_PARTS = (("CUDAFunctor_add<c10::BFloat16>", "gradient accumulation: .grad += each micro batch's bf16 gradient"),
-              ("log_softmax|nll_loss|logsumexp", "the loss's own kernels (log-softmax forward and backward)"),
+              ("log_softmax|nll_loss|logsumexp|cross_entropy", "the loss's own kernels (log-softmax forward and backward)"),
               ("adamw_kernel|LpNorm", "optimizer step and gradient norm (once per step)"),
               ("abs_amax", "FP8 quantisation passes (amax, scale, cast: alone or fused into their producer)"))
 

@@ -47,7 +47,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def cross_entropy_kernel(x_ptr, targets_ptr, loss_ptr, scale_ptr, V, ignore_index,
+    def softmax_cross_entropy_kernel(x_ptr, targets_ptr, loss_ptr, scale_ptr, V, ignore_index,
                              WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * V
@@ -75,7 +75,7 @@ def _kernels():
                 tl.store(x_row + offs, d.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rescale_kernel(d_ptr, got_ptr, expected, n, BLOCK: tl.constexpr):
+    def cross_entropy_grad_mul_kernel(d_ptr, got_ptr, expected, n, BLOCK: tl.constexpr):
         factor = tl.load(got_ptr).to(tl.float32) / expected
         if factor != 1.0:
             for i in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
@@ -84,7 +84,7 @@ def _kernels():
                 d = tl.load(d_ptr + offs, mask=mask).to(tl.float32)
                 tl.store(d_ptr + offs, (d * factor).to(d_ptr.dtype.element_ty), mask=mask)
 
-    return cross_entropy_kernel, rescale_kernel
+    return softmax_cross_entropy_kernel, cross_entropy_grad_mul_kernel
 
 
 def _row_losses(logits_TV: torch.Tensor, targets_T: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
