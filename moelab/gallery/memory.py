@@ -36,7 +36,7 @@ def _one_rank_units(p) -> str:
 
 
 # per planner option of a record's day that bears on memory (moelab.gallery.records.CODE_BEFORE; sonic_wgrad,
-# sonic_tiles, grad_norm and into_grad move time only): what that code did and how the plan
+# sonic_tiles, grad_norm, into_grad and expert_norm move time only): what that code did and how the plan
 # counts it (the paragraph under the table), what the option plans and what the code then did (the note's words),
 # and which units of a plan it bears on ("" where none)
 DAY_NOTES = {
@@ -52,6 +52,11 @@ DAY_NOTES = {
                         "records are planned with moelab.planner.plan's local_weighting=combine",
                         "routing-weight placement", "weighted the expert outputs at combine",
                         lambda p: "the MoE layers on one rank" if p.layout.get("ep", 1) == 1 else ""),
+    "full_loss": ("backend.loss=full then kept the logits and, in backward, their gradient in a second buffer of "
+                  "the same size (the compiled loss); since then one kernel writes the gradient over the logits "
+                  "(moelab.backends.loss_kernel). Such records are planned with moelab.planner.plan's "
+                  "full_loss=compiled", "full loss", "kept the logits' gradient beside them",
+                  lambda p: "the last stage's logits" if p.loss == "full" and p.layout.get("tp", 1) == 1 else ""),
 }
 
 

@@ -36,10 +36,13 @@ def chunk_tokens(vocab_size: int, tokens: int, setting: int = 0) -> int:
     return max(1, min(c, tokens))
 
 
-def logits_bytes(cfg, T: int, a: int) -> int:
+def logits_bytes(cfg, T: int, a: int, in_place: bool = True) -> int:
     """Peak bytes of the loss on the last pipeline stage for a micro batch of T tokens (the plan's logits term);
-    the chunked loss's weight gradient counts its fp32 accumulator and its copy in the weight's dtype."""
+    the chunked loss's weight gradient counts its fp32 accumulator and its copy in the weight's dtype. `in_place`:
+    the full loss's kernel writes the gradient over the logits (moelab.planner.speed.in_place)."""
     V, D, compiled = cfg.model.vocab_size, cfg.model.hidden_size, cfg.train.compile
+    if in_place and cfg.backend.loss == "full":
+        return T * V * a
     if cfg.backend.loss == "full":
         return T * V * (2 * a if compiled else a + 12)
     if cfg.backend.loss == "cce":
@@ -53,9 +56,11 @@ def logits_bytes(cfg, T: int, a: int) -> int:
     return V * D * 4 + T * D * a + max(chunk, V * D * a if head_bf16 else 0)
 
 
-def loss_assumption(cfg) -> str:
+def loss_assumption(cfg, in_place: bool = True) -> str:
     """The plan's line on the loss term."""
     t, b = cfg.train, cfg.backend
+    if in_place and b.loss == "full":
+        return "full loss (CUDA): the logits, their gradient written over them (moelab.backends.loss_kernel)"
     if b.loss == "full":
         return ("loss compiled (CUDA): logits and their gradient only" if t.compile else
                 "eager loss: logits, fp32 log-probabilities and fp32 gradients (compute-dtype bytes + 12 per logit)")

@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import (EXPERT_NORM, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD,
+from moelab.planner.speed import (EXPERT_NORM, FULL_LOSS, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD, in_place,
                                   predict as predict_speed)
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
@@ -154,6 +154,10 @@ class Plan:
     # the experts' gradient norm on one GPU, one micro batch, backend.experts=sonic: "gemm" (their GEMMs' epilogue,
     # moelab.backends.sonic_squares) or "pass" (the norm's pass, the code before d255f7c; planned for records of it)
     expert_norm: str = "gemm"
+    # backend.loss=full's loss: "kernel" (the in-place kernel, moelab.backends.loss_kernel: the logits' gradient
+    # written over them) or "compiled" (the compiled loss, the code before 56f5afa; planned for records measured with it)
+    full_loss: str = "kernel"
+    loss: str = ""  # backend.loss as planned (auto resolved for the GPU)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,22 +304,24 @@ class _Sizes:
     one_rank: str = "plain"  # FSDP2 on one-rank meshes, by the code planned (moelab.planner.comm.FSDP_ONE_RANK)
     weighting: str = "experts"  # where the local dispatcher weights, by the code planned (planner.saved)
     g: int = 8  # GPUs per node (the GPU kind's, or parallel.ranks_per_node)
+    full_loss: str = "kernel"  # backend.loss=full's loss, by the code planned (Plan.full_loss)
 
 
-def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts", g: int = 8) -> _Sizes:
+def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "experts", g: int = 8,
+           full_loss: str = "kernel") -> _Sizes:
     p = ParallelDims.build(cfg, world).layout
     t = cfg.train
     shard = p.fsdp * p.cp * p.tp
     return _Sizes(cfg, p, world, shard, shard // p.ep, t.global_batch_size // (t.micro_batch_size * p.fsdp),
                   2 if t.dtype == "bfloat16" else 4, state_bytes(t).weight, state_bytes(t).moments,
                   t.micro_batch_size * t.seq_len // p.cp, one_rank, weighting,
-                  getattr(p, "ranks_per_node", 0) or g)
+                  getattr(p, "ranks_per_node", 0) or g, full_loss)
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
          fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
          sonic_tiles: str = "moelab", into_grad: str = "moelab", grad_norm: str = "triton",
-         expert_norm: str = "gemm", suggest: bool = True) -> Plan:
+         expert_norm: str = "gemm", full_loss: str = "kernel", suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
@@ -326,7 +332,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     (moelab's) or "autograd" (before af73383: Plan.sonic_wgrad); `sonic_tiles` likewise: "moelab" or "quack" (before
     756805e: Plan.sonic_tiles); `into_grad` likewise: "moelab" or "autograd" (before cba26db: Plan.into_grad);
     `grad_norm` likewise: "triton" or "torch" (before 3187545: Plan.grad_norm); `expert_norm` likewise: "gemm" or
-    "pass" (before d255f7c: Plan.expert_norm). A plan that does not fit
+    "pass" (before d255f7c: Plan.expert_norm); `full_loss` likewise: "kernel" or "compiled" (before 56f5afa:
+    Plan.full_loss). A plan that does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -343,7 +350,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                              ("sonic_tiles", sonic_tiles, SONIC_TILES, "756805e"),
                                              ("into_grad", into_grad, INTO_GRAD, "cba26db"),
                                              ("grad_norm", grad_norm, GRAD_NORM, "3187545"),
-                                             ("expert_norm", expert_norm, EXPERT_NORM, "d255f7c")):
+                                             ("expert_norm", expert_norm, EXPERT_NORM, "d255f7c"),
+                                             ("full_loss", full_loss, FULL_LOSS, "56f5afa")):
         if value not in (now, then):
             raise ConfigError(f"{name}={value!r}: must be one of {now}, {then} ({now}: moelab's code; {then}: the "
                               f"code before {commit}, for records measured with it)")
@@ -354,7 +362,7 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
         mem_gb = gpu_memory_gb if gpu_memory_gb or not gpu else gpu_kind(gpu).memory_gb
         cfg = cfg.replace(**{"backend.loss": resolve_loss(cfg, world, mem_gb)})
     kind = gpu_kind(gpu) if gpu else None
-    z = _sizes(cfg, world, fsdp_one_rank, local_weighting, kind.gpus_per_node if kind else 8)
+    z = _sizes(cfg, world, fsdp_one_rank, local_weighting, kind.gpus_per_node if kind else 8, full_loss)
     mdl, t, p = cfg.model, cfg.train, z.p
     ranks = split_layers(mdl, p.pp, p.vp)
     per_rank, logit_bytes = _memory(z, ranks)
@@ -369,7 +377,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                                                       sonic_wgrad=sonic_wgrad,
                                                                       sonic_tiles=sonic_tiles,
                                                                       into_grad=into_grad, grad_norm=grad_norm,
-                                                                      expert_norm=expert_norm))
+                                                                      expert_norm=expert_norm,
+                                                                      full_loss=full_loss))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -388,12 +397,12 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                              "bubble_fraction": (p.pp - 1) / (p.vp * z.m + p.pp - 1) if p.pp > 1 else 0.0,
                              "in_flight_micro_batches": worst["flight"]},
         gpu_memory_gb=capacity_gb, gpu_memory_source=source, fits=fits, biggest_term=biggest, verdict=verdict,
-        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m, z.one_rank) + (
+        assumptions=_assumptions(cfg, p, z.shard, z.efsdp, z.m, z.one_rank, z.full_loss) + (
             ["routing weights applied at combine, the expert outputs kept for their gradient, as the code before "
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles, into_grad=into_grad,
-        grad_norm=grad_norm, expert_norm=expert_norm)
+        grad_norm=grad_norm, expert_norm=expert_norm, full_loss=full_loss, loss=cfg.backend.loss)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict
@@ -467,7 +476,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
                  "ffn": x["ffn"] + extra * (tp_gathered_sublayers(cfg, is_moe[i]) - 1)} for i, x in enumerate(acts)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
     # vocabulary-parallel under TP: a tp-th of it
-    logits_total = logits_bytes(cfg, z.T, a) // p.tp
+    logits_total = logits_bytes(cfg, z.T, a, in_place(cfg, z.full_loss)) // p.tp
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
     fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
     kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
@@ -659,7 +668,8 @@ def _verdict(z: _Sizes, worst: dict, capacity_gb: float) -> tuple[bool, str, str
     return False, biggest, verdict
 
 
-def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str = "plain") -> list[str]:
+def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str = "plain",
+                 full_loss: str = "kernel") -> list[str]:
     t = cfg.train
     states = describe_states(t)
     if t.dtype != "bfloat16":
@@ -680,7 +690,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
         f"activations: what autograd keeps {'compiled (inductor recomputes pointwise work)' if t.compile else 'eager'}"
         f" for the {cfg.backend.router_kind} router (moelab.planner.saved); activation checkpointing: "
         f"{t.activation_checkpointing}",
-        loss_assumption(cfg),
+        loss_assumption(cfg, in_place(cfg, full_loss)),
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",

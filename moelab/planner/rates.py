@@ -180,6 +180,14 @@ GRAD_NORM_MEASURED = {
 }
 NORM_EPILOGUE = ((4.4830 - 4.3460) / 0.4600, _SQ_CHECK + ": ms_fwd_bwd_with_squares - ms_fwd_bwd_plain over "
                  "ms_norm_pass_of_the_two_gradients")
+# backend.loss=full's in-place kernel (moelab.backends.loss_kernel): two reads of the bf16 logits and one write of
+# their gradient over them, bytes per second, at the Qwen3 proxy's 8,192 x 151,936 (issue 41 call 29's check, the
+# kernel alone at its default block and warps); a kind not measured carries it by the HBM ratio
+_LOSS_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--loss-kernel-check-h100-issue41-call29.json"
+LOSS_KERNEL_MEASURED = {
+    "h100": (3 * 2 * 8192 * 151936 / 2.4883e-3 / 1e12, _LOSS_CHECK + ": ms_loss_kernel_by_block_and_warps 8192x16 "
+             "(default_block_and_warps) 2.488 ms"),
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -218,6 +226,7 @@ class Rates:
     grad_accumulate: float  # bytes/s of autograd's gradient accumulation (read both, write one)
     grad_norm: float  # bytes/s of the gradient norm's own pass (GRAD_NORM_MEASURED)
     norm_epilogue: float  # the experts' squares in their GEMMs' epilogue, in units of that pass's time (NORM_EPILOGUE)
+    loss_kernel: float  # bytes/s of the full loss's in-place kernel: two reads of the logits and one write
 
     def per_element(self, key: str) -> float:
         """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
@@ -226,11 +235,13 @@ class Rates:
 
 def _measured_tb_s(table: dict, kind: GPUKind) -> float:
     """TB/s of a memory-bound pass on `kind` from `table` (OPTIMIZER_MEASURED: TritonAdamW + the gradient norm;
-    GRAD_NORM_MEASURED: the norm's pass): measured there, else the H200's by the HBM bandwidth ratio."""
+    GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel): measured there, else the
+    first kind measured (the H200 where it was) by the HBM bandwidth ratio."""
     key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
     if key in table:
         return table[key][0]
-    return table["h200"][0] * kind.hbm_tb_s / H200.hbm_tb_s
+    measured = "h200" if "h200" in table else next(iter(table))
+    return table[measured][0] * kind.hbm_tb_s / GPU_KINDS[measured].hbm_tb_s
 
 
 def rates(kind: GPUKind, balanced: bool) -> Rates:
@@ -251,4 +262,5 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],
                  idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm,
-                 grad_norm=_measured_tb_s(GRAD_NORM_MEASURED, kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0])
+                 grad_norm=_measured_tb_s(GRAD_NORM_MEASURED, kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0],
+                 loss_kernel=_measured_tb_s(LOSS_KERNEL_MEASURED, kind) * 1e12)

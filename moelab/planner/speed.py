@@ -13,8 +13,10 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
   attention rate; elementwise work (norms, rotary, SwiGLU, residuals) per token x hidden x layer, the
   permutation per routed row x hidden, and the GPU's idle gaps per layer, at the times per element the
   compiled profile measured (x EAGER_FACTOR without train.compile).
-- The LM head and loss (last stage), by backend.loss: full (logits, then the loss kernels) or chunked (its own
-  kernels, the head's GEMMs in chunks); liger and cce are not modelled (timed as chunked, and said so).
+- The LM head and loss (last stage), by backend.loss: full (logits, then the loss kernels: the in-place kernel's
+  three passes over the logits at its measured bandwidth, moelab.backends.loss_kernel, or the compiled loss of the
+  code before it) or chunked (its own kernels, the head's GEMMs in chunks); liger and cce are not modelled (timed
+  as chunked, and said so).
 - train.fp8: the experts' GEMMs (forward and dgrad e4m3, wgrad bf16) and the projections' (all three e4m3) at
   the rates the FP8 profile measured, plus its quantisation passes: the routed rows' and the projections'
   every micro batch, the expert weights' two e4m3 copies once per step (moelab.model.fp8_cache) or every micro
@@ -96,6 +98,9 @@ GRAD_NORM = ("triton", "torch")
 # the experts' gradient norm on a one-GPU, one-micro-batch backend.experts=sonic step (Plan.expert_norm): summed by
 # their weight-gradient GEMMs' epilogue (moelab.backends.sonic_squares, since d255f7c) or read by the norm's pass
 EXPERT_NORM = ("gemm", "pass")
+# backend.loss=full's loss kernels (Plan.full_loss): the in-place kernel (moelab.backends.loss_kernel, since 56f5afa)
+# or the compiled loss (the code before, and the vocabulary-parallel loss under TP)
+FULL_LOSS = ("kernel", "compiled")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -304,7 +309,7 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
                                                      else 1.0) / r.attention,
         "elementwise": eager * ew * T * (len(layers) * D * r.per_element("elementwise_s") + n_moe * K * D
                                          * r.per_element("permute_s") * sonic.get("permute_ratio", 1.0)),
-        "head_loss": _head_loss(cfg, r, T, fl["head"], V) if last else 0.0,
+        "head_loss": _head_loss(cfg, r, T, fl["head"], V, p.full_loss) if last else 0.0,
         "fp8_quant": 0.0,
         "idle": len(layers) * r.idle_s_per_layer,
     }
@@ -345,14 +350,22 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
             "experts_forward_s": parts["expert_matmul"] / mm / 3, "layers": len(layers), "recompute_s": again}
 
 
-def _head_loss(cfg, r: Rates, T: int, head_flops: float, V: int) -> float:
+def in_place(cfg, full_loss: str) -> bool:
+    """Whether backend.loss=full runs its in-place kernel (moelab.backends.loss_kernel) under the code planned
+    (`full_loss`, Plan.full_loss): on a GPU, without tensor parallelism (whose loss takes the sharded logits)."""
+    return cfg.backend.loss == "full" and full_loss == "kernel" and cfg.parallel.tp == 1
+
+
+def _head_loss(cfg, r: Rates, T: int, head_flops: float, V: int, full_loss: str = "kernel") -> float:
     """The LM head's GEMMs and the loss kernels for one micro batch on the last stage (backend.loss; liger and
-    cce, not modelled, as chunked)."""
+    cce, not modelled, as chunked; `full_loss`: Plan.full_loss)."""
     t = cfg.train
     head = T * head_flops / r.dense
     if t.fp8 == "rowwise_lm_head":
         head *= H200_MEASURED["fp8_head_factor"][0]
     eager = 1.0 if t.compile else EAGER_FACTOR
+    if cfg.backend.loss == "full" and in_place(cfg, full_loss):  # two reads of the logits and one write
+        return head + 3 * (2 if t.dtype == "bfloat16" else 4) * T * V / r.loss_kernel
     if cfg.backend.loss == "full":
         return head + eager * T * V * r.per_element("loss_full_s")
     return head * H200_MEASURED["chunked_head_factor"][0] + eager * T * V * r.per_element("loss_chunked_s")

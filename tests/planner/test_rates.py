@@ -118,6 +118,22 @@ def test_the_triton_adamw_and_norm_are_each_kinds_profile(proxy):
         OPTIMIZER_MEASURED["h200"][0] * 1e12 / 2)
 
 
+def test_the_full_loss_kernel_is_its_checks_default_on_the_h100_and_carried_by_hbm_elsewhere():
+    """backend.loss=full's in-place kernel: two reads of the bf16 logits and one write, at the time issue 41 call
+    29's check measured for the kernel's default block and warps; the H200 carries it by the HBM ratio."""
+    from moelab.backends import loss_kernel
+    from moelab.planner.rates import LOSS_KERNEL_MEASURED
+
+    check = record("qwen3-moe-30b-a3b-proxy--moelab--loss-kernel-check-h100-issue41-call29.json")
+    assert check["ok"] and check["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    assert check["default_block_and_warps"] == f"{loss_kernel.BLOCK}x{loss_kernel.WARPS}"  # still today's kernel
+    ms = check["ms_loss_kernel_by_block_and_warps"][check["default_block_and_warps"]]
+    T, V = check["shape"]["T"], check["shape"]["V"]
+    assert LOSS_KERNEL_MEASURED["h100"][0] == pytest.approx(3 * 2 * T * V / (ms * 1e-3) / 1e12, rel=1e-4)
+    assert rates(GPU_KINDS["h200"], balanced=False).loss_kernel == pytest.approx(
+        LOSS_KERNEL_MEASURED["h100"][0] * 1e12 * GPU_KINDS["h200"].hbm_tb_s / GPU_KINDS["h100"].hbm_tb_s)
+
+
 def test_fp8_rates_are_the_fp8_profile_and_kernel_check(proxy):
     mdl, fl = proxy
     prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2-5fe5a16.json")

@@ -11,7 +11,7 @@ from moelab.planner.comm import fsdp_bytes
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPU_KINDS, gpu_kind
 from moelab.planner.plan import plan
-from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED
+from moelab.planner.rates import EAGER_FACTOR, H200_MEASURED, LOSS_KERNEL_MEASURED
 from moelab.planner.speed import COMM_PARTS, layer_flops
 
 PROXY = "qwen3-moe-30b-a3b-proxy"
@@ -59,7 +59,9 @@ def test_the_matmul_terms_follow_the_flops_count():
     assert s.parts_s["attention"] == pytest.approx(T * attention_flops_per_token(cfg.model, 4096)
                                                    / rate("attention_tflops"))
     head = T * fl["head"] / rate("dense_tflops")
-    assert s.parts_s["head_loss"] == pytest.approx(head + T * cfg.model.vocab_size * H200_MEASURED["loss_full_s"][0])
+    a = 2 if cfg.train.dtype == "bfloat16" else 4  # the in-place loss kernel: two reads of the logits, one write
+    assert s.parts_s["head_loss"] == pytest.approx(
+        head + 3 * a * T * cfg.model.vocab_size / (_measured(LOSS_KERNEL_MEASURED, "h200") * 1e12))
     # the pieces are the planner's count: 8 MoE blocks + the LM head = 6 x activated parameters
     assert 8 * (fl["moe_dense"] + fl["moe_experts"]) + fl["head"] == pytest.approx(
         plan(cfg).flops_per_token - attention_flops_per_token(cfg.model, 4096))
@@ -214,7 +216,10 @@ def test_compile_changes_only_the_elementwise_and_loss_work():
     eager, compiled = speed(PROXY, **{"backend.loss": "full"}), speed(PROXY, **{"train.compile": True,
                                                                               "backend.loss": "full"})
     assert eager.parts_s["elementwise"] == pytest.approx(EAGER_FACTOR * compiled.parts_s["elementwise"])
-    assert eager.parts_s["head_loss"] > compiled.parts_s["head_loss"]
+    assert eager.parts_s["head_loss"] == compiled.parts_s["head_loss"]  # the in-place loss kernel either way
+    before = {k: plan(load_config(PROXY, {"backend.loss": "full", "train.compile": c}), gpu="h200",
+                      full_loss="compiled").speed for k, c in (("eager", False), ("compiled", True))}
+    assert before["eager"].parts_s["head_loss"] > before["compiled"].parts_s["head_loss"]
     assert eager.parts_s["dense_matmul"] == compiled.parts_s["dense_matmul"]
 
 
@@ -357,9 +362,49 @@ def test_the_experts_gradient_norm_in_their_gemms_saves_its_share_of_the_norms_p
             == plan(one, gpu="h100", grad_norm="torch", expert_norm="pass").speed.parts_s)
     assert planner_options({"date": "2026-12-06T17:20:00Z"})["expert_norm"] == "pass"  # issue 41 call 26
     assert "expert_norm" not in planner_options({"date": "2026-12-06T17:53:00Z"})  # call 28's default
-    assert planner_options({"date": "2026-12-06T17:53:00Z", "norm_in_gemms": False}) == {"expert_norm": "pass"}
+    assert planner_options({"date": "2026-12-06T21:10:00Z", "norm_in_gemms": False}) == {"expert_norm": "pass"}
     with pytest.raises(ConfigError, match="expert_norm='fast'.*gemm, pass"):
         plan(one, gpu="h100", expert_norm="fast")
+
+
+def test_the_full_loss_kernel_is_planned_at_its_measured_rate_and_holds_one_buffer_of_logits():
+    # backend.loss=full: the in-place kernel's three passes over the bf16 logits at LOSS_KERNEL_MEASURED's rate and
+    # one [T, V] buffer (the gradient written over the logits); records before 56f5afa, or timed with the compiled
+    # loss beside it, are planned with that loss and its two buffers; tensor parallelism keeps the sharded loss
+    from moelab.planner.rates import LOSS_KERNEL_MEASURED
+
+    cfg = load_config(PROXY, {**BF16, "train.compile": True, "backend.loss": "full", "train.global_batch_size": 2,
+                              "train.micro_batch_size": 2})
+    T, V = 2 * cfg.train.seq_len, cfg.model.vocab_size
+    for gpu in ("h100", "h200"):
+        now, then = plan(cfg, gpu=gpu), plan(cfg, gpu=gpu, full_loss="compiled")
+        head = now.speed.parts_s["head_loss"] - 3 * 2 * T * V / (_measured(LOSS_KERNEL_MEASURED, gpu) * 1e12)
+        assert head == pytest.approx(then.speed.parts_s["head_loss"] - T * V * _loss_full_s(gpu), rel=1e-9)
+        assert then.memory["logits"] - now.memory["logits"] == T * V * 2
+        assert (now.full_loss, then.full_loss, now.loss) == ("kernel", "compiled", "full")
+    chunked = cfg.replace(**{"backend.loss": "chunked"})
+    assert plan(chunked, gpu="h100").speed.parts_s == plan(chunked, gpu="h100", full_loss="compiled").speed.parts_s
+    assert planner_options({"date": "2026-12-06T17:53:00Z"})["full_loss"] == "compiled"  # issue 41 call 28
+    assert "full_loss" not in planner_options({"date": "2026-12-06T21:10:00Z"})
+    with pytest.raises(ConfigError, match="full_loss='fast'.*kernel, compiled"):
+        plan(cfg, gpu="h100", full_loss="fast")
+
+
+def _measured(table: dict, gpu: str) -> float:
+    """TB/s of a per-kind measured table on `gpu` (rates._measured_tb_s: measured there, else carried by HBM)."""
+    from moelab.planner.gpus import GPU_KINDS
+
+    if gpu in table:
+        return table[gpu][0]
+    first = "h200" if "h200" in table else next(iter(table))
+    return table[first][0] * GPU_KINDS[gpu].hbm_tb_s / GPU_KINDS[first].hbm_tb_s
+
+
+def _loss_full_s(gpu: str) -> float:
+    from moelab.planner.gpus import GPU_KINDS
+    from moelab.planner.rates import H200_MEASURED
+
+    return H200_MEASURED["loss_full_s"][0] * GPU_KINDS["h200"].hbm_tb_s / GPU_KINDS[gpu].hbm_tb_s
 
 
 def test_records_before_the_triton_norm_are_planned_with_torchs():
