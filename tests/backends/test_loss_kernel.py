@@ -23,7 +23,7 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is the subprocess")
-    pytest_under_interpreter(__file__, 12 + 1 + 2 + 1, timeout=600)
+    pytest_under_interpreter(__file__, 12 + 2 + 2 + 1, timeout=600)
 
 
 def test_the_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):
@@ -72,6 +72,18 @@ def test_loss_and_gradient_equal_torch(monkeypatch, dtype, masking, expected, go
         (leaf.grad.float() - want).abs().max()
     if masking == "none counted":
         assert not leaf.grad.any()
+
+
+@inner
+def test_a_second_backward_through_the_same_graph_is_refused():
+    from moelab.backends.loss_kernel import cross_entropy_in_place
+
+    x, t = _case(torch.float32, "all")
+    leaf = x.clone().requires_grad_()
+    loss = cross_entropy_in_place(leaf * 1, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="gives its gradient once.*retain_graph"):
+        loss.backward()
 
 
 @inner
