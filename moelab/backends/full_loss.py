@@ -64,21 +64,19 @@ def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, compiled: 
                   pad_token_id: int = -1, backward_scale: float | None = None) -> torch.Tensor:
     """The mean loss; `backward_scale` given, the caller gives the logits up to the in-place kernel where it applies
     (the scale backward is expected to bring; see the module docstring)."""
+    if pad_token_id >= 0:  # the pad id's targets left out as -100's are
+        targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
     if _is_dtensor(logits_BLV):  # vocabulary-sharded logits (tensor parallelism's loss parallel)
         from moelab.backends.vocab_parallel import vocab_parallel_cross_entropy
 
-        if pad_token_id >= 0:
-            targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
         return vocab_parallel_cross_entropy(logits_BLV, targets_BL)
     if backward_scale is not None and IN_PLACE:
         from moelab.backends import loss_kernel
 
         if loss_kernel.applies(logits_BLV.flatten(0, 1)):
-            if pad_token_id >= 0:
-                targets_BL = targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX)
             return loss_kernel.cross_entropy_in_place(logits_BLV.flatten(0, 1), targets_BL.flatten(), backward_scale)
     if pad_token_id >= 0:
-        return _masked_cross_entropy(logits_BLV, targets_BL.masked_fill(targets_BL == pad_token_id, IGNORE_INDEX))
+        return _masked_cross_entropy(logits_BLV, targets_BL)
     if compiled and logits_BLV.is_cuda:
         return _compiled_cross_entropy()(logits_BLV, targets_BL)
     return _cross_entropy(logits_BLV, targets_BL)
