@@ -36,12 +36,19 @@ def chunk_tokens(vocab_size: int, tokens: int, setting: int = 0) -> int:
     return max(1, min(c, tokens))
 
 
-def logits_bytes(cfg, T: int, a: int, in_place: bool = True) -> int:
+def in_place(cfg, full_loss: str = "kernel") -> bool:
+    """Whether backend.loss=full runs its in-place kernel (moelab.backends.loss_kernel: the logits' gradient written
+    over them) under the code planned (`full_loss`, Plan.full_loss): on a GPU, without tensor parallelism (whose loss
+    takes the sharded logits)."""
+    return cfg.backend.loss == "full" and full_loss == "kernel" and cfg.parallel.tp == 1
+
+
+def logits_bytes(cfg, T: int, a: int, full_loss: str = "kernel") -> int:
     """Peak bytes of the loss on the last pipeline stage for a micro batch of T tokens (the plan's logits term);
-    the chunked loss's weight gradient counts its fp32 accumulator and its copy in the weight's dtype. `in_place`:
-    the full loss's kernel writes the gradient over the logits (moelab.planner.speed.in_place)."""
+    the chunked loss's weight gradient counts its fp32 accumulator and its copy in the weight's dtype; `full_loss`:
+    the code planned (``in_place``)."""
     V, D, compiled = cfg.model.vocab_size, cfg.model.hidden_size, cfg.train.compile
-    if in_place and cfg.backend.loss == "full":
+    if in_place(cfg, full_loss):
         return T * V * a
     if cfg.backend.loss == "full":
         return T * V * (2 * a if compiled else a + 12)
@@ -56,10 +63,10 @@ def logits_bytes(cfg, T: int, a: int, in_place: bool = True) -> int:
     return V * D * 4 + T * D * a + max(chunk, V * D * a if head_bf16 else 0)
 
 
-def loss_assumption(cfg, in_place: bool = True) -> str:
+def loss_assumption(cfg, full_loss: str = "kernel") -> str:
     """The plan's line on the loss term."""
     t, b = cfg.train, cfg.backend
-    if in_place and b.loss == "full":
+    if in_place(cfg, full_loss):
         return "full loss (CUDA): the logits, their gradient written over them (moelab.backends.loss_kernel)"
     if b.loss == "full":
         return ("loss compiled (CUDA): logits and their gradient only" if t.compile else

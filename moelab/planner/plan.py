@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import (EXPERT_NORM, FULL_LOSS, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD, in_place,
+from moelab.planner.speed import (EXPERT_NORM, FULL_LOSS, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD,
                                   predict as predict_speed)
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
@@ -476,7 +476,7 @@ def _memory(z: _Sizes, ranks: list[list[int]]) -> tuple[list[dict], int]:
                  "ffn": x["ffn"] + extra * (tp_gathered_sublayers(cfg, is_moe[i]) - 1)} for i, x in enumerate(acts)]
     # the loss's peak on the last stage (moelab.planner.loss: the whole logits, or one chunk of the fused loss),
     # vocabulary-parallel under TP: a tp-th of it
-    logits_total = logits_bytes(cfg, z.T, a, in_place(cfg, z.full_loss)) // p.tp
+    logits_total = logits_bytes(cfg, z.T, a, z.full_loss) // p.tp
     logit_bytes = logits_total // max(T, 1)  # per token, as reported
     fused = [not eager(i) and cfg.backend.attention != "flex" for i in range(mdl.num_layers)]
     kept = [selective_kept_per_token(cfg, is_moe[i], a, fused[i]) for i in range(mdl.num_layers)]
@@ -690,7 +690,7 @@ def _assumptions(cfg: Config, p, shard: int, efsdp: int, m: int, one_rank: str =
         f"activations: what autograd keeps {'compiled (inductor recomputes pointwise work)' if t.compile else 'eager'}"
         f" for the {cfg.backend.router_kind} router (moelab.planner.saved); activation checkpointing: "
         f"{t.activation_checkpointing}",
-        loss_assumption(cfg, in_place(cfg, full_loss)),
+        loss_assumption(cfg, full_loss),
         ("peak = sum of all terms (full gradients sit next to the activations from the second micro batch on)"
          if m > 1 else "peak = the other terms + max(gradients, activations + logits): one micro batch per step"),
         f"verdict keeps {int(100 * RESERVE)}% of GPU memory for the CUDA context, NCCL and fragmentation",

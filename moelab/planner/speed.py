@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 
 from moelab.planner.flops import attention_flops_per_token, count_params
 from moelab.planner.gpus import GPUKind, gpu_kind
+from moelab.planner.loss import in_place
 from moelab.planner.rates import (EAGER_FACTOR, GROUPED_FORWARD_TFLOPS, GROUPED_SHAPES, H200_MEASURED, PUBLISHED, Rates,
                                   SONIC_MEASURED, rates)
 
@@ -350,12 +351,6 @@ def _micro_batch(cfg, p, r: Rates, rank: int, layers: list[int]) -> dict:
             "experts_forward_s": parts["expert_matmul"] / mm / 3, "layers": len(layers), "recompute_s": again}
 
 
-def in_place(cfg, full_loss: str) -> bool:
-    """Whether backend.loss=full runs its in-place kernel (moelab.backends.loss_kernel) under the code planned
-    (`full_loss`, Plan.full_loss): on a GPU, without tensor parallelism (whose loss takes the sharded logits)."""
-    return cfg.backend.loss == "full" and full_loss == "kernel" and cfg.parallel.tp == 1
-
-
 def _head_loss(cfg, r: Rates, T: int, head_flops: float, V: int, full_loss: str = "kernel") -> float:
     """The LM head's GEMMs and the loss kernels for one micro batch on the last stage (backend.loss; liger and
     cce, not modelled, as chunked; `full_loss`: Plan.full_loss)."""
@@ -364,7 +359,7 @@ def _head_loss(cfg, r: Rates, T: int, head_flops: float, V: int, full_loss: str 
     if t.fp8 == "rowwise_lm_head":
         head *= H200_MEASURED["fp8_head_factor"][0]
     eager = 1.0 if t.compile else EAGER_FACTOR
-    if cfg.backend.loss == "full" and in_place(cfg, full_loss):  # two reads of the logits and one write
+    if in_place(cfg, full_loss):  # two reads of the logits and one write
         return head + 3 * (2 if t.dtype == "bfloat16" else 4) * T * V / r.loss_kernel
     if cfg.backend.loss == "full":
         return head + eager * T * V * r.per_element("loss_full_s")
