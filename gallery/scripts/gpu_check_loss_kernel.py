@@ -4,8 +4,8 @@ At the Qwen3 proxy's LM head (8,192 tokens, hidden 2,048, vocabulary 151,936, bf
 + backward both ways from the same hidden states and weight (moelab.backends.loss.lm_loss, backend.loss=full, the
 head's plain GEMMs): the losses within 1e-5 (relative), the hidden states' and the head's gradients within 1% of
 their largest entry; a scale other than the expected one (backward rescales) checked too. Then: the loss kernels
-alone (logits given; the kernel's row block and warps swept, the module's default marked), the head + loss forward +
-backward both ways, and the peak memory of each.
+alone (logits given; the kernel's row block, warps, programs per SM and L2 hints swept, the module's default marked),
+the head + loss forward + backward both ways, and the peak memory of each.
 
     python gallery/scripts/gpu_check_loss_kernel.py --out DIR        # DIR/loss-kernel-check.json
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,15 +21,14 @@ from torch import nn
 
 from moelab.backends import full_loss, loss_kernel
 from moelab.backends.loss import lm_loss
-from moelab.train.bench import StepTimer, commit_id
+from moelab.train.bench import commit_id, median_ms
 
 T, D, V = 8192, 2048, 151936
-CONFIGS = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
-
-
-def timed(f, reps: int = 10) -> float:
-    """Median ms of f() over `reps` calls after two warm-up calls (moelab.train.bench.StepTimer's CUDA events)."""
-    return statistics.median(StepTimer("cuda").time(lambda i: f(), reps + 2)[2:])
+# (BLOCK, WARPS, ROWS_PER_SM, EVICT) of moelab.backends.loss_kernel: a program per row (ROWS_PER_SM 0), or a few per
+# SM walking rows (fewer rows in flight, so the second read finds more of its row in L2), with and without L2 hints
+CONFIGS = ((8192, 16, 0, False), (32768, 32, 0, False), (8192, 16, 0, True), (8192, 16, 1, False),
+           (8192, 16, 1, True), (8192, 16, 2, True), (16384, 16, 1, True), (16384, 32, 1, True), (4096, 8, 2, True),
+           (4096, 8, 4, True), (8192, 8, 2, True), (32768, 32, 1, True))
 
 
 def head_loss(h_TD, head, targets_T, in_place: bool, scale: float = 1.0, expected: float = 1.0):
@@ -77,11 +75,23 @@ def main() -> int:
         compiled(x[None], targets_T[None]).backward()
 
     kernel_ms = {}
-    for block, warps in CONFIGS:  # the loss kernel alone over the same buffer (it holds the gradient after the first)
-        loss_kernel.BLOCK, loss_kernel.WARPS = block, warps
-        kernel_ms[f"{block}x{warps}"] = round(timed(lambda: loss_kernel._row_losses(logits, targets_T, 1 / count)), 4)
-    loss_kernel.BLOCK, loss_kernel.WARPS = default = (8192, 16)
-    t_compiled = timed(compiled_loss)
+    default = (loss_kernel.BLOCK, loss_kernel.WARPS, loss_kernel.ROWS_PER_SM, loss_kernel.EVICT)
+    default_name = loss_kernel.config_name()
+    ref_d = logits.clone()
+    ref_T = loss_kernel._row_losses(ref_d, targets_T, 1 / count)
+    config_rel = {}  # each config's losses and gradient against the default's (block sizes reorder the sums)
+    for config in CONFIGS:  # the loss kernel alone over the same buffer (it holds the gradient after the first)
+        loss_kernel.BLOCK, loss_kernel.WARPS, loss_kernel.ROWS_PER_SM, loss_kernel.EVICT = config
+        d = logits.clone()
+        got_T = loss_kernel._row_losses(d, targets_T, 1 / count)
+        config_rel[loss_kernel.config_name()] = {"losses": rel(got_T, ref_T), "gradient": rel(d, ref_d)}
+        del d
+        kernel_ms[loss_kernel.config_name()] = round(
+            median_ms(lambda: loss_kernel._row_losses(logits, targets_T, 1 / count)), 4)
+    loss_kernel.BLOCK, loss_kernel.WARPS, loss_kernel.ROWS_PER_SM, loss_kernel.EVICT = default
+    ref_d = None
+    ok = ok and all(r["losses"] <= 1e-6 and r["gradient"] <= 1e-2 for r in config_rel.values())
+    t_compiled = median_ms(compiled_loss)
     logits = None
     peak = {}
     t_head = {}
@@ -89,17 +99,18 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        t_head[in_place] = timed(lambda: head_loss(h_TD, head, targets_T, in_place))
+        t_head[in_place] = median_ms(lambda: head_loss(h_TD, head, targets_T, in_place))
         peak[in_place] = (torch.cuda.max_memory_allocated() - base) / 2**30
     rec = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "loss-kernel-check",
            "gpu_name": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
            "command": " ".join(["python"] + sys.argv), "shape": {"T": T, "D": D, "V": V}, "checks": checks,
-           "ms_loss_kernel_by_block_and_warps": kernel_ms, "default_block_and_warps": f"{default[0]}x{default[1]}",
+           "ms_loss_kernel_by_config": kernel_ms, "rel_to_default_by_config": config_rel,
+           "default_config": default_name,
            "ms_compiled_loss_fwd_bwd": round(t_compiled, 4),
            "ms_head_and_loss_fwd_bwd": {"compiled": round(t_head[False], 4), "in_place": round(t_head[True], 4)},
            "peak_gib_head_and_loss": {"compiled": round(peak[False], 3), "in_place": round(peak[True], 3)}, "ok": ok}
-    print(f"loss kernel: {checks}; kernel alone {kernel_ms} ms against the compiled loss's forward + backward "
-          f"{t_compiled:.3f} ms; head + loss {t_head[False]:.3f} -> {t_head[True]:.3f} ms, peak {peak[False]:.2f} -> "
+    print(f"loss kernel: {checks}; kernel alone {kernel_ms} ms (default {default_name}; against it: {config_rel}) "
+          f"against the compiled loss's forward + backward {t_compiled:.3f} ms; head + loss {t_head[False]:.3f} -> {t_head[True]:.3f} ms, peak {peak[False]:.2f} -> "
           f"{peak[True]:.2f} GiB; {'OK' if ok else 'FAILED'}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "loss-kernel-check.json").write_text(json.dumps(rec, indent=1) + "\n")

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
-from moelab.train.bench import StepTimer, commit_id
+from moelab.train.bench import median_ms, commit_id
 
 
 class _BeforeDispatch(torch.autograd.Function):  # 9e0dd92's dispatch_rows
@@ -42,13 +41,6 @@ def combine(y_ND, order_N, inverse_N, K):
     """The combine of both forms: 9e0dd92's (unsort, then the sum over K) is today's again (after call 9, where
     'now' had the sum inside one autograd.Function and its compiled gradient came out zeros on the GPU)."""
     return combine_rows(y_ND, order_N, inverse_N, K, torch.float32)
-
-
-def ms(fn, reps: int) -> float:
-    """Median ms per call after 3 warm-up calls (moelab.train.bench.StepTimer: CUDA events, the host clock on CPU)."""
-    for _ in range(3):
-        fn()
-    return statistics.median(StepTimer("cuda" if torch.cuda.is_available() else "cpu").time(lambda i: fn(), reps))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,9 +91,11 @@ def main() -> int:
                                   [int(i), int(j), float(dy[i, j]), float(want[i, j]),
                                    float(g_TD[order_N[i] // K, j])] for i, j in where.tolist()]},
              "dispatch_grad_rel_vs_float64": rel(dx, exact_dx),
-             "combine_forward_ms": ms(lambda: comb(y_ND, order_N, inverse_N, K), reps),
-             "combine_fwd_bwd_ms": ms(lambda: torch.autograd.grad(comb(y, order_N, inverse_N, K), (y,), g_TD), reps),
-             "dispatch_fwd_bwd_ms": ms(lambda: torch.autograd.grad(disp(x, order_N, inverse_N, K), (x,), g_ND), reps)}
+             "combine_forward_ms": median_ms(lambda: comb(y_ND, order_N, inverse_N, K), reps, warmup=3),
+             "combine_fwd_bwd_ms": median_ms(lambda: torch.autograd.grad(comb(y, order_N, inverse_N, K), (y,), g_TD),
+                                             reps, warmup=3),
+             "dispatch_fwd_bwd_ms": median_ms(lambda: torch.autograd.grad(disp(x, order_N, inverse_N, K), (x,), g_ND),
+                                              reps, warmup=3)}
         r["combine_forward_gb_s"] = bytes_fwd / (r["combine_forward_ms"] * 1e-3) / 1e9
         rec["results"][name] = r
         grads[name] = (dy, dx)

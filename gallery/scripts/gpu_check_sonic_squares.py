@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch import nn
 
 from moelab.backends import grad_norm as G
 from moelab.backends.sonic import sonic_experts
-from moelab.train.bench import StepTimer, commit_id
+from moelab.train.bench import median_ms, commit_id
 
 T, K, E, D, F = 8192, 8, 128, 2048, 768
 
@@ -44,11 +43,6 @@ def fwd_bwd(x_TD, weights_TK, experts_TK, g_TD, w1, w2, squares: bool):
         sonic_experts(x_TD, weights_TK, experts_TK, w1, w2).backward(g_TD)
 
 
-def timed(f, reps: int = 10) -> float:
-    """Median ms of f() over `reps` calls after two warm-up calls (moelab.train.bench.StepTimer's CUDA events)."""
-    return statistics.median(StepTimer("cuda").time(lambda i: f(), reps + 2)[2:])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -66,9 +60,9 @@ def main() -> int:
     same = [torch.equal(a, b) for a, b in zip(plain, got)]
     ok = all(same) and all(r <= 1e-4 for r in rel) and len(recorded) == 2
     G._recorded.clear()
-    t_plain = timed(lambda: fwd_bwd(*case, squares=False))
-    t_sq = timed(lambda: (fwd_bwd(*case, squares=True), G._recorded.clear()))
-    t_norm = timed(lambda: G.squared_norms([w1.grad, w2.grad]))
+    t_plain = median_ms(lambda: fwd_bwd(*case, squares=False))
+    t_sq = median_ms(lambda: (fwd_bwd(*case, squares=True), G._recorded.clear()))
+    t_norm = median_ms(lambda: G.squared_norms([w1.grad, w2.grad]))
     rec = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "variant": "sonic-squares-check",
            "gpu_name": torch.cuda.get_device_name(), "torch_version": torch.__version__, "commit": commit_id(),
            "command": " ".join(["python"] + sys.argv), "shape": {"T": T, "K": K, "E": E, "D": D, "F": F},

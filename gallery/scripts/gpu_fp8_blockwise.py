@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -55,7 +54,7 @@ import triton
 import triton.language as tl
 
 from moelab.model import fp8
-from moelab.train.bench import StepTimer, commit_id
+from moelab.train.bench import median_ms, commit_id
 
 BLOCK, BF16, LAYERS, MICRO_BATCHES = 128, torch.bfloat16, 8, 8
 GEMMS = ("gate_up.fwd", "gate_up.dgrad", "gate_up.wgrad", "down.fwd", "down.dgrad", "down.wgrad")
@@ -175,17 +174,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def time_ms(fn, reps: int) -> float:
-    """Median ms per call (moelab.train.bench.StepTimer: CUDA events; the wall clock on CPU), after warm-up calls."""
-    for _ in range(3 if reps >= 5 else 1):
-        fn()
-    return statistics.median(StepTimer("cuda" if torch.cuda.is_available() else "cpu").time(lambda i: fn(), reps))
-
-
 def measure(res: dict, key: str, fn, reps: int, check=lambda out: {}) -> None:
     """res[key] = {"ms": fn's time, **check(fn())}, or the error (printed and recorded; the rest goes on)."""
     try:
-        res[key] = {"ms": time_ms(fn, reps), **check(fn())}
+        res[key] = {"ms": median_ms(fn, reps, warmup=3 if reps >= 5 else 1), **check(fn())}
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         res[key] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}

@@ -26,6 +26,7 @@ loss curve is written to DIR/parity-<fp8>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -38,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from moelab.backends import full_loss, sonic_squares
+from moelab.backends import full_loss, loss_kernel, sonic_squares
+from moelab.train import adamw_triton
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
@@ -204,10 +206,28 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
             "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
+            "loss_kernel": loss_kernel.config_name(),  # its block, warps, programs per SM and L2 hints
+            "adamw_kernel": f"{adamw_triton.BLOCK}x{adamw_triton.WARPS}",  # TritonAdamW's block and warps
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
                if os.environ.get("MOELAB_SONIC_TILES") else {})}
+
+
+@contextlib.contextmanager
+def kernel_trial(loss: str | None, adamw: str | None):
+    """The in-place loss kernel at `loss` (moelab.backends.loss_kernel.config_name's form) and TritonAdamW's
+    kernel at `adamw` ("BLOCKxWARPS") inside the block; today's settings after it."""
+    before = loss_kernel.config_name(), (adamw_triton.BLOCK, adamw_triton.WARPS)
+    try:
+        if loss:
+            loss_kernel.set_config(loss)
+        if adamw:
+            adamw_triton.BLOCK, adamw_triton.WARPS = (int(x) for x in adamw.split("x"))
+        yield
+    finally:
+        loss_kernel.set_config(before[0])
+        adamw_triton.BLOCK, adamw_triton.WARPS = before[1]
 
 
 def switch_to_fp8(tr, mode: str, dry_run: bool) -> None:
@@ -252,6 +272,9 @@ def cmd_bench(args) -> None:
             continue
         if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
             bench_mode(tr, b, args, mode, out)
+            if args.loss_kernel_trial or args.adamw_trial:  # the kernels' settings the checks found fastest
+                with kernel_trial(args.loss_kernel_trial, args.adamw_trial):
+                    bench_mode(tr, b, args, mode, out, tag="bf16-trial", profile=False)
             if tr.overlap is not None:
                 full_loss.IN_PLACE = False  # the compiled full loss (before the in-place kernel)
                 bench_mode(tr, b, args, mode, out, tag="bf16-loss-compiled", profile=False)
@@ -465,6 +488,12 @@ def main(argv=None):
             p.add_argument("--overlap-off", action="store_true",
                            help="also time the step with the compiled full loss instead of its in-place kernel "
                                 "(tag bf16-loss-compiled) and with train.optimizer_overlap=off (tag bf16-no-overlap)")
+            p.add_argument("--loss-kernel-trial", default=None,
+                           help="with --overlap-off: also time the step (tag bf16-trial) with the in-place loss "
+                                "kernel at this config (moelab.backends.loss_kernel.config_name's form, e.g. "
+                                "16384x32-rows1-evict)")
+            p.add_argument("--adamw-trial", default=None,
+                           help="with --overlap-off: the bf16-trial step with TritonAdamW's kernel at BLOCKxWARPS")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

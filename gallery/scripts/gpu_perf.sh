@@ -12,7 +12,8 @@
 #     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
 #                 OVERLAP_OFF=1: the same model then with the compiled full loss instead of its in-place kernel
-#                 (tag bf16-loss-compiled) and without train.optimizer_overlap (tag bf16-no-overlap)
+#                 (tag bf16-loss-compiled) and without train.optimizer_overlap (tag bf16-no-overlap); TRIAL=best
+#                 also times it with the loss and AdamW checks' fastest kernel settings (tag bf16-trial)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
@@ -31,6 +32,8 @@
 #     loss-check  issue 41: backend.loss=full's in-place kernel against the compiled loss at the proxy's LM head
 #                 (gpu_check_loss_kernel.py): loss and gradients, the kernel's blocks swept, head + loss timed and
 #                 their peak memory; not run by default
+#     adamw-check issue 41: TritonAdamW's kernel over the proxy's parameters, its block and warps swept, bitwise
+#                 against the default (gpu_check_adamw.py); not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
@@ -98,8 +101,22 @@ TRITON=${TRITON_GBS:+--triton-adamw --triton-gbs $TRITON_GBS}
 part overlap-check 150 python3 gallery/scripts/gpu_check_overlap.py --out $R
 part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out $R
 part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
+part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
+# TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
+# checks' fastest settings, where a check passed and its fastest is not the default
+fastest() {  # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from the default
+  python3 -c "import json; r = json.load(open('$R/$1')); t = r['$2']; \
+b = min(t, key=lambda k: t[k] if isinstance(t[k], float) else t[k]['ms']); print(b if r['ok'] and b != r['$3'] else '')" \
+    2>/dev/null || true
+}
+if [ "${TRIAL:-}" = best ]; then
+  LOSS_TRIAL=$(fastest loss-kernel-check.json ms_loss_kernel_by_config default_config)
+  ADAMW_TRIAL=$(fastest adamw-check.json by_block_and_warps default_block_and_warps)
+  echo "[$(el)s] trial: loss kernel ${LOSS_TRIAL:-default}, adamw ${ADAMW_TRIAL:-default}"
+fi
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
-  --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} $DRY
+  --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} \
+  ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} $DRY
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \

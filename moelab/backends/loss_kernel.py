@@ -31,6 +31,8 @@ from moelab.backends.flat import cdiv, kernel_devices, triton_available
 from moelab.data.sft import IGNORE_INDEX
 
 BLOCK, WARPS = 8192, 16  # one row block of logits per loop step, and the warps of a program
+ROWS_PER_SM = 0  # programs per SM, each walking rows strided by the grid (fewer rows in flight); 0: one per row
+EVICT = False  # the first read asks L2 to keep the row (evict_last), the second to drop it (evict_first)
 RESCALE_BLOCK, RESCALE_PROGRAMS = 4096, 1024  # the backward's rescale: a grid of programs striding over the gradient
 
 
@@ -48,32 +50,34 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def softmax_cross_entropy_kernel(x_ptr, targets_ptr, loss_ptr, scale_ptr, V, ignore_index,
-                                     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * V
-        t = tl.load(targets_ptr + row)
-        valid = t != ignore_index
-        m = tl.full([], float("-inf"), tl.float32)  # running max
-        s = tl.zeros([], tl.float32)  # running sum of exp(x - m)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-            m = m_new
-        lse = m + tl.log(s)
-        x_t = tl.load(x_row + tl.where(valid, t, 0)).to(tl.float32)  # read before the gradient overwrites it
-        tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
-        if WRITE_GRAD:
-            scale = tl.where(valid, tl.load(scale_ptr), 0.0)
-            n_blocks = tl.cdiv(V, BLOCK)
-            for i in range(0, n_blocks):  # last block first: the blocks just read are the likeliest in L2
-                offs = (n_blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < V
-                x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-                d = (tl.exp(x - lse) - tl.where(offs == t, 1.0, 0.0)) * scale
-                tl.store(x_row + offs, d.to(x_ptr.dtype.element_ty), mask=mask)
+    def softmax_cross_entropy_kernel(x_ptr, targets_ptr, loss_ptr, scale_ptr, T, V, ignore_index,
+                                     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, FIRST_READ: tl.constexpr,
+                                     SECOND_READ: tl.constexpr):  # the reads' L2 eviction policies ("": none)
+        for r in range(tl.program_id(0), T, tl.num_programs(0)):  # a grid of T: one row each
+            row = tl.zeros([], tl.int64) + r  # int64 offsets (T x V may pass 2^31); the interpreter gives ints
+            x_row = x_ptr + row * V
+            t = tl.load(targets_ptr + row)
+            valid = t != ignore_index
+            m = tl.full([], float("-inf"), tl.float32)  # running max
+            s = tl.zeros([], tl.float32)  # running sum of exp(x - m)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                x = tl.load(x_row + offs, mask=offs < V, other=float("-inf"), eviction_policy=FIRST_READ).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
+            lse = m + tl.log(s)
+            x_t = tl.load(x_row + tl.where(valid, t, 0)).to(tl.float32)  # read before the gradient overwrites it
+            tl.store(loss_ptr + row, tl.where(valid, lse - x_t, 0.0))
+            if WRITE_GRAD:
+                scale = tl.where(valid, tl.load(scale_ptr), 0.0)
+                n_blocks = tl.cdiv(V, BLOCK)
+                for i in range(0, n_blocks):  # last block first: the blocks just read are the likeliest in L2
+                    offs = (n_blocks - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+                    mask = offs < V
+                    x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=SECOND_READ)
+                    d = (tl.exp(x.to(tl.float32) - lse) - tl.where(offs == t, 1.0, 0.0)) * scale
+                    tl.store(x_row + offs, d.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def cross_entropy_grad_mul_kernel(d_ptr, got_ptr, expected, n, BLOCK: tl.constexpr):
@@ -94,9 +98,45 @@ def _row_losses(logits_TV: torch.Tensor, targets_T: torch.Tensor, scale: torch.T
     T, V = logits_TV.shape
     losses_T = torch.empty(T, dtype=torch.float32, device=logits_TV.device)
     ce, _ = _kernels()
-    ce[(T,)](logits_TV, targets_T.contiguous(), losses_T, losses_T if scale is None else scale, V, IGNORE_INDEX,
-             WRITE_GRAD=scale is not None, BLOCK=BLOCK, num_warps=WARPS)
+    ce[(programs(logits_TV),)](logits_TV, targets_T.contiguous(), losses_T, losses_T if scale is None else scale, T,
+                               V, IGNORE_INDEX, WRITE_GRAD=scale is not None, BLOCK=BLOCK,
+                               FIRST_READ="evict_last" if EVICT else "", SECOND_READ="evict_first" if EVICT else "",
+                               num_warps=WARPS)
     return losses_T
+
+
+def config_name() -> str:
+    """The kernel's setting as the check's records name it: "8192x16" (BLOCK x WARPS, a program per row), with
+    "-rows2" for ROWS_PER_SM 2 and "-evict" for EVICT."""
+    return f"{BLOCK}x{WARPS}" + (f"-rows{ROWS_PER_SM}" if ROWS_PER_SM > 0 else "") + ("-evict" if EVICT else "")
+
+
+def set_config(name: str) -> None:
+    """Set BLOCK, WARPS, ROWS_PER_SM and EVICT from a name of config_name's form (a measurement's trial, e.g.
+    gallery/scripts/gpu_perf.py --loss-kernel-trial; not a setting)."""
+    parts = name.split("-")
+    try:
+        block, warps = (int(x) for x in parts[0].split("x"))
+        rows = [int(x[4:]) for x in parts[1:] if x.startswith("rows")]
+        if block <= 0 or block & (block - 1) or warps <= 0 or len(rows) > 1 or \
+                len(parts) - 1 != len(rows) + parts[1:].count("evict"):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"loss kernel config {name!r}: expected BLOCKxWARPS[-rowsN][-evict] with BLOCK a power "
+                         f"of two, e.g. 8192x16 or 16384x32-rows1-evict") from None
+    global BLOCK, WARPS, ROWS_PER_SM, EVICT
+    BLOCK, WARPS, ROWS_PER_SM, EVICT = block, warps, (rows[0] if rows else 0), "evict" in parts
+
+
+def programs(logits_TV: torch.Tensor) -> int:
+    """The loss kernel's grid: one program per row, or ROWS_PER_SM per SM (at most one per row), each walking rows
+    strided by the grid (the CPU's interpreter counts one SM)."""
+    T = logits_TV.shape[0]
+    if ROWS_PER_SM <= 0:
+        return T
+    sms = (torch.cuda.get_device_properties(logits_TV.device).multi_processor_count
+           if logits_TV.device.type == "cuda" else 1)
+    return max(1, min(T, ROWS_PER_SM * sms))
 
 
 class _InPlaceCrossEntropy(torch.autograd.Function):

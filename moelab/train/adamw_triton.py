@@ -65,7 +65,7 @@ def _kernel():
     return adamw_kernel
 
 
-BLOCK = 4096
+BLOCK, WARPS = 4096, 8  # elements of each tensor per program, and its warps
 
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
     n = p.numel()
     _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
                                         math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
-                                        BLOCK=BLOCK, num_warps=8)
+                                        BLOCK=BLOCK, num_warps=WARPS)
 
 
 def use_triton_adamw(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:

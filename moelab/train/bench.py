@@ -85,6 +85,18 @@ class StepTimer:
         return [events[i].elapsed_time(events[i + 1]) for i in range(n)]
 
 
+def median_ms(fn, reps: int = 10, warmup: int = 2, device: str | None = None) -> float:
+    """The median milliseconds of fn() over `reps` timed calls, after `warmup` calls not timed (StepTimer's clock:
+    CUDA events on a GPU, the host's on CPU; `device` None: CUDA where there is one).
+
+        ms = median_ms(lambda: layer(x).sum().backward(), reps=10, warmup=2)
+    """
+    for _ in range(warmup):
+        fn()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return statistics.median(StepTimer(device).time(lambda i: fn(), reps))
+
+
 def step_without_metrics(trainer, step: int) -> None:
     """The trainer's step minus its metrics (Trainer.train_step(metrics=False)): the same updates, no
     statistics packed, summed or read on the host."""

@@ -105,3 +105,22 @@ def test_bench_of_a_fake_gate_alone_says_so():
     rec = bench(cfg, steps=1, warmup=0, real_router=False, metrics_overhead=False)
     assert rec["router"] == "fake_noise=0.5" and rec["fake_gate_noise"] == 0.5 and rec["fake_balanced_gate"] is True
     assert "fake_router" not in rec
+
+
+def test_median_ms_leaves_the_warm_up_out_and_takes_the_median():
+    """moelab.train.bench.median_ms on CPU (the host's clock): the warm-up calls are run and not timed, and the
+    figure is the middle of the timed calls (here a 20 ms sleep between a quick call and a 300 ms one)."""
+    import time
+
+    from moelab.train.bench import median_ms
+
+    sleeps = iter([0.5, 0.5, 0.0, 0.3, 0.02])  # two warm-up calls (0.5 s each: a mean would show them), then three
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(sleeps))
+
+    ms = median_ms(fn, reps=3, warmup=2, device="cpu")
+    assert len(calls) == 5
+    assert 20 <= ms < 300

@@ -23,7 +23,7 @@ def test_under_the_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("this is the subprocess")
-    pytest_under_interpreter(__file__, 12 + 2 + 2 + 1, timeout=600)
+    pytest_under_interpreter(__file__, 12 + 2 + 2 + 2 + 1 + 1, timeout=600)
 
 
 def test_the_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):
@@ -31,6 +31,20 @@ def test_the_kernel_does_not_apply_on_cpu_without_the_interpreter(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not applies(torch.zeros(4, 8))  # CPU runs keep torch's loss (the golden losses)
+
+
+def test_a_config_name_round_trips_and_a_bad_one_is_refused(monkeypatch):
+    from moelab.backends import loss_kernel
+
+    for field in ("BLOCK", "WARPS", "ROWS_PER_SM", "EVICT"):  # restored after the test
+        monkeypatch.setattr(loss_kernel, field, getattr(loss_kernel, field))
+    for name in ("8192x16", "16384x32-rows1-evict", "4096x8-rows4", "32768x32-evict"):
+        loss_kernel.set_config(name)
+        assert loss_kernel.config_name() == name
+    assert (loss_kernel.BLOCK, loss_kernel.WARPS, loss_kernel.ROWS_PER_SM, loss_kernel.EVICT) == (32768, 32, 0, True)
+    for bad in ("8192", "1000x16", "8192x16-rows", "8192x16-fast", "8192x16-rows1-rows2"):
+        with pytest.raises(ValueError, match=f"loss kernel config '{bad}'.*BLOCKxWARPS"):
+            loss_kernel.set_config(bad)
 
 
 def _case(dtype, masking, seed=0):
@@ -72,6 +86,27 @@ def test_loss_and_gradient_equal_torch(monkeypatch, dtype, masking, expected, go
         (leaf.grad.float() - want).abs().max()
     if masking == "none counted":
         assert not leaf.grad.any()
+
+
+@inner
+@pytest.mark.parametrize("rows_per_sm,evict", [(2, True), (4, False)], ids=["two programs, evict", "four programs"])
+def test_programs_walking_rows_give_the_same_loss_and_gradient(monkeypatch, rows_per_sm, evict):
+    """ROWS_PER_SM > 0: fewer programs than rows, each walking rows strided by the grid (the interpreter counts
+    one SM: 2 or 4 programs over 6 rows, some taking two rows and some one); EVICT's load hints change nothing."""
+    from moelab.backends import loss_kernel
+
+    monkeypatch.setattr(loss_kernel, "BLOCK", 64)
+    x, t = _case(torch.bfloat16, "ignore", seed=3)
+    monkeypatch.setattr(loss_kernel, "ROWS_PER_SM", 0)
+    ref_logits = x.clone()
+    ref = loss_kernel._row_losses(ref_logits, t, torch.tensor(0.5))
+    monkeypatch.setattr(loss_kernel, "ROWS_PER_SM", rows_per_sm)
+    monkeypatch.setattr(loss_kernel, "EVICT", evict)
+    assert loss_kernel.programs(x) == rows_per_sm < T
+    logits = x.clone()
+    got = loss_kernel._row_losses(logits, t, torch.tensor(0.5))
+    assert torch.equal(got, ref) and torch.equal(logits, ref_logits)
+    assert not torch.equal(logits, x)  # every row's gradient written
 
 
 @inner

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from moelab.train.bench import StepTimer, bench, commit_id
+from moelab.train.bench import bench, commit_id, median_ms
 from moelab.config import load_config
 from moelab.model.attention import causal_attention
 from moelab.model.experts import grouped_mm_swiglu, loop_swiglu
@@ -32,12 +31,6 @@ from moelab.model.experts import grouped_mm_swiglu, loop_swiglu
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
-def median_ms(fn, reps=20, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(StepTimer("cuda").time(lambda i: fn(), reps))
 
 
 def check_attention() -> list[dict]:
@@ -133,14 +126,14 @@ def check_experts() -> dict:
     def fb(fn):
         return lambda: fn().backward(dy)
 
-    ms = median_ms(fb(lambda: grouped_mm_swiglu(x, w1, w2, counts)))
+    ms = median_ms(fb(lambda: grouped_mm_swiglu(x, w1, w2, counts)), reps=20, warmup=3)
     rec["timing"]["grouped_mm"] = {"ms": ms, "tflops": flops / ms / 1e9}
     for native in (True, False):
         key = "grouped_tensor" if native else "per_expert"
         if not rec.get(key, {}).get("available"):
             continue
         m = te_experts(E, D, F, w1.detach(), w2.detach(), native)
-        ms = median_ms(fb(lambda: m(x, counts)))
+        ms = median_ms(fb(lambda: m(x, counts)), reps=20, warmup=3)
         rec["timing"][f"te_{key}"] = {"ms": ms, "tflops": flops / ms / 1e9}
     print("experts", json.dumps(rec), flush=True)
     return rec
