@@ -21,7 +21,7 @@ from moelab.train import adamw_triton
 from moelab.train.adamw_triton import adamw_update
 from moelab.train.bench import commit_id, median_ms
 
-CONFIGS = ((4096, 8), (1024, 4), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16))
+CONFIGS = ((4096, 8), (512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (8192, 16))
 HYPER = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 

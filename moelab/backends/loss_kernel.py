@@ -32,7 +32,7 @@ from moelab.data.sft import IGNORE_INDEX
 
 BLOCK, WARPS = 8192, 16  # one row block of logits per loop step, and the warps of a program
 ROWS_PER_SM = 0  # programs per SM, each walking rows strided by the grid (fewer rows in flight); 0: one per row
-EVICT = False  # the first read asks L2 to keep the row (evict_last), the second to drop it (evict_first)
+EVICT = True  # the first read asks L2 to keep the row (evict_last), the second to drop it (evict_first)
 RESCALE_BLOCK, RESCALE_PROGRAMS = 4096, 1024  # the backward's rescale: a grid of programs striding over the gradient
 
 

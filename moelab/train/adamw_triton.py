@@ -65,7 +65,7 @@ def _kernel():
     return adamw_kernel
 
 
-BLOCK, WARPS = 4096, 8  # elements of each tensor per program, and its warps
+BLOCK, WARPS = 1024, 4  # elements of each tensor per program, and its warps (gallery/scripts/gpu_check_adamw.py)
 
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
