@@ -110,8 +110,9 @@ def main() -> int:
            "ms_head_and_loss_fwd_bwd": {"compiled": round(t_head[False], 4), "in_place": round(t_head[True], 4)},
            "peak_gib_head_and_loss": {"compiled": round(peak[False], 3), "in_place": round(peak[True], 3)}, "ok": ok}
     print(f"loss kernel: {checks}; kernel alone {kernel_ms} ms (default {default_name}; against it: {config_rel}) "
-          f"against the compiled loss's forward + backward {t_compiled:.3f} ms; head + loss {t_head[False]:.3f} -> {t_head[True]:.3f} ms, peak {peak[False]:.2f} -> "
-          f"{peak[True]:.2f} GiB; {'OK' if ok else 'FAILED'}", flush=True)
+          f"against the compiled loss's forward + backward {t_compiled:.3f} ms; head + loss {t_head[False]:.3f} -> "
+          f"{t_head[True]:.3f} ms, peak {peak[False]:.2f} -> {peak[True]:.2f} GiB; {'OK' if ok else 'FAILED'}",
+          flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "loss-kernel-check.json").write_text(json.dumps(rec, indent=1) + "\n")
     return 0 if ok else 1

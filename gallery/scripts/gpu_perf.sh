@@ -104,7 +104,8 @@ part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
 # TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
 # checks' fastest settings, where a check passed and its fastest is not the default
-fastest() {  # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from the default
+# fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from its default
+fastest() {
   python3 -c "import json; r = json.load(open('$R/$1')); t = r['$2']; \
 b = min(t, key=lambda k: t[k] if isinstance(t[k], float) else t[k]['ms']); print(b if r['ok'] and b != r['$3'] else '')" \
     2>/dev/null || true

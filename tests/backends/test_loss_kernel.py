@@ -105,8 +105,8 @@ def test_programs_walking_rows_give_the_same_loss_and_gradient(monkeypatch, rows
     assert loss_kernel.programs(x) == rows_per_sm < T
     logits = x.clone()
     got = loss_kernel._row_losses(logits, t, torch.tensor(0.5))
-    assert torch.equal(got, ref) and torch.equal(logits, ref_logits)
-    assert not torch.equal(logits, x)  # every row's gradient written
+    assert torch.equal(got, ref) and torch.equal(logits, ref_logits)  # a row no program walked would keep its logits
+    assert not torch.equal(ref_logits, x)  # the reference wrote the gradient
 
 
 @inner
