@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from moelab.backends import full_loss, loss_kernel, sonic_squares
+from moelab.data import transfer
 from moelab.train import adamw_triton
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
@@ -208,6 +209,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
             "loss_kernel": loss_kernel.config_name(),  # its block, warps, programs per SM and L2 hints
             "adamw_kernel": f"{adamw_triton.BLOCK}x{adamw_triton.WARPS}",  # TritonAdamW's block and warps
+            "batch_copy": "pinned" if transfer.PINNED else "pageable",  # moelab.data.transfer.to_device
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
@@ -275,6 +277,10 @@ def cmd_bench(args) -> None:
             if args.loss_kernel_trial or args.adamw_trial:  # the kernels' settings the checks found fastest
                 with kernel_trial(args.loss_kernel_trial, args.adamw_trial):
                     bench_mode(tr, b, args, mode, out, tag="bf16-trial", profile=False)
+            if args.pageable_trial:  # the micro batches copied from pageable memory (before to_device pinned them)
+                transfer.PINNED = False
+                bench_mode(tr, b, args, mode, out, tag="bf16-pageable", profile=False)
+                transfer.PINNED = True
             if tr.overlap is not None:
                 full_loss.IN_PLACE = False  # the compiled full loss (before the in-place kernel)
                 bench_mode(tr, b, args, mode, out, tag="bf16-loss-compiled", profile=False)
@@ -492,6 +498,9 @@ def main(argv=None):
                            help="with --overlap-off: also time the step (tag bf16-trial) with the in-place loss "
                                 "kernel at this config (moelab.backends.loss_kernel.config_name's form, e.g. "
                                 "16384x32-rows1-evict)")
+            p.add_argument("--pageable-trial", action="store_true",
+                           help="with --overlap-off: the step once more with the micro batches copied from pageable "
+                                "memory (tag bf16-pageable)")
             p.add_argument("--adamw-trial", default=None,
                            help="with --overlap-off: the bf16-trial step with TritonAdamW's kernel at BLOCKxWARPS")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")

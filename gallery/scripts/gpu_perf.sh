@@ -13,7 +13,8 @@
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
 #                 OVERLAP_OFF=1: the same model then with the compiled full loss instead of its in-place kernel
 #                 (tag bf16-loss-compiled) and without train.optimizer_overlap (tag bf16-no-overlap); TRIAL=best
-#                 also times it with the loss and AdamW checks' fastest kernel settings (tag bf16-trial)
+#                 also times it with the loss and AdamW checks' fastest kernel settings (tag bf16-trial); PAGEABLE=1
+#                 with the micro batches copied from pageable memory, as before to_device (tag bf16-pageable)
 #     overlap-check  issue 41: the optimizer overlapped with the next forward trains bitwise as without it, and a
 #                 run without the forward's waits differs (gpu_check_overlap.py); not run by default
 #     parity      bf16 vs train.fp8=rowwise, PARITY_STEPS (300) steps of the small learnable workload
@@ -117,7 +118,8 @@ if [ "${TRIAL:-}" = best ]; then
 fi
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} \
-  ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} $DRY
+  ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} \
+  ${PAGEABLE:+--pageable-trial} $DRY
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moelab.config import Config
+from moelab.data.transfer import to_device
 from moelab.data.sft import IGNORE_INDEX
 
 PAD_MULTIPLE = 16  # a micro batch's length is a multiple of this (fewer distinct shapes), or train.seq_len
@@ -51,8 +52,8 @@ class SFTBatch:
     documents_BL: torch.Tensor | None = None
 
     def to(self, device) -> "SFTBatch":
-        return SFTBatch(**{f.name: None if getattr(self, f.name) is None else
-                           getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        return SFTBatch(**{f.name: None if getattr(self, f.name) is None else to_device(getattr(self, f.name), device)
+                           for f in fields(self)})
 
 
 def first_fit(indices: list[int], lengths: list[int], capacity: int) -> list[list[int]]:

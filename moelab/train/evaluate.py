@@ -20,6 +20,7 @@ import torch
 
 from moelab.backends.full_loss import loss_mask
 from moelab.data.batches import eval_batch, make_eval_dataset
+from moelab.data.transfer import to_device
 from moelab.model.batch_context import BatchContext
 
 
@@ -40,7 +41,7 @@ class Evaluator:
         with inspecting(tr):
             for b in range(t.eval_batches):
                 for first in rank_micro_batches(tr):
-                    batch = eval_batch(self.dataset, tr.cfg, b, first, t.micro_batch_size).to(dev)
+                    batch = to_device(eval_batch(self.dataset, tr.cfg, b, first, t.micro_batch_size), dev)
                     loss_sum += inspect_forward(tr, batch[:, :-1], batch[:, 1:]).float()
         total = par.all_reduce_sum(par.loss_contribution(loss_sum)).item()
         loss = total / (t.eval_batches * tr.micro_per_rank * par.dp_size)

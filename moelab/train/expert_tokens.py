@@ -16,6 +16,7 @@ import torch
 
 from moelab.contract.expert_tokens import TOP, append_expert_tokens
 from moelab.data.batches import micro_batch
+from moelab.data.transfer import to_device
 from moelab.train.evaluate import inspect_forward, inspecting, rank_micro_batches
 
 
@@ -52,7 +53,7 @@ class ExpertTokenRecorder:
         try:
             with inspecting(tr):
                 for first in rank_micro_batches(tr):
-                    inputs_BL = micro_batch(tr.dataset, step, first, t.micro_batch_size)[:, :-1].to(dev)
+                    inputs_BL = to_device(micro_batch(tr.dataset, step, first, t.micro_batch_size)[:, :-1], dev)
                     ids["T"] = par.shard_sequence(inputs_BL).reshape(-1)  # the tokens the routers see, in order
                     inspect_forward(tr, inputs_BL)
         finally:

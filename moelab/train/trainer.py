@@ -33,6 +33,7 @@ from moelab.contract.folder import RunFolder
 from moelab.train.checkpoint import Checkpointer, DiskFullError, list_checkpoints
 from moelab.train.controls import Controls, drop_frozen_grads
 from moelab.data.batches import make_dataset, micro_batch
+from moelab.data.transfer import to_device
 from moelab.train.evaluate import Evaluator
 from moelab.train.expert_tokens import ExpertTokenRecorder
 from moelab.loggers.mirror import StreamMirror
@@ -205,7 +206,7 @@ class Trainer:
         loss_scale = 1.0 / self.micro_per_rank  # a micro batch's weight in the step's loss (the router losses')
         if par.pipeline is not None:  # pipeline parallel: the schedule runs this rank's micro batches
             size = self.micro_per_rank * t.micro_batch_size
-            batch = micro_batch(self.dataset, step, par.dp_rank * size, size).to(self.env.device)
+            batch = to_device(micro_batch(self.dataset, step, par.dp_rank * size, size), self.env.device)
             return par.pipeline.forward_backward(batch[:, :-1], batch[:, 1:], BatchContext(loss_scale=loss_scale))
         loss_sum = torch.zeros((), device=self.env.device)
         for i in range(self.micro_per_rank):
@@ -217,9 +218,8 @@ class Trainer:
                 inputs, targets, positions, mask = sft.inputs_BL, sft.targets_BL, sft.positions_BL, sft.valid_BL
                 documents = sft.documents_BL  # attention within each packed example
             else:
-                # non_blocking: a blocking copy would wait for the queued micro batches (a sync per micro batch)
-                batch = micro_batch(self.dataset, step, first, t.micro_batch_size).to(self.env.device,
-                                                                                      non_blocking=True)
+                # to_device: not from pageable memory, whose copy waits for the queued micro batches (a sync)
+                batch = to_device(micro_batch(self.dataset, step, first, t.micro_batch_size), self.env.device)
                 inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
                 mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing
                 positions = par.positions(t.seq_len, self.env.device)
@@ -294,13 +294,13 @@ class Trainer:
             pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
                            for s in stats])
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
-        # non_blocking: a plain host-to-device copy would wait for the step's queued work (a second sync)
-        memory_slots[par.rank_slot()] = torch.tensor(self.memory_now()).to(dev, non_blocking=True)
+        # to_device: a copy from pageable memory would wait for the step's queued work (a second sync)
+        memory_slots[par.rank_slot()] = to_device(torch.tensor(self.memory_now()), dev)
         pack.add("memory", memory_slots)
         for key, v in comm.items():
-            pack.add(f"comm.{key}", torch.tensor(v, dtype=torch.float32).to(dev, non_blocking=True))
-        pack.add("stop", torch.tensor([float(self.stop.requested)]).to(dev, non_blocking=True))  # any rank stops all
-        pack.add("controls", torch.tensor([self.controls.poll(step)]).to(dev, non_blocking=True))  # rank 0: due
+            pack.add(f"comm.{key}", to_device(torch.tensor(v, dtype=torch.float32), dev))
+        pack.add("stop", to_device(torch.tensor([float(self.stop.requested)]), dev))  # any rank stops all
+        pack.add("controls", to_device(torch.tensor([self.controls.poll(step)]), dev))  # rank 0: a change is due
         return pack
 
     def _read_step_flags(self, got: dict, comm: dict) -> None:

@@ -1,8 +1,11 @@
-"""Training data: the vectorised synthetic chain draws exactly the samples of the per-token loop it replaced."""
+"""Training data: the vectorised synthetic chain draws exactly the samples of the per-token loop it replaced;
+micro batches reach the device without the host waiting for it."""
+import pytest
 import torch
 
 from moelab.config import load_config
-from moelab.data.batches import SyntheticData, sample_seed
+from moelab.data.batches import SyntheticData, micro_batch, sample_seed
+from moelab.data.transfer import to_device
 
 
 def _loop_sample(data: SyntheticData, step: int, index: int) -> torch.Tensor:
@@ -33,3 +36,22 @@ def test_synthetic_samples_follow_the_chain():
     data = SyntheticData(load_config("tiny", ["data.noise=0.0", "train.seq_len=512"]))
     x = data.sample(2, 1)
     assert torch.equal(x[1:], data.successor[x[:-1]])  # no noise: every token is its predecessor's successor
+
+
+def test_to_device_copies_the_values_off_cuda():
+    data = SyntheticData(load_config("tiny", ["train.seq_len=64"]))
+    batch_BL = micro_batch(data, 3, 0, 2)
+    got = to_device(batch_BL, "cpu")
+    assert got.device.type == "cpu" and got.dtype == batch_BL.dtype and torch.equal(got, batch_BL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the copy must not wait for queued kernels")
+def test_to_device_does_not_wait_for_queued_kernels():
+    """A copy queued behind a long kernel returns at once and still lands after it (the pageable copy, with
+    non_blocking or not, waits for the kernel: moelab.data.transfer.PINNED=False shows the difference)."""
+    batch_BL = torch.randint(0, 1000, (2, 4097))  # a micro batch of the proxy (over the copies CUDA inlines)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
+    got = to_device(batch_BL, "cuda")
+    assert not torch.cuda.current_stream().query(), "to_device waited for the queued kernel"
+    assert torch.equal(got.cpu(), batch_BL)
