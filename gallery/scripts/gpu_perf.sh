@@ -35,6 +35,8 @@
 #                 their peak memory; not run by default
 #     adamw-check issue 41: TritonAdamW's kernel over the proxy's parameters, its block and warps swept, bitwise
 #                 against the default (gpu_check_adamw.py); not run by default
+#     copy-check  issue 41: a micro batch's copy behind a queued kernel, to_device (pinned) against the pageable
+#                 copies: the host's wait and the values (gpu_check_copy.py); not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
@@ -103,6 +105,7 @@ part overlap-check 150 python3 gallery/scripts/gpu_check_overlap.py --out $R
 part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out $R
 part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
+part copy-check 60 python3 gallery/scripts/gpu_check_copy.py --out $R
 # TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
 # checks' fastest settings, where a check passed and its fastest is not the default
 # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from its default
