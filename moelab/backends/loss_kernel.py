@@ -11,8 +11,9 @@ the logits three times in two kernels and wrote the gradient into a second [T, V
 kernel's 2.49 ms on an H100 at 8,192 x 151,936, and 2.3 GiB less at the loss's peak (issue 41 call 29's check,
 gallery/scripts/gpu_check_loss_kernel.py; with about 500 rows in flight the second read mostly misses L2).
 Fewer rows in flight (ROWS_PER_SM programs per SM walking rows) keep more of each row in L2 but too few loads in
-flight: 2.66-3.55 ms against the default's 2.42 in call 30's sweep; the L2 hints (EVICT) 2.37 ms there, not yet
-timed in a step, so off.
+flight: 2.66-3.55 ms against 2.42 in call 30's sweep. The L2 hints (EVICT: the first read keeps the row, the second
+lets it go) change no arithmetic: 2.37 ms there, and the step with them 117.2 against 119.3 ms at global batch 2 in
+call 31 (within the step's spread, 116-121 ms), so they are on.
 
 The caller passes the scale backward will bring (`backward_scale`: the micro batch's weight in the step's loss,
 BatchContext.loss_scale) and must not use the logits after the call. Backward checks the scale it gets on the GPU
@@ -35,7 +36,7 @@ from moelab.data.sft import IGNORE_INDEX
 
 BLOCK, WARPS = 8192, 16  # one row block of logits per loop step, and the warps of a program
 ROWS_PER_SM = 0  # programs per SM, each walking rows strided by the grid (fewer rows in flight); 0: one per row
-EVICT = False  # the first read asks L2 to keep the row (evict_last), the second to drop it (evict_first)
+EVICT = True  # the first read asks L2 to keep the row (evict_last), the second to drop it (evict_first)
 RESCALE_BLOCK, RESCALE_PROGRAMS = 4096, 1024  # the backward's rescale: a grid of programs striding over the gradient
 
 
