@@ -195,12 +195,21 @@ def targets(results: list, cur) -> list[str]:
     return out
 
 
+def stalled(p: dict) -> bool:
+    """A profile whose step held one gap of over a tenth of the step: a host stall under the profiler that the timed
+    steps did not have (call 31's global-batch-16 profile: 342 ms inside one compiled graph's call, its timed steps
+    780-783 ms). Such a profile stays a record, not the tables' picture of a step."""
+    largest = (p.get("idle_gaps") or {}).get("largest") or [{"ms": 0.0}]
+    return largest[0]["ms"] > 0.1 * p["step_ms"]
+
+
 def profiles(results: list) -> list[str]:
     """The newest compiled-step profile (gpu_perf.py bench --profile) of each FP8 mode, of a step that ran as today's
-    in the one-GPU step's trials (moelab.gallery.current.step_trials)."""
+    in the one-GPU step's trials (moelab.gallery.current.step_trials), not stalled."""
     newest: dict = {}
     for r in results:
-        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and not step_trials(r):
+        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and not step_trials(r) \
+                and not stalled(r):
             if fp8_of(r) not in newest or _date(r) > _date(newest[fp8_of(r)]):
                 newest[fp8_of(r)] = r
     out = []
@@ -221,11 +230,11 @@ STEP_PARTS = (("CUDAFunctor_add<c10::BFloat16>", "gradient accumulation: .grad +
 
 
 def micro_batch_breakdown(results: list) -> list[str]:
-    """Where one micro batch goes: the newest multi-micro-batch profile of each FP8 mode, its categories and named
-    parts (STEP_PARTS, from its top kernels) divided by its micro batches."""
+    """Where one micro batch goes: the newest multi-micro-batch profile of each FP8 mode (not stalled), its
+    categories and named parts (STEP_PARTS, from its top kernels) divided by its micro batches."""
     newest: dict = {}
     for r in results:
-        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and \
+        if r.get("workload") == W and isinstance(r.get("by_category_ms"), dict) and not stalled(r) and \
                 r.get("global_batch_size", 0) > r.get("micro_batch_size", 1):
             if fp8_of(r) not in newest or _date(r) > _date(newest[fp8_of(r)]):
                 newest[fp8_of(r)] = r

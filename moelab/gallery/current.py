@@ -87,8 +87,9 @@ def step_trials(r: dict) -> dict:
     """How a record's step ran other than today's, in the one-GPU step's A/B trials (issue 41): the step on a
     higher-priority stream than the optimizer's update (call 26, not kept), the update queued before the step's
     read (call 28, `step_before_read`, not kept), the norm's own pass over the experts' gradients (`norm_in_gemms`
-    false), the compiled full loss beside its in-place kernel (`loss_in_place` false). {setting: (ran, today)};
-    records before these fields ran as today's code in these respects, or as the code then did."""
+    false), the compiled full loss beside its in-place kernel (`loss_in_place` false), the micro batches copied
+    from pageable memory (call 31, `batch_copy`). {setting: (ran, today)}; records before these fields ran as
+    today's code in these respects, or as the code then did."""
     out = {}
     if r.get("overlap_priority") == "high":
         out["overlap_priority"] = ("high", "equal")
@@ -98,6 +99,8 @@ def step_trials(r: dict) -> dict:
         out["norm_in_gemms"] = (False, True)
     if r.get("loss_in_place") is False and record_settings(r).get("loss") == "full":
         out["loss_in_place"] = (False, True)
+    if r.get("batch_copy") == "pageable":
+        out["batch_copy"] = ("pageable", "pinned")
     return out
 
 

@@ -70,6 +70,8 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     assert default_deviations(rec("after", optimizer_overlap=True, step_before_read=False, norm_in_gemms=True)) == {}
     assert default_deviations(rec("pass", optimizer_overlap=True, norm_in_gemms=False)) == {
         "norm_in_gemms": (False, True)}
+    assert default_deviations(rec("pageable", batch_copy="pageable")) == {"batch_copy": ("pageable", "pinned")}
+    assert default_deviations(rec("pinned", batch_copy="pinned")) == {}
     if TODAY == "full":  # the compiled full loss timed beside its in-place kernel (gpu_perf's bf16-loss-compiled)
         assert default_deviations(rec("compiled loss", loss_in_place=False)) == {"loss_in_place": (False, True)}
         assert default_deviations(rec("kernel", loss_in_place=True)) == {}
@@ -190,3 +192,18 @@ def test_issue_31_target_rows_are_computed_from_the_current_records():
     assert t["FP8 loss parity"][1:] == ("2.0150 vs 2.0000: 0.75%", "yes")
     peak = t[PEAK]
     assert peak[1:] == ("53.5 GiB", "no") and "`ml-chunked-new`" in peak[0]
+
+
+def test_a_profile_with_one_stall_is_not_the_tables_picture_of_a_step():
+    pt = _perf_tables()
+    base = {"workload": pt.W, "system": "moelab", "compile": True, "fp8": "off", "micro_batch_size": 2,
+            "by_category_ms": {"matmul": 1.0},
+            "top_kernels": [], "gpu_busy_ms": 90.0}
+    calm = {**base, "_file": "calm.json", "date": "2026-12-01T00:00:00Z", "global_batch_size": 16, "step_ms": 800.0,
+            "idle_ms": 30.0, "idle_gaps": {"largest": [{"ms": 1.5}]}}
+    stall = {**calm, "_file": "stall.json", "date": "2026-12-02T00:00:00Z", "step_ms": 1130.0, "idle_ms": 370.0,
+             "idle_gaps": {"largest": [{"ms": 342.4}]}}
+    assert not pt.stalled(calm) and pt.stalled(stall)
+    assert not pt.stalled({**calm, "idle_gaps": None})  # older profiles without gaps
+    assert "`calm`" in "\n".join(pt.micro_batch_breakdown([calm, stall]))
+    assert "`calm`" in "\n".join(pt.profiles([calm, stall]))
