@@ -10,11 +10,12 @@ gallery/scripts/gpu_perf.py --pageable-trial), not a setting."""
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device` without the host waiting for the device. A copy from pageable memory, also with
-    non_blocking=True, waits for every kernel already queued on the stream (CUDA's API synchronisation rules): one
-    per micro batch, after which the host launches the forward with an idle GPU. On CUDA the tensor is staged in
-    pinned memory (torch's caching host allocator keeps that block until the copy has run) and copied
-    non-blocking; elsewhere, a plain copy.
+    """A host tensor on `device` without the host waiting for the device. A plain copy from pageable memory waits
+    for every kernel already queued on the stream (46.8 ms behind a 50 ms kernel in issue 41 call 31's check,
+    gallery/scripts/gpu_check_copy.py), after which the host launches the next work with an idle GPU; with
+    non_blocking=True CUDA's rules still let it wait (the driver staged a 64 KiB micro batch without waiting there).
+    On CUDA the tensor is staged in pinned memory (torch's caching host allocator keeps that block until the copy has
+    run) and copied non-blocking, which never waits; elsewhere, a plain copy.
 
         batch_BL = to_device(torch.randint(0, 1000, (2, 4097)), "cuda")   # queued behind the GPU's work
     """

@@ -218,7 +218,7 @@ class Trainer:
                 inputs, targets, positions, mask = sft.inputs_BL, sft.targets_BL, sft.positions_BL, sft.valid_BL
                 documents = sft.documents_BL  # attention within each packed example
             else:
-                # to_device: not from pageable memory, whose copy waits for the queued micro batches (a sync)
+                # to_device: pinned, so the copy cannot wait for the queued micro batches (a pageable one may)
                 batch = to_device(micro_batch(self.dataset, step, first, t.micro_batch_size), self.env.device)
                 inputs, targets = par.shard_sequence(batch[:, :-1]), par.shard_sequence(batch[:, 1:])
                 mask = loss_mask(targets, self.cfg.model.pad_token_id)  # padding: out of the loss and routing
@@ -294,7 +294,7 @@ class Trainer:
             pack.add(key, [s[key].float().reshape(-1) * w if s is not None else torch.zeros(size, device=dev)
                            for s in stats])
         memory_slots = torch.zeros(self.env.world_size, 3, device=dev)
-        # to_device: a copy from pageable memory would wait for the step's queued work (a second sync)
+        # to_device: a copy from pageable memory may wait for the step's queued work (a second sync)
         memory_slots[par.rank_slot()] = to_device(torch.tensor(self.memory_now()), dev)
         pack.add("memory", memory_slots)
         for key, v in comm.items():

@@ -47,8 +47,8 @@ def test_to_device_copies_the_values_off_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the copy must not wait for queued kernels")
 def test_to_device_does_not_wait_for_queued_kernels():
-    """A copy queued behind a long kernel returns at once and still lands after it (the pageable copy, with
-    non_blocking or not, waits for the kernel: moelab.data.transfer.PINNED=False shows the difference)."""
+    """A copy queued behind a long kernel returns at once and still lands after it (a plain pageable copy waits for
+    the kernel: gallery/scripts/gpu_check_copy.py times both)."""
     batch_BL = torch.randint(0, 1000, (2, 4097))  # a micro batch of the proxy (over the copies CUDA inlines)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
