@@ -201,9 +201,10 @@ def cmd_set(args) -> int:
         raise ConfigError(f"run {run.name} is COMPLETED: there is no step left to change; start a new run from one "
                           f"of its checkpoints ({steps or 'none'}) with the change: `moelab fork {run.folder} {at}"
                           + " ".join(f"--set {c}" for c in args.changes) + "`")
-    rid = request(run, changes, origin="cli")
+    rid = request(run, changes, origin="cli", at=args.at)
     if args.wait is None:
-        print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); applied at the next step boundary")
+        when = "the next step boundary" if args.at is None else f"the boundary after step {args.at}"
+        print(f"{run.name}: requested {', '.join(args.changes)} (request {rid}); applied at {when}")
         return 0
     outcome = wait_outcome(run.folder, rid, timeout=args.wait, run=run)
     if outcome is None:
@@ -301,6 +302,8 @@ def _add_control_parsers(sub) -> None:
                    help="a field and its new value, dotted or by its last part: train.lr=1e-4, aux_loss_coeff=0.01, "
                         "checkpoint=true (save one at the next boundary)")
     p.add_argument("--wait", type=float, help="seconds to wait until the ranks applied it (default: do not wait)")
+    p.add_argument("--at", type=int, help="apply it at the boundary after this step (the next one where the run is "
+                                          "past it; default: the next boundary)")
     p.set_defaults(func=cmd_set)
 
 

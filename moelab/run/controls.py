@@ -106,8 +106,12 @@ def finished(run, step, how: str) -> ConfigError:
 
 
 def request(run, changes: dict, origin: str = "notebook", at: int | None = None) -> str:
-    """Check `changes` and append them as one request; returns its id. ConfigError, with nothing written, for
-    a field that cannot change, a bad value, or a run that has COMPLETED."""
+    """Check `changes` and append them as one request, applied at the next step boundary or, with `at`, at the
+    boundary after step `at`; returns its id. ConfigError, with nothing written, for a field that cannot change, a
+    bad value or `at`, or a run that has COMPLETED."""
+    if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
+        raise ConfigError(f"at={at!r}: the step after which the change applies, an integer >= 0; leave it out for "
+                          f"the next step boundary")
     cfg = _live(run.folder)  # not modified: check_changes builds a new config
     _, checked = check_changes(cfg, resolve(changes, cfg))
     if run.status == "COMPLETED":

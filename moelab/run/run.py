@@ -165,20 +165,21 @@ class Run:
 
     # ------------------------------------------------------------------ steering (moelab.run.controls, .fork)
     def set(self, changes: dict | None = None, /, wait: float | None = None, origin: str = "notebook",
-            **fields: Any) -> "str | dict | None":
+            at: int | None = None, **fields: Any) -> "str | dict | None":
         """Change fields while the run trains (moelab.config.live.LIVE_FIELDS; short names such as
-        `aux_loss_coeff` work): every rank applies them at the next step boundary, each recorded as a `control`
-        event. A field that cannot change, a bad value or a run that has completed (fork it instead) raises
-        ConfigError and writes nothing; a request the run cannot reach any more as it completes is rejected
-        with the reason. Returns the request id, or with `wait` (seconds) how it ended: {"kind": "applied",
-        "step": ...}, "rejected", or None.
+        `aux_loss_coeff` work): every rank applies them at the next step boundary, or with `at` at the boundary
+        after step `at` (the next one where the run is past it), each recorded as a `control` event. A field that
+        cannot change, a bad value or a run that has completed (fork it instead) raises ConfigError and writes
+        nothing; a request the run cannot reach any more as it completes is rejected with the reason. Returns the
+        request id, or with `wait` (seconds) how it ended: {"kind": "applied", "step": ...}, "rejected", or None.
 
             run.set(aux_loss_coeff=1e-2)                    # "checkpoint=True" saves one at the boundary
             run.set({"model.moe.bias_update_rate": 1e-3}, wait=60)["step"]
+            run.set(lr=1e-4, at=500)                        # from step 501 on, whenever it is asked
         """
         from moelab.run.controls import request, wait_outcome
 
-        rid = request(self, {**(changes or {}), **fields}, origin=origin)
+        rid = request(self, {**(changes or {}), **fields}, origin=origin, at=at)
         return rid if wait is None else wait_outcome(self.folder, rid, timeout=wait, run=self)
 
     @property

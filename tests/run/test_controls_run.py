@@ -57,6 +57,9 @@ def test_refusals_and_bad_values_leave_the_folder_untouched(parent, tmp_path):
     cli = moelab_cli("set", run.folder, "model.num_layers=4")
     assert cli.returncode == 2 and "model.num_layers=4: cannot change while a run trains" in cli.stderr
     assert _bytes(run.folder) == before
+    with pytest.raises(ConfigError, match=r"at=-1: the step after which the change applies, an integer >= 0"):
+        run.set(aux_loss_coeff=0.1, at=-1)
+    assert _bytes(run.folder) == before
     with pytest.raises(ConfigError, match="COMPLETED"):
         Run.load(parent.folder).set(aux_loss_coeff=0.1)  # a finished run: fork it instead
 
@@ -113,6 +116,24 @@ def test_set_while_a_run_trains(tmp_path, request, executor):
     events = run.events
     assert not [e for e in events if e["event"] == "error"]
     assert max(e["step"] for e in events if e["event"] == "step") > run.controls[1]["step"]  # trained on after it
+
+
+@pytest.mark.slow
+def test_set_at_a_step_lands_after_that_step(tmp_path):
+    """Run.set(at=K), asked as the run starts, applies at the boundary after step K exactly; `moelab set --at`
+    asked of a run already past its step applies at the next boundary."""
+    run = _session(steps=2000).submit("local", folder=tmp_path / "at")
+    try:
+        outcome = run.set(aux_loss_coeff=0.05, at=3, wait=240)
+        assert outcome is not None and outcome["kind"] == "applied" and outcome["step"] == 3, outcome
+        cli = moelab_cli("set", run.folder, "bias_update_rate=0.01", "--at", "1", "--wait", "240")
+        assert cli.returncode == 0 and "applied after step" in cli.stdout, (cli.stdout, cli.stderr)
+    finally:
+        run.cancel()
+        run.wait(120)
+    steps = [(e["field"], e["step"]) for e in run.controls]
+    assert steps[0] == ("model.moe.aux_loss_coeff", 3)
+    assert steps[1][0] == "model.moe.bias_update_rate" and steps[1][1] >= 3
 
 
 def test_a_sweep_of_forks_is_compared_by_its_changes(parent, tmp_path):
