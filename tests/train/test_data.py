@@ -49,7 +49,7 @@ def test_to_device_copies_the_values_off_cuda():
 def test_to_device_does_not_wait_for_queued_kernels():
     """A copy queued behind a long kernel returns at once and still lands after it (a plain pageable copy waits for
     the kernel: gallery/scripts/gpu_check_copy.py times both)."""
-    batch_BL = torch.randint(0, 1000, (2, 4097))  # a micro batch of the proxy (over the copies CUDA inlines)
+    batch_BL = torch.randint(0, 1000, (2, 4097))  # a micro batch of the proxy: 2 x 4,097 token ids
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
     got = to_device(batch_BL, "cuda")
