@@ -37,6 +37,9 @@
 #                 against the default (gpu_check_adamw.py); not run by default
 #     copy-check  issue 41: a micro batch's copy behind a queued kernel, to_device (pinned) against the pageable
 #                 copies: the host's wait and the values (gpu_check_copy.py); not run by default
+#     host-check  issue 41: the host's time to queue a micro batch's forward and backward behind a busy GPU against
+#                 the GPU's time for them, SonicMoE's share of it, and the step after a synchronisation
+#                 (gpu_check_host.py, after the moelab part: its compiles cached); not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
@@ -89,7 +92,7 @@ part() {
   timeout -k 5 $t "$@" > $L/$name.log 2>&1
   local rc=$?
   [ $rc -ne 0 ] && echo "[$(el)s] $name: exit $rc" && grep -v "warn" $L/$name.log | tail -6
-  grep -h "tokens/s\|tok/s\|^first losses\|^loss kernel\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
+  grep -h "tokens/s\|tok/s\|^median: \|^first losses\|^loss kernel\|^moe-layer\|^parity\|^fp8 \|^adamw\|^weight cache\|^rows \|ERROR\|Error" $L/$name.log | grep -v "^ *warnings" | tail -8
 }
 
 if [ -z "${DRY_RUN:-}" ]; then
@@ -123,6 +126,7 @@ part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --g
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} \
   ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} \
   ${PAGEABLE:+--pageable-trial} $DRY
+part host-check 240 python3 gallery/scripts/gpu_check_host.py --out $R
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \
