@@ -1,11 +1,11 @@
 """The kernel rates the step-time model (moelab.planner.speed) computes at: measured on this project's H200 (each
 figure with the record it comes from; tests/planner/test_rates.py derives every one again from its file), and
 carried to another GPU kind by the ratio of the datasheet figures (moelab.planner.gpus), but for TritonAdamW, measured
-on the H100 and the H200 (OPTIMIZER_MEASURED); torch-free.
+on the H100 and the H200 (ADAMW_MEASURED, GRAD_NORM_MEASURED); torch-free.
 
     r = rates(gpu_kind("h100"), balanced=True)
     r.dense / 1e12                     # 761.5: H100 and H200 share the BF16 peak
-    r.optimizer["adamw_triton"]        # bytes/s of the Triton AdamW (with the gradient norm)
+    r.optimizer["adamw_triton"]        # bytes/s of the Triton AdamW's kernel (its gradient norm: r.grad_norm)
 
 The profiles are single compiled steps of the Qwen3-30B-A3B proxy (8 layers, 8,192 tokens per micro batch,
 learned router, bf16 parameters and moments) with their kernels summed by category and name:
@@ -80,7 +80,8 @@ H200_MEASURED = {
     # (16 B per bf16 parameter with bf16 moments) for the proxy's 5.61 B parameters
     "adamw_tb_s": (16 * 5.607e9 / 33.966e-3 / 1e12, _PROFILE + ": category optimizer 33.97 ms (torch's fused "
                    "AdamW + gradient norm)"),
-    # the Triton AdamW with torch's gradient norm (the code before 3187545: Plan.grad_norm; OPTIMIZER_MEASURED since)
+    # the Triton AdamW with torch's gradient norm (the code before 3187545: Plan.grad_norm; ADAMW_MEASURED and
+    # GRAD_NORM_MEASURED since)
     "adamw_triton_tb_s": (16 * 5.607e9 / 23.901e-3 / 1e12, _PROFILE_CHUNKED + ": category optimizer 23.90 ms "
                           "(TritonAdamW + torch's gradient norm)"),
     # FP8 (train.fp8=rowwise): the experts' forward and dgrad GEMM in e4m3 and wgrad in bf16, 10.89 + 11.15 ms
@@ -157,16 +158,17 @@ SONIC_MEASURED = {
                                         "config for every GEMM"),
     "permute_ratio": (2.62 / 12.37, _SONIC + " against " + _SONIC_BASE + ": category permute"),
 }
-# TritonAdamW and the gradient norm (moelab.backends.grad_norm, since issue 41 call 15), bytes per second as above:
-# the adamw and sumsq kernels of one-micro-batch compiled profiles, on each GPU kind measured (moelab's sonic step,
-# the same 5.61 B bf16 parameters); a kind not measured carries the H200's by the HBM ratio
+# TritonAdamW's kernel alone, bytes per second: reads p, g, m, v and writes p, m, v (14 B per bf16 parameter with
+# bf16 moments, the proxy's 5.61 B parameters), from the adamw kernel of one-micro-batch compiled profiles on each GPU
+# kind measured (moelab's sonic step): the H200's of its day's blocks (4096 x 8), the H100's of today's (1024 x 4,
+# since issue 41 call 30); a kind not measured carries the H200's by the HBM ratio. The gradient norm's pass beside
+# it is GRAD_NORM_MEASURED's.
 _OPT_H200 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h200-issue41-call17.json"
 _OPT_H100 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call21.json"
-OPTIMIZER_MEASURED = {
-    "h200": (16 * 5.607e9 / ((19.4567 + 2.8042) * 1e-3) / 1e12, _OPT_H200 + ": top_kernels adamw_kernel 19.46 ms "
-             "+ sumsq_kernel 2.80 ms"),
-    "h100": (16 * 5.607e9 / ((26.0919 + 3.8219) * 1e-3) / 1e12, _OPT_H100 + ": top_kernels adamw_kernel 26.09 ms "
-             "+ sumsq_kernel 3.82 ms"),
+_ADAMW_H100 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--profile-bf16-compile-gbs2-h100-issue41-call31.json"
+ADAMW_MEASURED = {
+    "h200": (14 * 5.607e9 / 19.4567e-3 / 1e12, _OPT_H200 + ": top_kernels adamw_kernel 19.46 ms"),
+    "h100": (14 * 5.607e9 / 25.7503e-3 / 1e12, _ADAMW_H100 + ": top_kernels adamw_kernel 25.75 ms"),
 }
 # The gradient norm's own pass (moelab.backends.grad_norm's sumsq kernel, bf16 gradients read once) on each kind
 # measured, from the same profiles; and what summing the experts' gradient squares in their weight-gradient GEMMs'
@@ -215,7 +217,7 @@ class Rates:
     dense_fp8: float
     grouped_fp8: float
     mem: float  # HBM time scale: seconds per element of the H200 figures times this
-    optimizer: dict  # train.optimizer kind (adamw_triton_torch_norm: with torch's gradient norm) -> bytes/s
+    optimizer: dict  # bytes/s: adamw_triton its kernel alone; adamw, adamw_triton_torch_norm with their norm
     copy: float  # bytes/s
     reduce_copy: float  # bytes/s of FSDP2's reduce-scatter copy-in
     nvlink: float
@@ -234,7 +236,7 @@ class Rates:
 
 
 def _measured_tb_s(table: dict, kind: GPUKind) -> float:
-    """TB/s of a memory-bound pass on `kind` from `table` (OPTIMIZER_MEASURED: TritonAdamW + the gradient norm;
+    """TB/s of a memory-bound pass on `kind` from `table` (ADAMW_MEASURED: TritonAdamW's kernel;
     GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel): measured there, else the
     first kind measured (the H200 where it was) by the HBM bandwidth ratio."""
     key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
@@ -256,7 +258,7 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  grouped=v["grouped_tflops"] * flop * gain, dense_fp8=v["dense_fp8_tflops"] * fp8,
                  grouped_fp8=v["grouped_fp8_tflops"] * fp8 * gain, mem=1 / hbm,
                  optimizer={"adamw": v["adamw_tb_s"] * 1e12 * hbm,
-                            "adamw_triton": _measured_tb_s(OPTIMIZER_MEASURED, kind) * 1e12,
+                            "adamw_triton": _measured_tb_s(ADAMW_MEASURED, kind) * 1e12,
                             "adamw_triton_torch_norm": v["adamw_triton_tb_s"] * 1e12 * hbm},
                  copy=v["copy_tb_s"] * 1e12 * hbm, reduce_copy=v["reduce_copy_tb_s"] * 1e12 * hbm,
                  nvlink=kind.nvlink_gb_s * link, ib=kind.ib_gb_s * 1e9 * PUBLISHED["ib_fraction"][0],

@@ -243,8 +243,13 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
     mem = p.memory
     trained_bytes = mem["gradients"]  # a trained parameter's gradient is stored like the parameter
     opt_kind = "adamw" if t.optimizer == "adamw" else "adamw_triton"
-    rate = r.optimizer["adamw_triton_torch_norm" if opt_kind == "adamw_triton" and p.grad_norm == "torch" else opt_kind]
-    passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / rate}
+    if opt_kind == "adamw_triton" and p.grad_norm == "triton":  # each kernel at its rate: AdamW reads p, g, m, v
+        # and writes p, m, v; the norm's pass reads g
+        passes = {"optimizer": (3 * trained_bytes + 2 * mem["optimizer"]) / r.optimizer[opt_kind]
+                  + trained_bytes / r.grad_norm}
+    else:  # torch's AdamW or torch's norm: the step with its norm at one measured rate (the same bytes)
+        rate = r.optimizer["adamw_triton_torch_norm" if opt_kind == "adamw_triton" else opt_kind]
+        passes = {"optimizer": 2 * (2 * trained_bytes + mem["optimizer"]) / rate}
     if (p.expert_norm == "gemm" and cfg.backend.experts == "sonic" and p.gpus == 1 and m == 1
             and not t.lora.rank and opt_kind == "adamw_triton" and p.grad_norm == "triton"):
         # the experts' gradients are not read by the norm's pass: their GEMMs summed the squares, at a fraction of it
