@@ -11,7 +11,10 @@ the first forward waits on the host wherever the host is slower).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -88,6 +91,19 @@ def behind_a_kernel(cycles: int, fn) -> tuple[float, float, object]:
     return host_ms, start.elapsed_time(end), out
 
 
+def host_profile(cycles: int, fn, top: int = 40) -> dict:
+    """fn() queued behind a `cycles` sleep under cProfile: the host's functions by own time and by cumulative time
+    (cProfile slows the host; the shares, not the milliseconds, are the figures)."""
+    prof = cProfile.Profile()
+    _, _, out = behind_a_kernel(cycles, lambda: (prof.enable(), fn(), prof.disable())[1])
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = [{"function": f"{path.split('site-packages/')[-1]}:{line}({name})", "calls": nc, "own_ms": tt * 1e3,
+             "cumulative_ms": ct * 1e3} for (path, line, name), (_, nc, tt, ct, _) in stats.stats.items()]
+    return {"result": out, "total_ms": sum(r["own_ms"] for r in rows),
+            "by_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:top]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -117,6 +133,14 @@ def main() -> int:
         print("rep %d: forward host %.2f ms / GPU %.2f ms (SonicMoE's host %.2f ms in %d calls); backward host "
               "%.2f ms / GPU %.2f ms (SonicMoE's host %.2f ms)" % (r, host_f, gpu_f, sonic_f, calls, host_b, gpu_b,
                                                                  clock.bwd * 1e3), flush=True)
+    tr.optimizer.zero_grad(set_to_none=True)
+    fwd_profile = host_profile(cycles, lambda: forward(tr, 2000))
+    bwd_profile = host_profile(cycles, fwd_profile.pop("result").backward)
+    bwd_profile.pop("result")
+    for name, p in (("forward", fwd_profile), ("backward", bwd_profile)):
+        print(f"cProfile {name}: {p['total_ms']:.1f} ms of host time; by own time:", flush=True)
+        for r in p["by_own"][:15]:
+            print(f"  {r['own_ms']:8.2f} ms {r['calls']:6d} calls  {r['function']}", flush=True)
     for m in tr.par.moe_layers:
         m.router.pop_stats()
     tr.optimizer.zero_grad(set_to_none=True)
@@ -135,7 +159,8 @@ def main() -> int:
            "host_ahead_bwd_ms": round(med["gpu_bwd_ms"] - med["host_bwd_ms"], 3),
            "step_ms_update_pending": round(statistics.median(steady), 3), "step_times_ms_update_pending": steady,
            "step_ms_after_sync": round(statistics.median(fresh), 3), "step_times_ms_after_sync": fresh,
-           "host_outran_sleep": blocked, "ok": not blocked}
+           "host_outran_sleep": blocked, "ok": not blocked,
+           "cprofile_forward": fwd_profile, "cprofile_backward": bwd_profile}
     print(f"median: {json.dumps(med)}; step {rec['step_ms_update_pending']} ms with the update pending, "
           f"{rec['step_ms_after_sync']} ms after a synchronisation", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
