@@ -4,7 +4,8 @@ busy for --sleep-ms, the host's milliseconds to queue one micro batch's forward,
 its backward, against the GPU's milliseconds to run them (CUDA events, the queue full, no host gap); the share of the
 host's time inside SonicMoE's layer (its Python, metadata and GEMM launches), forward and backward. Last, the step
 timed as the gallery times it (the update of the step before pending) and after a synchronisation (nothing pending:
-the first forward waits on the host wherever the host is slower).
+the first forward waits on the host wherever the host is slower), each phase of it in the host's and the GPU's clock
+(Markers); and the forward and backward queued under cProfile.
 
     python gallery/scripts/gpu_check_host.py --out DIR      # DIR/host-check.json
 """
@@ -104,6 +105,49 @@ def host_profile(cycles: int, fn, top: int = 40) -> dict:
             "by_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:top]}
 
 
+class Markers:
+    """A host time and a CUDA event (the current stream) at each phase boundary of Trainer.train_step: the step,
+    its forward and backward, the gradient norm, the statistics' pack, the update (its read of the pack between the
+    pack and the update). Each interval between two markers in both clocks: where the host is slower than the GPU,
+    the GPU's interval holds its wait."""
+
+    PHASES = (("train_step", "step"), ("forward_backward", "forward_backward"), ("_pack_step", "pack"),
+              ("apply_step", "update"))
+
+    def __init__(self, tr):
+        self.steps: list[list] = []
+        for attr, label in self.PHASES:
+            setattr(tr, attr, self._wrap(getattr(tr, attr), label))
+        tr.par.clip_grad_norm = self._wrap(tr.par.clip_grad_norm, "grad_norm")
+
+    def _mark(self, label: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.steps[-1].append((label, time.perf_counter(), event))
+
+    def _wrap(self, fn, label: str):
+        def wrapped(*args, **kwargs):
+            if label == "step":
+                self.steps.append([])
+            self._mark(f"{label} start")
+            out = fn(*args, **kwargs)
+            self._mark(f"{label} end")
+            return out
+        return wrapped
+
+    def intervals(self) -> dict:
+        """{"a -> b": {"host_ms", "gpu_ms"}} medians over the steps marked since the last call (after a sync)."""
+        torch.cuda.synchronize()
+        table: dict[str, dict[str, list]] = {}
+        for marks in self.steps:
+            for (a, ta, ea), (b, tb, eb) in zip(marks, marks[1:]):
+                row = table.setdefault(f"{a} -> {b}", {"host_ms": [], "gpu_ms": []})
+                row["host_ms"].append((tb - ta) * 1e3)
+                row["gpu_ms"].append(ea.elapsed_time(eb))
+        self.steps = []
+        return {k: {c: round(statistics.median(v), 3) for c, v in row.items()} for k, row in table.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -145,12 +189,20 @@ def main() -> int:
         m.router.pop_stats()
     tr.optimizer.zero_grad(set_to_none=True)
     med = {k: round(statistics.median(row[k] for row in rows), 3) for k in rows[0]}
-    steady = b.measure(args.steps, 2)["step_times_ms"]
+    b.run(2)
+    markers = Markers(tr)
+    steady = b.run(args.steps)
+    steady_phases = markers.intervals()
     fresh = []
     for _ in range(args.steps):  # nothing pending: the update of the step before has run
         tr.join_optimizer()
         torch.cuda.synchronize()
         fresh += b.run(1)
+    fresh_phases = markers.intervals()
+    for name, phases in (("update pending", steady_phases), ("after a synchronisation", fresh_phases)):
+        print(f"phases, {name} (host ms / GPU ms):", flush=True)
+        for k, v in phases.items():
+            print(f"  {k:40s} {v['host_ms']:8.3f} {v['gpu_ms']:8.3f}", flush=True)
     blocked = max(row["host_fwd_ms"] for row in rows) > 0.9 * args.sleep_ms
     rec = {"system": "moelab", "workload": PRESET, "variant": "host-check", "gpu_name": torch.cuda.get_device_name(),
            "torch_version": torch.__version__, "commit": commit_id(), "command": " ".join(["python"] + sys.argv),
@@ -160,6 +212,7 @@ def main() -> int:
            "step_ms_update_pending": round(statistics.median(steady), 3), "step_times_ms_update_pending": steady,
            "step_ms_after_sync": round(statistics.median(fresh), 3), "step_times_ms_after_sync": fresh,
            "host_outran_sleep": blocked, "ok": not blocked,
+           "phases_update_pending": steady_phases, "phases_after_sync": fresh_phases,
            "cprofile_forward": fwd_profile, "cprofile_backward": bwd_profile}
     print(f"median: {json.dumps(med)}; step {rec['step_ms_update_pending']} ms with the update pending, "
           f"{rec['step_ms_after_sync']} ms after a synchronisation", flush=True)
