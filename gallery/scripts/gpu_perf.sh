@@ -38,8 +38,9 @@
 #     copy-check  issue 41: a micro batch's copy behind a queued kernel, to_device (pinned) against the pageable
 #                 copies: the host's wait and the values (gpu_check_copy.py); not run by default
 #     host-check  issue 41: the host's time to queue a micro batch's forward and backward behind a busy GPU against
-#                 the GPU's time for them, SonicMoE's share of it, and the step after a synchronisation
-#                 (gpu_check_host.py, after the moelab part: its compiles cached); not run by default
+#                 the GPU's time for them, SonicMoE's share of it, both under cProfile, and the timed step's phases
+#                 in both clocks, the update pending and after a synchronisation (gpu_check_host.py, about 110 s
+#                 alone; after the moelab part its compiles are cached); not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
 #                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
 #                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
