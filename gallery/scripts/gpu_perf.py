@@ -41,7 +41,7 @@ import torch
 
 from moelab.backends import full_loss, loss_kernel, sonic_squares
 from moelab.data import transfer
-from moelab.train import adamw_triton, overlap
+from moelab.train import adamw_triton
 from moelab.train.bench import Bencher, bench_config, commit_id
 from moelab.config import load_config
 from moelab.planner.flops import FLOPS_CONVENTION
@@ -205,7 +205,6 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
-            "overlap_split_sms": getattr(getattr(tr, "overlap", None), "split_sms", 0),  # moelab.train.overlap
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
             "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
             "loss_kernel": loss_kernel.config_name(),  # its block, warps, programs per SM and L2 hints
@@ -272,13 +271,6 @@ def cmd_bench(args) -> None:
     for mode in modes:
         if mode == "off" and args.losses:  # the LM-head losses x micro batches (the optimizer: train.optimizer's)
             bench_losses(tr, b, args, out)
-            continue
-        if mode == "off" and args.split_trial and getattr(tr, "overlap", None) is not None:
-            bench_mode(tr, b, args, mode, out)  # today's, then the update beside the forward on N SMs (tag bf16-splitN)
-            for sms in [int(k) for k in args.split_trial.split(",")]:
-                tr.overlap.split_sms = sms
-                bench_mode(tr, b, args, mode, out, tag=f"bf16-split{sms}", profile=False)
-            tr.overlap.split_sms = overlap.SPLIT_SMS
             continue
         if mode == "off" and args.overlap_off:  # the same model and step without train.optimizer_overlap
             bench_mode(tr, b, args, mode, out)
@@ -511,9 +503,6 @@ def main(argv=None):
                                 "memory (tag bf16-pageable)")
             p.add_argument("--adamw-trial", default=None,
                            help="with --overlap-off: the bf16-trial step with TritonAdamW's kernel at BLOCKxWARPS")
-            p.add_argument("--split-trial", default=None,
-                           help="also time the step with the update beside the forward on each of these SM counts "
-                                "(moelab.train.overlap.SPLIT_SMS), e.g. 16,32 (tags bf16-split16, bf16-split32)")
             p.add_argument("--triton-gbs", default=None, help="the global batches of --triton-adamw (default --gbs)")
             p.add_argument("--losses", default=None,
                            help="LM-head losses to time in turn (backend.loss): e.g. chunked,full,liger,cce; "

@@ -37,9 +37,6 @@
 #                 against the default (gpu_check_adamw.py); not run by default
 #     copy-check  issue 41: a micro batch's copy behind a queued kernel, to_device (pinned) against the pageable
 #                 copies: the host's wait and the values (gpu_check_copy.py); not run by default
-#     split-check issue 41: the optimizer's update on a few SMs beside the head's GEMMs with torch's SM carveout,
-#                 piece by piece (gpu_check_split.py, about 40 s); SPLIT=16,32 (with the moelab part): the step
-#                 also timed with the update beside the forward on each SM count (tags bf16-split16, ...)
 #     host-check  issue 41: the host's time to queue a micro batch's forward and backward behind a busy GPU against
 #                 the GPU's time for them, SonicMoE's share of it, both under cProfile, and the timed step's phases
 #                 in both clocks, the update pending and after a synchronisation (gpu_check_host.py, about 110 s
@@ -113,7 +110,6 @@ part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out 
 part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
 part copy-check 60 python3 gallery/scripts/gpu_check_copy.py --out $R
-part split-check 90 python3 gallery/scripts/gpu_check_split.py --out $R
 # TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
 # checks' fastest settings, where a check passed and its fastest is not the default
 # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from its default
@@ -130,7 +126,7 @@ fi
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} \
   ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} \
-  ${PAGEABLE:+--pageable-trial} ${SPLIT:+--split-trial $SPLIT} $DRY
+  ${PAGEABLE:+--pageable-trial} $DRY
 part host-check 240 python3 gallery/scripts/gpu_check_host.py --out $R
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \

@@ -61,34 +61,11 @@ def _sonic():
 @functools.cache
 def _quack():
     """QuACK's GEMM entry points below their custom ops and autotuners (quack.gemm_interface's *_tuned.fn): each
-    takes the tile as `config` (None: QuACK's default). Their persistent kernels keep clear of the SMs that torch's
-    matmuls leave to other work (``_leave_carveout``)."""
+    takes the tile as `config` (None: QuACK's default)."""
     _sonic()
     from quack import gemm_interface as qi
 
-    _leave_carveout()
     return qi.gemm_tuned.fn, qi.gemm_gated_tuned.fn, qi.gemm_dgated_tuned.fn
-
-
-def _leave_carveout() -> None:
-    """QuACK sizes each persistent GEMM's grid by get_max_active_clusters (every SM); while torch's SM carveout
-    is set (torch._C._set_sm_carveout_experimental: moelab.train.overlap, the update beside the forward), it gets
-    that many SMs fewer, as cuBLAS's matmuls do, so no CTA of the GEMM waits for the SMs the other work holds. The
-    grid changes, not the tiles' arithmetic."""
-    import quack.cute_dsl_utils as utils
-    from quack import gemm, gemm_act, gemm_dact, gemm_sq_reduce
-
-    full = utils.get_max_active_clusters
-    if getattr(full, "leaves_carveout", False):
-        return
-
-    def get_max_active_clusters(cluster_size):
-        clusters, carveout = full(cluster_size), torch._C._get_sm_carveout_experimental()
-        return max(1, clusters - -(-carveout // cluster_size)) if carveout else clusters
-
-    get_max_active_clusters.leaves_carveout = True
-    for module in (utils, gemm, gemm_act, gemm_dact, gemm_sq_reduce):
-        module.get_max_active_clusters = get_max_active_clusters
 
 
 ROWS_ONCE: frozenset[str] = frozenset()

@@ -43,34 +43,29 @@ def _kernel():
     @triton.jit
     def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, n, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
                      weight_decay, BLOCK: tl.constexpr):
-        # program i updates blocks i, i + programs, ...: one block each on the full grid, a loop on a narrow one
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
         step = tl.load(step_ptr).to(tl.float32)
         bc1 = 1.0 - tl.exp2(step * log2_beta1)
         bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        first = tl.program_id(0).to(tl.int64) * BLOCK
-        for start in range(first, n, tl.num_programs(0).to(tl.int64) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            p = p * (1.0 - lr * weight_decay)
-            m = m + (g - m) * (1.0 - beta1)  # torch's lerp for weights below 0.5
-            v = v * beta2 + g * g * (1.0 - beta2)
-            denom = tl.sqrt(v) / bc2_sqrt + eps
-            p = p - (lr / bc1) * (m / denom)
-            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p = p * (1.0 - lr * weight_decay)
+        m = m + (g - m) * (1.0 - beta1)  # torch's lerp for weights below 0.5
+        v = v * beta2 + g * g * (1.0 - beta2)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - (lr / bc1) * (m / denom)
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
     return adamw_kernel
 
 
 BLOCK, WARPS = 1024, 4  # elements of each tensor per program, and its warps (gallery/scripts/gpu_check_adamw.py)
-NARROW_BLOCK, NARROW_WARPS = 8192, 32
-"""A narrow launch's (``programs``) block and warps: one program of 1,024 threads per SM it is given, each thread
-with 8 elements of each tensor in flight (16-byte loads of bf16), so that a few SMs keep much of HBM busy."""
 
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -78,17 +73,13 @@ def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
-def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, programs: int = 0) -> None:
+def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
     """One AdamW update of p, m, v (in place) from g, all dense in one layout (``_same_layout``); `step` (a 0-d
-    tensor) already counts this step. `programs` > 0: a narrow launch of at most that many programs
-    (NARROW_BLOCK x NARROW_WARPS), which loop over the blocks, so the update holds about that many SMs beside other
-    work (moelab.train.overlap); 0: one program per BLOCK. The values are the same either way. Runs under
-    TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
+    tensor) already counts this step. Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
     n = p.numel()
-    block, warps = (NARROW_BLOCK, NARROW_WARPS) if programs else (BLOCK, WARPS)
-    grid = min(cdiv(n, block), programs) if programs else cdiv(n, block)
-    _kernel()[(grid,)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2), math.log2(beta1),
-                       math.log2(beta2), float(eps), float(weight_decay), BLOCK=block, num_warps=warps)
+    _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
+                                        math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
+                                        BLOCK=BLOCK, num_warps=WARPS)
 
 
 def use_triton_adamw(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:
@@ -106,7 +97,6 @@ class TritonAdamW(torch.optim.AdamW):
 
     MIN_NUMEL = 1 << 20
     DEVICES = kernel_devices()
-    programs = 0  # > 0: each kernel a narrow launch of that many programs (adamw_update; moelab.train.overlap)
 
     def __init__(self, params, moment_dtype: "torch.dtype | None" = None, **kwargs):
         """`moment_dtype`: store the moments in it (bf16 beside fp32 weights: train.optimizer_state=bf16_moments);
@@ -153,7 +143,7 @@ class TritonAdamW(torch.optim.AdamW):
                     s["exp_avg"], s["exp_avg_sq"] = (_like(p, s["exp_avg"]), _like(p, s["exp_avg_sq"]))
                     m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
                 adamw_update(_local(p), _local(p.grad), m, v, s["step"], group["lr"], beta1, beta2,
-                             group["eps"], group["weight_decay"], programs=self.programs)
+                             group["eps"], group["weight_decay"])
                 hidden.append((p, p.grad))
                 p.grad = None  # torch's step below skips it
         base = torch.optim.AdamW.step  # torch's step for the rest, without running the step hooks a second time

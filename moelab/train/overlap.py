@@ -37,16 +37,6 @@ from torch import nn
 from moelab.config import Config
 
 
-SPLIT_SMS = 0
-"""SMs the update keeps while the forward runs beside it (0: none, the update's kernels take what the GPU gives
-them). With N > 0 and TritonAdamW, the stages after the first FULL_STAGES are narrow launches of N programs
-(moelab.train.adamw_triton.adamw_update's `programs`: one per SM), and while any of them is pending the forward's
-matmuls leave N SMs free (torch's SM carveout for cuBLAS, the same for QuACK's GEMMs: moelab.backends.sonic), so the
-memory-bound update and the compute-bound forward run side by side instead of one after the other."""
-FULL_STAGES = 2
-"""The stages the forward's first block waits for (the embedding's, block 0's): updated on the whole GPU."""
-
-
 def stages(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
     """The optimizer's parameters in the forward's order: [before the blocks, block 0, ..., block n-1, after the
     blocks (the final norm and the LM head)]. A weight tied to the embedding counts as the embedding's."""
@@ -71,12 +61,12 @@ def stages(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[torc
 
 
 @torch.no_grad()
-def staged_step(optimizer: torch.optim.Optimizer, stages: list[list[torch.Tensor]], done=None, before=None) -> None:
+def staged_step(optimizer: torch.optim.Optimizer, stages: list[list[torch.Tensor]], done=None) -> None:
     """optimizer.step() one stage at a time: each call sees only that stage's gradients (the others are hidden),
-    so every parameter is updated once, as by one step. `before(stage)` is called before a stage's step. After a
-    stage, its gradients are released (.grad None) and `done(stage, its gradients)` is called; the stage's
-    gradients are freed before the next stage is queued (with record_stream in `done`, their memory returns after
-    that stage's update). Every gradient is None afterwards."""
+    so every parameter is updated once, as by one step. After a stage, its gradients are released (.grad None)
+    and `done(stage, its gradients)` is called; the stage's gradients are freed before the next stage is queued
+    (with record_stream in `done`, their memory returns after that stage's update). Every gradient is None
+    afterwards."""
     held = [[(p, p.grad) for p in ps if p.grad is not None] for ps in stages]
     for ps in stages:
         for p in ps:
@@ -87,8 +77,6 @@ def staged_step(optimizer: torch.optim.Optimizer, stages: list[list[torch.Tensor
             continue
         for p, g in pairs:
             p.grad = g
-        if before is not None:
-            before(i)
         optimizer.step()
         for p, g in pairs:
             p.grad = None
@@ -124,14 +112,10 @@ class OptimizerOverlap:
         model(tokens)                                  # waits for each stage as it reaches it
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, split_sms: int | None = None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.stages = stages(model, optimizer)
         self.device = next(p.device for ps in self.stages for p in ps)
-        if split_sms is None:
-            split_sms = SPLIT_SMS if self.device.type == "cuda" else 0
-        self.split_sms = split_sms if hasattr(optimizer, "programs") else 0  # SPLIT_SMS: TritonAdamW's launches
-        self.carved = False
         self.streams = torch.get_device_module(self.device.type)  # torch.cuda, or torch.cpu's no-op streams
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else self.streams.Stream()
         self.events: list = [None] * len(self.stages)
@@ -157,13 +141,6 @@ class OptimizerOverlap:
         event, self.events[stage] = self.events[stage], None  # the first wait orders all later work
         if event is not None:
             self.streams.current_stream(self.device).wait_event(event)
-        if self.split_sms:  # the work queued from here on runs beside the narrow stages still pending
-            self._carve(any(e is not None for e in self.events[max(stage + 1, FULL_STAGES):]))
-
-    def _carve(self, on: bool) -> None:
-        if on != self.carved:
-            torch._C._set_sm_carveout_experimental(self.split_sms if on else None)
-            self.carved = on
 
     @torch.no_grad()
     def step(self) -> None:
@@ -179,15 +156,8 @@ class OptimizerOverlap:
             self.events[i] = self.streams.Event()
             self.events[i].record(self.stream)
 
-        def before(i: int) -> None:  # SPLIT_SMS: the stages after the first FULL_STAGES hold split_sms SMs
-            self.optimizer.programs = self.split_sms if i >= FULL_STAGES else 0
-
-        try:
-            with self.streams.stream(self.stream):
-                staged_step(self.optimizer, self.stages, done, before if self.split_sms else None)
-        finally:
-            if self.split_sms:
-                self.optimizer.programs = 0
+        with self.streams.stream(self.stream):
+            staged_step(self.optimizer, self.stages, done)
 
     def join(self) -> None:
         """The current stream waits for every stage not yet waited for (before reading the weights or the

@@ -9,7 +9,7 @@ from moelab.config import load_config
 from moelab.contract.stream import read_events
 from moelab.model.transformer import MoETransformer
 from moelab.train.optim import build_optimizer
-from moelab.train.overlap import FULL_STAGES, OptimizerOverlap, applies, stages, staged_step, wait_points
+from moelab.train.overlap import OptimizerOverlap, applies, stages, staged_step, wait_points
 from moelab.train.trainer import Trainer
 
 
@@ -109,40 +109,6 @@ def test_compiled_blocks_still_wait_at_every_call():
     waited.clear()
     model(tokens)
     assert waited == []
-
-
-def test_a_split_update_is_narrow_after_the_first_stages_and_the_forward_leaves_it_its_sms():
-    """SPLIT_SMS: the stages after FULL_STAGES are launched on `split_sms` programs; the forward's blocks run with
-    torch's SM carveout while any of them is pending, and without it from the final norm on and in a forward with
-    no update pending. (Torch's AdamW here takes the same calls as TritonAdamW and ignores `programs`.)"""
-    model, cfg = _model()
-    opt = build_optimizer(model, cfg)
-    opt.programs = 0
-    overlap = OptimizerOverlap(model, opt, split_sms=16)
-    launched, carveout = [], []
-    step = opt.step
-    opt.step = lambda: (launched.append(opt.programs), step())
-    for module in [*model.layers.values(), model.norm]:  # after the overlap's waits (hooks run in order)
-        module.register_forward_pre_hook(lambda m, a: carveout.append(torch._C._get_sm_carveout_experimental()))
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
-    try:
-        _grads(model, 0)
-        overlap.step()
-        assert len(launched) == len(model.layers) + 2 and opt.programs == 0
-        assert launched == [0] * FULL_STAGES + [16] * (len(launched) - FULL_STAGES)  # the embedding, block 0 full
-        model(tokens)
-        assert carveout == [16] * len(model.layers) + [None]
-        assert torch._C._get_sm_carveout_experimental() is None
-        carveout.clear()
-        model(tokens)  # nothing pending
-        assert carveout == [None] * (len(model.layers) + 1)
-        _grads(model, 1)
-        overlap.step()
-        overlap.join()  # a checkpoint's join: the carveout goes with the pending stages
-        assert torch._C._get_sm_carveout_experimental() is None and not overlap.carved
-    finally:
-        torch._C._set_sm_carveout_experimental(None)
-        overlap.remove()
 
 
 def _run(tmp_path, name, overlap: bool, *overrides):
