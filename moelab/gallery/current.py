@@ -88,8 +88,9 @@ def step_trials(r: dict) -> dict:
     higher-priority stream than the optimizer's update (call 26, not kept), the update queued before the step's
     read (call 28, `step_before_read`, not kept), the norm's own pass over the experts' gradients (`norm_in_gemms`
     false), the compiled full loss beside its in-place kernel (`loss_in_place` false), the micro batches copied
-    from pageable memory (call 31, `batch_copy`). {setting: (ran, today)}; records before these fields ran as
-    today's code in these respects, or as the code then did."""
+    from pageable memory (call 31, `batch_copy`), the update beside the forward on a few SMs (call 35,
+    `overlap_split_sms`, taken out after it). {setting: (ran, today)}; records before these fields ran as today's
+    code in these respects, or as the code then did."""
     out = {}
     if r.get("overlap_priority") == "high":
         out["overlap_priority"] = ("high", "equal")
@@ -101,6 +102,8 @@ def step_trials(r: dict) -> dict:
         out["loss_in_place"] = (False, True)
     if r.get("batch_copy") == "pageable":
         out["batch_copy"] = ("pageable", "pinned")
+    if r.get("overlap_split_sms"):
+        out["overlap_split_sms"] = (r["overlap_split_sms"], 0)
     return out
 
 

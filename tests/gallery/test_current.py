@@ -72,6 +72,8 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
         "norm_in_gemms": (False, True)}
     assert default_deviations(rec("pageable", batch_copy="pageable")) == {"batch_copy": ("pageable", "pinned")}
     assert default_deviations(rec("pinned", batch_copy="pinned")) == {}
+    assert default_deviations(rec("split", overlap_split_sms=32)) == {"overlap_split_sms": (32, 0)}
+    assert default_deviations(rec("whole", overlap_split_sms=0)) == {}
     if TODAY == "full":  # the compiled full loss timed beside its in-place kernel (gpu_perf's bf16-loss-compiled)
         assert default_deviations(rec("compiled loss", loss_in_place=False)) == {"loss_in_place": (False, True)}
         assert default_deviations(rec("kernel", loss_in_place=True)) == {}

@@ -60,10 +60,12 @@ def test_unmodelled_terms_are_named_and_kept_out_of_the_count():
     def planned(rec, by_name, gpu):
         return plan(load_config(PROXY, {"train.compile": True, "backend.loss": rec.get("loss", "full")}), gpus=1,
                     gpu=gpu)
-    rows = table([record("lib", loss="cce"), record("mine", loss="full")], planned)
+    rows = table([record("lib", loss="cce"), record("mine", loss="full"), record("split", overlap_split_sms=16)],
+                 planned)
     assert "not modelled: backend.loss=cce" in [x for x in rows if x.startswith("| lib |")][0]
+    assert "not modelled: the update beside the forward on 16 SMs" in [x for x in rows if x.startswith("| split |")][0]
     assert " of 1 records whose every term is modelled" in rows[-1]
-    assert "1 run something the model does not time" in rows[-1]
+    assert "2 run something the model does not time" in rows[-1]
 
 
 def test_a_two_gpu_miss_names_the_code_it_ran_and_the_overlap_it_is_credited_with():
