@@ -160,13 +160,13 @@ def _measured_rows(entries: list, results: list, planned, rebuild_keys: tuple) -
             continue
         calibration = r["_file"] in CALIBRATION_RECORDS
         ok = abs(ratio - 1) <= MEASURED_TARGET
-        trial = untimed_trial(r)
-        if s.unmodelled or trial:
+        unmod = s.unmodelled + untimed_trial(r)
+        if unmod:
             unmodelled += 1
         elif not calibration:
             hits.append(ok)
-        note = ("calibration record (not independent)" if calibration else "not modelled: " + "; ".join(trial)
-                if trial else "within 10%" if ok and not s.unmodelled else suspect(s, ratio, record_history(r, p)))
+        note = ("calibration record (not independent)" if calibration else "not modelled: " + "; ".join(unmod)
+                if unmod else "within 10%" if ok else suspect(s, ratio, record_history(r, p)))
         rows.append(head + cells + note + " |")
     summary = (f"{sum(hits)} of {len(hits)} records whose every term is modelled within {100 * MEASURED_TARGET:.0f}% "
                f"(calibration records left out); {unmodelled} run something the model does not time (not "
