@@ -37,11 +37,13 @@ def record_history(r: dict, p) -> list[str]:
 
 
 def untimed_trial(r: dict) -> list[str]:
-    """A one-GPU step trial the record ran that the model does not time (it times today's step)."""
-    if r.get("overlap_split_sms"):
-        return [f"the update beside the forward on {r['overlap_split_sms']} SMs (issue 41 call 35's trial, taken "
-                "out after it; the model times the update on the whole GPU)"]
-    return []
+    """The one-GPU step trials the record ran (moelab.gallery.current.step_trials) that the model does not time (it
+    times today's step)."""
+    from moelab.gallery.current import step_trials
+
+    split = step_trials(r).get("overlap_split_sms")
+    return [f"the update beside the forward on {split[0]} SMs (issue 41 call 35's trial, taken out after it; the "
+            "model times the update on the whole GPU)"] if split else []
 
 
 def suspect(speed, ratio: float, history: list | None = None, record: bool = True) -> str:
