@@ -57,9 +57,7 @@ from moelab.model.rows import combine_rows, dispatch_rows, inverse_permutation
 from moelab.train.bench import StepTimer, commit_id
 
 
-SHAPES = {"qwen3-moe-30b-a3b-proxy": (8192, 8, 128, 2048, 768), "deepseek-v3-proxy": (4096, 8, 64, 7168, 2048),
-          # two of the Qwen3 proxy's micro batches in one: the weight-gradient GEMMs over both micro batches' rows
-          "qwen3-moe-30b-a3b-proxy-2mb": (16384, 8, 128, 2048, 768)}
+SHAPES = {"qwen3-moe-30b-a3b-proxy": (8192, 8, 128, 2048, 768), "deepseek-v3-proxy": (4096, 8, 64, 7168, 2048)}
 VARIANTS = {  # name: (implementation, compiled)
     "moelab-grouped_mm-eager": ("auto", False), "moelab-grouped_mm-compiled": ("auto", True),
     "moelab-triton_fused-eager": ("triton_fused", False), "moelab-triton_fused-compiled": ("triton_fused", True),
