@@ -89,8 +89,10 @@ def step_trials(r: dict) -> dict:
     read (call 28, `step_before_read`, not kept), the norm's own pass over the experts' gradients (`norm_in_gemms`
     false), the compiled full loss beside its in-place kernel (`loss_in_place` false), the micro batches copied
     from pageable memory (call 31, `batch_copy`), the update beside the forward on a few SMs (call 35,
-    `overlap_split_sms`, taken out after it). {setting: (ran, today)}; records before these fields ran as today's
-    code in these respects, or as the code then did."""
+    `overlap_split_sms`, taken out after it), SonicMoE's GEMMs on tiles other than moelab.backends.sonic.TILES
+    (`sonic_tiles`, a sweep's choice: calls 14-15 before the table held it, call 39's 64-row tiles, not kept).
+    {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the code
+    then did."""
     out = {}
     if r.get("overlap_priority") == "high":
         out["overlap_priority"] = ("high", "equal")
@@ -104,7 +106,28 @@ def step_trials(r: dict) -> dict:
         out["batch_copy"] = ("pageable", "pinned")
     if r.get("overlap_split_sms"):
         out["overlap_split_sms"] = (r["overlap_split_sms"], 0)
+    tiles = _tiles_trial(r.get("sonic_tiles"))
+    if tiles:
+        out["sonic_tiles"] = tiles
     return out
+
+
+def _tiles_trial(ran: "dict | None") -> "tuple[str, str] | None":
+    """(the tiles a record's MOELAB_SONIC_TILES set, today's for those GEMMs) where any differs from
+    moelab.backends.sonic.TILES on Hopper (QuACK's default where the table names none), else None."""
+    from moelab.backends.sonic import TILE_FIELDS, TILES
+
+    def name(gemm, tile):
+        if tile is None:
+            return f"{gemm} QuACK's default"
+        t = dict(zip(TILE_FIELDS, tile))
+        kind = "pingpong" if t["pingpong"] else "cooperative"
+        return f"{gemm} {t['tile_m']}x{t['tile_n']} {kind} cluster {t['cluster_m']}x{t['cluster_n']}"
+    table = TILES.get(9, {})
+    changed = sorted(g for g, t in (ran or {}).items() if table.get(g) is None or list(table[g]) != list(t))
+    if not changed:
+        return None
+    return (", ".join(name(g, ran[g]) for g in changed), ", ".join(name(g, table.get(g)) for g in changed))
 
 
 def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
