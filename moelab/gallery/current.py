@@ -90,7 +90,7 @@ def step_trials(r: dict) -> dict:
     false), the compiled full loss beside its in-place kernel (`loss_in_place` false), the micro batches copied
     from pageable memory (call 31, `batch_copy`), the update beside the forward on a few SMs (call 35,
     `overlap_split_sms`, taken out after it), SonicMoE's GEMMs on tiles other than moelab.backends.sonic.TILES
-    (`sonic_tiles`, a sweep's choice: calls 14-15 before the table held it, call 39's 64-row tiles, not kept).
+    (`sonic_tiles`, a sweep's choice run as MOELAB_SONIC_TILES: calls 14-15's, call 39's 64-row tiles).
     {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the code
     then did."""
     out = {}
@@ -124,7 +124,7 @@ def _tiles_trial(ran: "dict | None") -> "tuple[str, str] | None":
         kind = "pingpong" if t["pingpong"] else "cooperative"
         return f"{gemm} {t['tile_m']}x{t['tile_n']} {kind} cluster {t['cluster_m']}x{t['cluster_n']}"
     table = TILES.get(9, {})
-    changed = sorted(g for g, t in (ran or {}).items() if table.get(g) is None or list(table[g]) != list(t))
+    changed = sorted(g for g, t in (ran or {}).items() if list(table.get(g) or ()) != list(t))
     if not changed:
         return None
     return (", ".join(name(g, ran[g]) for g in changed), ", ".join(name(g, table.get(g)) for g in changed))

@@ -74,14 +74,14 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     assert default_deviations(rec("pinned", batch_copy="pinned")) == {}
     assert default_deviations(rec("split", overlap_split_sms=32)) == {"overlap_split_sms": (32, 0)}
     assert default_deviations(rec("whole", overlap_split_sms=0)) == {}
-    from moelab.backends.sonic import TILES
+    from moelab.backends.sonic import GEMMS, TILES
     table = {g: list(t) for g, t in TILES[9].items()}
     assert default_deviations(rec("table", sonic_tiles=table)) == {}  # the table itself, set by a sweep
     g = sorted(table)[0]
     other = {g: [64, 256, True, 2, 1, False]}
     ran, today = default_deviations(rec("tiles", sonic_tiles=other))["sonic_tiles"]
     assert ran == f"{g} 64x256 pingpong cluster 2x1" and today.startswith(f"{g} {table[g][0]}x{table[g][1]}")
-    unnamed = next(x for x in ("up", "down", "down_dact", "up_dx", "up_dw", "down_dw") if x not in table)
+    unnamed = next(x for x in GEMMS if x not in table)
     assert default_deviations(rec("untabled", sonic_tiles={unnamed: table[g]}))["sonic_tiles"][1] == (
         f"{unnamed} QuACK's default")
     if TODAY == "full":  # the compiled full loss timed beside its in-place kernel (gpu_perf's bf16-loss-compiled)
