@@ -93,6 +93,10 @@ def main():
     ap.add_argument("--fp8", default="off", choices=["off", "rowwise"])
     ap.add_argument("--compile-mode", default="trainer", choices=sorted(COMPILE_MODES),
                     help="with --compile: trainer = torchtitan's apply_compile; blocks = each whole block")
+    ap.add_argument("--max-norm", default=None, type=float,
+                    help="also time the step clipping as torchtitan's trainer does every step "
+                         "(torchtitan.distributed.utils.clip_grad_norm_, foreach; its default max_norm is 1.0): "
+                         "records with -clip{MAX} before -gbs in the --json name")
     args = ap.parse_args()
     m = model_config(args)
     model, version = build(m, args.seq)
@@ -110,13 +114,17 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     batches = random_batches(args, m.vocab_size)
 
-    def make_step(micro):
+    def make_step(micro, max_norm=None):
+        from torchtitan.distributed import utils as dist_utils
+
         def step(i):
             for j in range(micro):
                 ids = batches[(i * micro + j) % len(batches)]
                 logits = model(ids[:, :-1])
                 loss = loss_fn(logits, ids[:, 1:]) / ids[:, 1:].numel()
                 (loss / micro).backward()
+            if max_norm is not None:  # as torchtitan's Trainer.train_step: the norm, then the clip by it
+                dist_utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
@@ -125,6 +133,12 @@ def main():
                + (", torchao float8 rowwise" if args.fp8 != "off" else ""))
     run_batches(args, make_step, lambda gbs, times, error=None: result(
         "torchtitan", variant, args, times, extra, gbs=gbs, error=error))
+    if args.max_norm is not None:  # the same model, clipping as its trainer does
+        clipped = {**extra, "grad_clip": args.max_norm}
+        args.json = args.json and args.json.replace("-gbs{gbs}", f"-clip{args.max_norm:g}-gbs{{gbs}}")
+        run_batches(args, lambda micro: make_step(micro, args.max_norm), lambda gbs, times, error=None: result(
+            "torchtitan", variant + f", its trainer's clip_grad_norm_ (max_norm {args.max_norm:g})", args, times,
+            clipped, gbs=gbs, error=error))
 
 
 if __name__ == "__main__":

@@ -210,6 +210,8 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "loss_kernel": loss_kernel.config_name(),  # its block, warps, programs per SM and L2 hints
             "adamw_kernel": f"{adamw_triton.BLOCK}x{adamw_triton.WARPS}",  # TritonAdamW's block and warps
             "batch_copy": "pinned" if transfer.PINNED else "pageable",  # moelab.data.transfer.to_device
+            "grad_clip": t.grad_clip,  # and whether clipping's multiply ran in TritonAdamW's update (clip_in_step)
+            "clip_in_update": t.grad_clip > 0 and getattr(tr.optimizer, "clip_in_step", None) is not None,
             "commit": commit_id(), "torch_version": torch.__version__,
             "command": " ".join(["python"] + sys.argv),
             **({"sonic_tiles": json.loads(Path(os.environ["MOELAB_SONIC_TILES"]).read_text())}  # a measured choice
@@ -288,6 +290,14 @@ def cmd_bench(args) -> None:
                 tr.overlap.remove()
                 tr.overlap = None
                 bench_mode(tr, b, args, mode, out, tag="bf16-no-overlap", profile=False)
+            continue
+        if mode == "off" and args.clip:  # the same model clipping at train.grad_clip=CLIP, the multiply in the
+            bench_mode(tr, b, args, mode, out)  # update (today's) and as its own pass over the gradients
+            tr.cfg.train.grad_clip = float(args.clip)
+            bench_mode(tr, b, args, mode, out, tag="bf16-clip", profile=False)
+            tr.optimizer.clip_in_step = None  # the trainer's path for an optimizer without it: the multiply pass
+            bench_mode(tr, b, args, mode, out, tag="bf16-clip-pass", profile=False)
+            del tr.optimizer.clip_in_step
             continue
         if mode == "off" and args.triton_adamw:  # the same model and step with the other AdamW
             from moelab.train.adamw_triton import TritonAdamW, use_triton_adamw
@@ -498,6 +508,9 @@ def main(argv=None):
                            help="with --overlap-off: also time the step (tag bf16-trial) with the in-place loss "
                                 "kernel at this config (moelab.backends.loss_kernel.config_name's form, e.g. "
                                 "16384x32-rows1-evict)")
+            p.add_argument("--clip", default=None,
+                           help="also time the step clipping at train.grad_clip=CLIP: the multiply in TritonAdamW's "
+                                "update (tag bf16-clip) and as its own pass (tag bf16-clip-pass)")
             p.add_argument("--pageable-trial", action="store_true",
                            help="with --overlap-off: the step once more with the micro batches copied from pageable "
                                 "memory (tag bf16-pageable)")

@@ -9,7 +9,9 @@
 #     check       the router's bf16 logits and the chunked loss against their references, timed (gpu_check_router_loss.py)
 #     rows        the combine's and dispatch's sums over K, before / now, compiled, checked and timed (gpu_check_rows.py)
 #     tt-compile  torchtitan compiled by its trainer's apply_compile + compiled loss, global batch 2 and 16
-#     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16
+#     tt-blocks   torchtitan with each whole block torch.compile'd + compiled loss (the faster mode), 2 and 16;
+#                 CLIP=1.0: then clipping by its trainer's clip_grad_norm_ at max_norm CLIP (moelab part: the same
+#                 step at train.grad_clip=CLIP, the multiply in TritonAdamW's update, tags bf16-clip, bf16-clip-pass)
 #     moelab      moelab bf16 compiled, 2 and 16, the profile of the compiled step, TritonAdamW at TRITON_GBS;
 #                 OVERLAP_OFF=1: the same model then with the compiled full loss instead of its in-place kernel
 #                 (tag bf16-loss-compiled) and without train.optimizer_overlap (tag bf16-no-overlap); TRIAL=best
@@ -37,6 +39,8 @@
 #                 against the default (gpu_check_adamw.py); not run by default
 #     copy-check  issue 41: a micro batch's copy behind a queued kernel, to_device (pinned) against the pageable
 #                 copies: the host's wait and the values (gpu_check_copy.py); not run by default
+#     clip-check  issue 41: clipping's multiply in TritonAdamW's update against the multiply pass, bitwise on the
+#                 GPU, and both timed on one expert weight (gpu_check_clip.py); not run by default
 #     host-check  issue 41: the host's time to queue a micro batch's forward and backward behind a busy GPU against
 #                 the GPU's time for them, SonicMoE's share of it, both under cProfile, and the timed step's phases
 #                 in both clocks, the update pending and after a synchronisation (gpu_check_host.py, about 110 s
@@ -99,8 +103,8 @@ part() {
 if [ -z "${DRY_RUN:-}" ]; then
   part tt-compile 90 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode trainer \
     --global-batch 2,16 --json $R/torchtitan-compile-trainer-gbs{gbs}.json
-  part tt-blocks 90 python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode blocks \
-    --global-batch 2,16 --json $R/torchtitan-compile-blocks-gbs{gbs}.json
+  part tt-blocks $([ -n "${CLIP:-}" ] && echo 170 || echo 90) python3 gallery/peers/torchtitan_qwen3.py $PEER --compile --compile-mode blocks \
+    --global-batch 2,16 --json $R/torchtitan-compile-blocks-gbs{gbs}.json ${CLIP:+--max-norm $CLIP}
 fi
 part check 90 python3 gallery/scripts/gpu_check_router_loss.py --out $R ${DRY_RUN:+--small}
 part rows 60 python3 gallery/scripts/gpu_check_rows.py --out $R ${DRY_RUN:+--small}
@@ -110,6 +114,7 @@ part squares-check 200 python3 gallery/scripts/gpu_check_sonic_squares.py --out 
 part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
 part copy-check 60 python3 gallery/scripts/gpu_check_copy.py --out $R
+part clip-check 90 python3 gallery/scripts/gpu_check_clip.py --out $R
 # TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
 # checks' fastest settings, where a check passed and its fastest is not the default
 # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from its default
@@ -126,7 +131,7 @@ fi
 part moelab 360 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} --profile \
   --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} $TRITON ${OVERLAP_OFF:+--overlap-off} \
   ${LOSS_TRIAL:+--loss-kernel-trial $LOSS_TRIAL} ${ADAMW_TRIAL:+--adamw-trial $ADAMW_TRIAL} \
-  ${PAGEABLE:+--pageable-trial} $DRY
+  ${PAGEABLE:+--pageable-trial} ${CLIP:+--clip $CLIP} $DRY
 part host-check 240 python3 gallery/scripts/gpu_check_host.py --out $R
 # the same model and seed with another experts backend (EXPERTS; sonic's first step: ~75 s of CuTe-DSL compiles)
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \

@@ -82,8 +82,9 @@ class DistributedParallelized(Parallelized):
         held = {int(key): block.ffn for key, block in self.model.layers.items() if block.is_moe}
         return [held.get(i) for i in range(self.cfg.model.num_dense_layers, self.cfg.model.num_layers)]
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """The global gradient norm (and clipping by it), equal to one process's clip_grad_norm_.
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, multiply_later=None) -> torch.Tensor:
+        """The global gradient norm (and clipping by it), equal to one process's clip_grad_norm_;
+        `multiply_later` as moelab.parallel.place's (the factor handed over, the local shards left as they are).
 
         Dense and expert gradients are DTensors on different meshes, so torch's clip_grad_norm_ cannot combine
         them; instead each rank adds the squares of its local shards and one all-reduce over the world sums
@@ -99,7 +100,10 @@ class DistributedParallelized(Parallelized):
         total = sq.sqrt()
         if max_norm > 0 and local:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # the same formula as clip_grad_norm_
-            torch._foreach_mul_(local, coef.to(local[0].dtype))
+            if multiply_later is not None:
+                multiply_later(coef.to(local[0].dtype))
+            else:
+                torch._foreach_mul_(local, coef.to(local[0].dtype))
         return total
 
     def finish_gradients(self) -> None:

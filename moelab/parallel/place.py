@@ -49,17 +49,21 @@ class Parallelized:
     def positions(self, seq_len: int, device) -> torch.Tensor | None:
         return None
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """The gradient norm (and clipping by it): on CUDA the large gradients' squares summed by one Triton pass
-        each (moelab.backends.grad_norm), elsewhere torch's clip_grad_norm_ itself."""
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, multiply_later=None) -> torch.Tensor:
+        """The gradient norm (and clipping by it, torch's clip_grad_norm_ split in its two halves): on CUDA the
+        large gradients' squares summed by one Triton pass each (moelab.backends.grad_norm), elsewhere torch's
+        get_total_norm. `multiply_later(coef)` (TritonAdamW.clip_in_step): clipping's multiply is handed over
+        as its 0-d factor, the gradients left as they are."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not any(on_kernel(p.grad) for p in params):
-            if max_norm > 0:
-                return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-            return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        total = param_squared_norms(params).sum().sqrt()  # with the sums the backward made (grad_norm)
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+            total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        else:
+            total = param_squared_norms(params).sum().sqrt()  # with the sums the backward made (grad_norm)
+        if max_norm > 0 and params:
+            if multiply_later is not None:
+                multiply_later(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grads_with_norm_'s factor
+            else:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
     # Statistics are summed over all ranks; these weights make that sum the right global value.

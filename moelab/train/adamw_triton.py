@@ -41,8 +41,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, n, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
-                     weight_decay, BLOCK: tl.constexpr):
+    def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, log2_beta1, log2_beta2,
+                     eps, weight_decay, SCALE: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -51,6 +51,10 @@ def _kernel():
         bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SCALE > 0:  # clipping's multiply, in fp32 and (SCALE 2) rounded into the gradient's dtype, as torch's
+            g = g * tl.load(scale_ptr).to(tl.float32)
+            if SCALE == 2:
+                g = g.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         p = p * (1.0 - lr * weight_decay)
@@ -73,13 +77,26 @@ def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(p, dtype=t.dtype).copy_(t)
 
 
-def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay) -> None:
+def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, scale=None) -> None:
     """One AdamW update of p, m, v (in place) from g, all dense in one layout (``_same_layout``); `step` (a 0-d
-    tensor) already counts this step. Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
+    tensor) already counts this step. `scale` (a 0-d tensor, or None): the update reads g * scale, rounded into
+    g's dtype as torch's `_foreach_mul_` would store it (gradient clipping's multiply; g itself is not written).
+    Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
     n = p.numel()
-    _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, n, float(lr), float(beta1), float(beta2),
-                                        math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
-                                        BLOCK=BLOCK, num_warps=WARPS)
+    kind = 0 if scale is None else 1 if g.dtype == torch.float32 else 2
+    _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, step if scale is None else scale, n, float(lr), float(beta1),
+                                 float(beta2), math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
+                                 SCALE=kind, BLOCK=BLOCK, num_warps=WARPS)
+
+
+def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef, one foreach multiply per device (clipping's multiply: torch.nn.utils.clip_grads_with_norm_
+    and moelab.parallel.distributed's)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, gs in by_device.items():
+        torch._foreach_mul_(gs, coef.to(device))
 
 
 def use_triton_adamw(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:
@@ -107,6 +124,16 @@ class TritonAdamW(torch.optim.AdamW):
         if moment_dtype is not None:
             keep_moments_in(self, moment_dtype)
 
+    def clip_in_step(self, coef: "torch.Tensor | None") -> None:
+        """Gradient clipping's multiply, done by this optimizer's next step() calls (until set again): the kernel
+        reads each large gradient times `coef` (rounded into its dtype, as torch's `_foreach_mul_` stores it) and
+        leaves the gradient as it is; the other gradients are multiplied in place first, as clipping did. `coef`:
+        the 0-d factor clipping would multiply by (moelab.parallel's clip_grad_norm), or None (no clipping).
+        Bitwise the update of clipping's multiply pass and then step() (tests/train/test_adamw_triton.py), one
+        read and write of every large gradient fewer: on the Qwen3 proxy's 11 GB of bf16 gradients, a pass of
+        about 22 GB moved."""
+        self._clip_coef = coef
+
     def _kernel_params(self, group) -> list:
         if group.get("amsgrad") or group.get("maximize") or group.get("differentiable") or group.get("capturable"):
             return []
@@ -125,6 +152,9 @@ class TritonAdamW(torch.optim.AdamW):
             raise ValueError("TritonAdamW.step takes no closure")
         hidden = []
         moments = getattr(self, "moment_dtype", None)  # MomentsAdamW's (train.optimizer_state=bf16_moments)
+        coef = getattr(self, "_clip_coef", None)  # clip_in_step's
+        if coef is not None and coef.is_cuda:  # read on this stream (train.optimizer_overlap's side stream)
+            coef.record_stream(torch.cuda.current_stream(coef.device))
         for group in self.param_groups:
             params = self._kernel_params(group)
             steps = []
@@ -143,9 +173,12 @@ class TritonAdamW(torch.optim.AdamW):
                     s["exp_avg"], s["exp_avg_sq"] = (_like(p, s["exp_avg"]), _like(p, s["exp_avg_sq"]))
                     m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
                 adamw_update(_local(p), _local(p.grad), m, v, s["step"], group["lr"], beta1, beta2,
-                             group["eps"], group["weight_decay"])
+                             group["eps"], group["weight_decay"], scale=coef)
                 hidden.append((p, p.grad))
                 p.grad = None  # torch's step below skips it
+        if coef is not None:  # the gradients torch's step takes: clipping's multiply, as clipping made it
+            _scale_in_place([_local(p.grad) for group in self.param_groups for p in group["params"]
+                             if p.grad is not None], coef)
         base = torch.optim.AdamW.step  # torch's step for the rest, without running the step hooks a second time
         if getattr(base, "hooked", False):
             base = base.__wrapped__

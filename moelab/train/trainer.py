@@ -246,7 +246,11 @@ class Trainer:
         loss_sum = self.forward_backward(step)
         par.finish_gradients()  # replicated experts' gradient exchange (moelab.parallel.replicate)
         drop_frozen_grads(par.moe_layers, cfg)  # model.moe.freeze_router
-        grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip)
+        # clipping's multiply in the optimizer's update where it takes it (TritonAdamW: no pass over the gradients)
+        later = getattr(self.optimizer, "clip_in_step", None)
+        if later is not None:
+            later(None)  # this step's factor, if it clips
+        grad_norm = par.clip_grad_norm(self.model, cfg.train.grad_clip, multiply_later=later)
         stats = [m.router.pop_stats() if m is not None else None for m in par.moe_layers_all]
         E, n_layers = cfg.model.moe.num_experts, len(stats)
         if not metrics:

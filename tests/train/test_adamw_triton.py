@@ -133,3 +133,92 @@ def test_triton_adamw_keeps_bf16_moments_beside_fp32_weights():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", MOMENTS], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+CLIP = textwrap.dedent('''
+    import torch
+    from moelab.train.adamw_triton import TritonAdamW
+
+    torch.manual_seed(0)
+    TritonAdamW.DEVICES, TritonAdamW.MIN_NUMEL = ("cpu",), 1000
+
+    def trunc_bf16(x):  # the interpreter's fp32 -> bf16 conversion (Triton on a GPU rounds to nearest, as torch)
+        return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes = (torch.randn(500, 4), torch.randn(7), torch.randn(4, 300, 5).transpose(1, 2))  # kernel, torch, kernel
+        ref = [t.to(dtype).requires_grad_() for t in shapes]
+        new = [t.detach().clone().requires_grad_() for t in ref]
+        groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
+        o_ref, o_new = (TritonAdamW(groups(ps), lr=1e-2, betas=(0.9, 0.95)) for ps in (ref, new))
+        for i in range(3):
+            grads = [torch.empty_like(t).copy_(torch.randn(t.shape) * 4) for t in ref]  # each weight's layout
+            coef = torch.clamp(0.5 / (torch.stack([g.float().norm() for g in grads]).norm() + 1e-6), max=1.0)
+            assert float(coef) < 1.0  # the step clips
+            for a, b, g in zip(ref, new, grads):
+                a.grad, b.grad = g.clone(), g.clone()
+            # clipping's multiply first, as torch's clip_grads_with_norm_ (the interpreter truncates its bf16)
+            for j, a in enumerate(ref):
+                a.grad = (a.grad * coef if j == 1 or dtype == torch.float32  # (in the gradient's layout)
+                          else torch.empty_like(a.grad).copy_(trunc_bf16(a.grad.float() * coef)))
+            o_ref.step()
+            o_new.clip_in_step(coef)
+            o_new.step()
+            assert torch.equal(new[1].grad, ref[1].grad), "the gradient torch's step takes: multiplied in place"
+            assert torch.equal(new[0].grad, grads[0]), "a kernel's gradient: read scaled, left as it is"
+            assert [id(p) for p in o_new._kernel_params(o_new.param_groups[0])] == [id(new[0]), id(new[2])]
+        for a, b in zip(ref, new):
+            assert torch.equal(a, b), (dtype, (a.float() - b.float()).abs().max())
+            assert all(torch.equal(o_ref.state[a][k], o_new.state[b][k]) for k in ("exp_avg", "exp_avg_sq"))
+    print("ok")
+''')
+
+
+def test_clipping_multiply_in_the_update_is_bitwise_the_multiply_pass_then_the_step():
+    """TritonAdamW.clip_in_step: the kernel reads each large gradient times clipping's factor (rounded into the
+    gradient's dtype, as the multiply pass stores it) and leaves it as it is; the gradients torch's step takes are
+    multiplied in place. Weights and moments bitwise those of the multiply pass and then step(), fp32 and bf16."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", CLIP], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+TRAIN = textwrap.dedent('''
+    import sys
+    import torch
+    from moelab.config import load_config
+    from moelab.contract.stream import read_events
+    from moelab.train.adamw_triton import TritonAdamW
+    from moelab.train.trainer import Trainer
+
+    TritonAdamW.DEVICES, TritonAdamW.MIN_NUMEL = ("cpu",), 2000
+
+    def run(name):
+        cfg = load_config("tiny", ["train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
+                                   "train.optimizer=adamw_triton", "train.grad_clip=0.05", "train.save_checkpoints=false"])
+        tr = Trainer(cfg, sys.argv[1] + "/" + name)
+        tr.run()
+        events = [e for e in read_events(sys.argv[1] + "/" + name + "/metrics.jsonl") if e["event"] == "step"]
+        return tr, [(e["loss"], e["grad_norm"]) for e in events]
+
+    folded, l_folded = run("folded")
+    assert isinstance(folded.optimizer, TritonAdamW)
+    assert any(p.numel() >= TritonAdamW.MIN_NUMEL for p in folded.model.parameters()), "the kernel takes some"
+    assert all(n > 0.05 for _, n in l_folded), l_folded  # every step clips
+    TritonAdamW.clip_in_step = None  # the trainer then multiplies the gradients itself, as before
+    plain, l_plain = run("plain")
+    assert l_folded == l_plain, (l_folded, l_plain)
+    for (name, a), b in zip(plain.model.named_parameters(), folded.model.parameters()):
+        assert torch.equal(a, b), name
+    print("ok")
+''')
+
+
+def test_the_trainer_hands_clipping_to_the_update_and_trains_exactly_as_with_the_multiply_pass(tmp_path):
+    """train.grad_clip > 0 with TritonAdamW: moelab.parallel.place's clip_grad_norm hands its factor to the
+    optimizer (no pass over the gradients); a tiny fp32 run's losses, norms and weights are bitwise those of the
+    multiply pass (the trainer's path for an optimizer without clip_in_step)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", TRAIN, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
