@@ -90,7 +90,9 @@ def step_trials(r: dict) -> dict:
     false), the compiled full loss beside its in-place kernel (`loss_in_place` false), the micro batches copied
     from pageable memory (call 31, `batch_copy`), the update beside the forward on a few SMs (call 35,
     `overlap_split_sms`, taken out after it), SonicMoE's GEMMs on tiles other than moelab.backends.sonic.TILES
-    (`sonic_tiles`, a sweep's choice run as MOELAB_SONIC_TILES: calls 14-15's, call 39's 64-row tiles).
+    (`sonic_tiles`, a sweep's choice run as MOELAB_SONIC_TILES: calls 14-15's, call 39's 64-row tiles), clipping's
+    multiply as its own pass over the gradients (`clip_in_update` false at a `grad_clip` above 0: gpu_perf --clip's
+    bf16-clip-pass).
     {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the code
     then did."""
     out = {}
@@ -109,6 +111,8 @@ def step_trials(r: dict) -> dict:
     tiles = _tiles_trial(r.get("sonic_tiles"))
     if tiles:
         out["sonic_tiles"] = tiles
+    if r.get("grad_clip") and r.get("clip_in_update") is False:
+        out["clip_in_update"] = (False, True)
     return out
 
 
@@ -155,6 +159,8 @@ def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
     if cfg is None:
         out["config"] = (why, "rebuildable")
         return out
+    if r.get("grad_clip") is not None and float(r["grad_clip"]) != cfg.train.grad_clip:  # gpu_perf --clip's
+        out["grad_clip"] = (r["grad_clip"], cfg.train.grad_clip)
     today = resolve_loss(cfg.replace(**{"backend.loss": "auto"}), gpus=int(r.get("gpus") or 1),
                          gpu_memory_gb=gpu_memory_of(r.get("gpu_name")), on_cuda=True)
     if ran.get("loss") != today:

@@ -84,6 +84,11 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     unnamed = next(x for x in GEMMS if x not in table)
     assert default_deviations(rec("untabled", sonic_tiles={unnamed: table[g]}))["sonic_tiles"][1] == (
         f"{unnamed} QuACK's default")
+    # gpu_perf --clip: the preset's grad_clip (0 for the Qwen3 proxy) is today's; the multiply's own pass a trial
+    assert default_deviations(rec("unclipped", grad_clip=0.0, clip_in_update=False)) == {}
+    assert default_deviations(rec("clip", grad_clip=1.0, clip_in_update=True)) == {"grad_clip": (1.0, 0.0)}
+    assert default_deviations(rec("clip pass", grad_clip=1.0, clip_in_update=False)) == {
+        "grad_clip": (1.0, 0.0), "clip_in_update": (False, True)}
     if TODAY == "full":  # the compiled full loss timed beside its in-place kernel (gpu_perf's bf16-loss-compiled)
         assert default_deviations(rec("compiled loss", loss_in_place=False)) == {"loss_in_place": (False, True)}
         assert default_deviations(rec("kernel", loss_in_place=True)) == {}
