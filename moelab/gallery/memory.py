@@ -36,7 +36,7 @@ def _one_rank_units(p) -> str:
 
 
 # per planner option of a record's day that bears on memory (moelab.gallery.records.CODE_BEFORE; sonic_wgrad,
-# sonic_tiles, grad_norm, into_grad and expert_norm move time only): what that code did and how the plan
+# sonic_tiles, grad_norm, into_grad, expert_norm and clip_multiply move time only): what that code did and how the plan
 # counts it (the paragraph under the table), what the option plans and what the code then did (the note's words),
 # and which units of a plan it bears on ("" where none)
 DAY_NOTES = {

@@ -118,6 +118,7 @@ GRAD_NORM = ("3187545", "2026-12-06T08:02:32Z")  # the gradient norm in one Trit
 INTO_GRAD = ("cba26db", "2026-12-06T10:57:20Z")  # the embedding's and the full loss head's backward add into .grad
 EXPERT_NORM = ("d255f7c", "2026-12-06T17:48:10Z")  # the experts' gradient squares summed by their GEMMs
 FULL_LOSS = ("56f5afa", "2026-12-06T20:49:28Z")  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
+CLIP_IN_UPDATE = ("fb2903b", "2026-12-07T15:20:58Z")  # clipping's multiply in TritonAdamW's update (clip_in_step)
 CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),  # FSDP2 wrapped units on one-rank meshes too
                ("local_weighting", "combine", *LOCAL_WEIGHTING),
                ("sonic_wgrad", "autograd", *SONIC_WGRAD),
@@ -125,7 +126,8 @@ CODE_BEFORE = (("fsdp_one_rank", "wrapped", *LEAN_FSDP),  # FSDP2 wrapped units 
                ("grad_norm", "torch", *GRAD_NORM),
                ("into_grad", "autograd", *INTO_GRAD),
                ("expert_norm", "pass", *EXPERT_NORM),
-               ("full_loss", "compiled", *FULL_LOSS))
+               ("full_loss", "compiled", *FULL_LOSS),
+               ("clip_multiply", "pass", *CLIP_IN_UPDATE))
 # the record's optimizer class or config value -> train.optimizer (moelab.train.optim builds the class from it)
 _OPTIMIZERS = {"tritonadamw": "adamw_triton", "adamw_triton": "adamw_triton", "adamw": "adamw"}
 # recorded `--set` / overrides that change the model, the layout or the step (data and bookkeeping do not)
@@ -172,6 +174,8 @@ def planner_options(r: dict) -> dict:
     out = {key: value for key, value, _, since in CODE_BEFORE if date and date < since}
     if r.get("norm_in_gemms") is False:  # timed with the norm's own pass (gpu_perf's bf16-norm-pass)
         out["expert_norm"] = "pass"
+    if r.get("grad_clip") and r.get("clip_in_update") is False:  # clipping's own pass (gpu_perf's bf16-clip-pass)
+        out["clip_multiply"] = "pass"
     if r.get("loss_in_place") is False:  # timed with the compiled full loss (gpu_perf's bf16-loss-compiled)
         out["full_loss"] = "compiled"
     return out

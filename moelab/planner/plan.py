@@ -63,7 +63,7 @@ from moelab.planner.fp8 import fp8_cache_bytes
 from moelab.planner.gathered import gathered_params, held_unsharded
 from moelab.layout.shapes import layer_window
 from moelab.planner.gpus import gpu_kind
-from moelab.planner.speed import (EXPERT_NORM, FULL_LOSS, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD,
+from moelab.planner.speed import (CLIP_MULTIPLY, EXPERT_NORM, FULL_LOSS, GRAD_NORM, INTO_GRAD, SONIC_TILES, SONIC_WGRAD,
                                   predict as predict_speed)
 from moelab.planner.recompute import layer_activations, selective_kept_per_token
 from moelab.planner.saved import LOCAL_WEIGHTING, saved_per_token
@@ -157,6 +157,9 @@ class Plan:
     # backend.loss=full's loss: "kernel" (the in-place kernel, moelab.backends.loss_kernel: the logits' gradient
     # written over them) or "compiled" (the compiled loss, the code before 56f5afa; planned for records measured with it)
     full_loss: str = "kernel"
+    # gradient clipping's multiply beside the Triton AdamW: "update" (in its update, TritonAdamW.clip_in_step) or
+    # "pass" (its own pass over the gradients, the code before fb2903b; planned for records measured with it)
+    clip_multiply: str = "update"
     loss: str = ""  # backend.loss as planned (auto resolved for the GPU)
 
     def to_dict(self) -> dict:
@@ -321,7 +324,8 @@ def _sizes(cfg: Config, world: int, one_rank: str = "plain", weighting: str = "e
 def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = None, gpu: str | None = None, *,
          fsdp_one_rank: str = "plain", local_weighting: str = "experts", sonic_wgrad: str = "gemm",
          sonic_tiles: str = "moelab", into_grad: str = "moelab", grad_norm: str = "triton",
-         expert_norm: str = "gemm", full_loss: str = "kernel", suggest: bool = True) -> Plan:
+         expert_norm: str = "gemm", full_loss: str = "kernel", clip_multiply: str = "update",
+         suggest: bool = True) -> Plan:
     """Plan `cfg` on `gpus` ranks (default: the world its layout names) against `gpu_memory_gb` per GPU:
     memory per pipeline rank (_memory), then communication (_communication), then the verdict (_verdict); with
     `gpu` ("h100", "h200": moelab.planner.gpus) also the predicted step time (moelab.planner.speed), and the
@@ -333,7 +337,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
     756805e: Plan.sonic_tiles); `into_grad` likewise: "moelab" or "autograd" (before cba26db: Plan.into_grad);
     `grad_norm` likewise: "triton" or "torch" (before 3187545: Plan.grad_norm); `expert_norm` likewise: "gemm" or
     "pass" (before d255f7c: Plan.expert_norm); `full_loss` likewise: "kernel" or "compiled" (before 56f5afa:
-    Plan.full_loss). A plan that does not fit
+    Plan.full_loss); `clip_multiply` likewise: "update" or "pass" (before fb2903b: Plan.clip_multiply). A plan that
+    does not fit
     predicts no speed and, with `suggest`, names a setting that fits (moelab.planner.fixes).
 
         plan(load_config("qwen3-moe-30b-a3b"), gpus=8).fits
@@ -351,7 +356,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                              ("into_grad", into_grad, INTO_GRAD, "cba26db"),
                                              ("grad_norm", grad_norm, GRAD_NORM, "3187545"),
                                              ("expert_norm", expert_norm, EXPERT_NORM, "d255f7c"),
-                                             ("full_loss", full_loss, FULL_LOSS, "56f5afa")):
+                                             ("full_loss", full_loss, FULL_LOSS, "56f5afa"),
+                                             ("clip_multiply", clip_multiply, CLIP_MULTIPLY, "fb2903b")):
         if value not in (now, then):
             raise ConfigError(f"{name}={value!r}: must be one of {now}, {then} ({now}: moelab's code; {then}: the "
                               f"code before {commit}, for records measured with it)")
@@ -378,7 +384,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
                                                                       sonic_tiles=sonic_tiles,
                                                                       into_grad=into_grad, grad_norm=grad_norm,
                                                                       expert_norm=expert_norm,
-                                                                      full_loss=full_loss))
+                                                                      full_loss=full_loss,
+                                                                      clip_multiply=clip_multiply))
     act_moe, act_dense = saved_per_token(cfg, True, z.a, weighting=z.weighting), saved_per_token(cfg, False, z.a)
     per_tok = {"attention": act_moe["attention"], "moe": act_moe["ffn"], "dense_ffn": act_dense["ffn"],
                "block_input": act_moe["input"], "logits": logit_bytes}
@@ -402,7 +409,8 @@ def plan(cfg: Config, gpus: int | None = None, gpu_memory_gb: float | None = Non
              "a3f8c38 did (local_weighting=combine)"] if z.weighting == "combine" else []), loading=worst["loading"],
         placing_bytes=worst["placing"], trained_params=_trained_params(cfg, counts.total),
         fsdp_grad_sync=grad_sync(p), sonic_wgrad=sonic_wgrad, sonic_tiles=sonic_tiles, into_grad=into_grad,
-        grad_norm=grad_norm, expert_norm=expert_norm, full_loss=full_loss, loss=cfg.backend.loss)
+        grad_norm=grad_norm, expert_norm=expert_norm, full_loss=full_loss, clip_multiply=clip_multiply,
+        loss=cfg.backend.loss)
     if p.ep > 1:
         result.assumptions.append(_exchange_line(comm))
     if kind and fits:  # a layout that does not fit has no speed to predict

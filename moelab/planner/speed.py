@@ -27,8 +27,9 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
   the eager attention path's scores run again (no exchange: issue 39).
 - The optimizer reads p, g, m, v and writes p, m, v, the gradient norm reads g (2 x (parameter + gradient +
   state) bytes per trained parameter of the rank) at the measured bandwidth of train.optimizer's kernel (auto:
-  the Triton AdamW, as on a CUDA machine with Triton); fp32 weights computing in bf16 on one GPU pay autocast's
-  cast of every weight per micro batch.
+  the Triton AdamW, as on a CUDA machine with Triton); with train.grad_clip > 0, torch's AdamW also pays
+  clipping's multiply (every gradient read and written at the copy rate), the Triton AdamW does it in its update;
+  fp32 weights computing in bf16 on one GPU pay autocast's cast of every weight per micro batch.
 
 Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s holds what is exposed):
 - Expert exchange: the plan's bytes per MoE layer by link (moelab.planner.dispatch: the flat all-to-all's row per
@@ -102,6 +103,9 @@ EXPERT_NORM = ("gemm", "pass")
 # backend.loss=full's loss kernels (Plan.full_loss): the in-place kernel (moelab.backends.loss_kernel, since 56f5afa)
 # or the compiled loss (the code before, and the vocabulary-parallel loss under TP)
 FULL_LOSS = ("kernel", "compiled")
+# gradient clipping's multiply (train.grad_clip > 0, Plan.clip_multiply) beside train.optimizer=adamw_triton: in its
+# update (TritonAdamW.clip_in_step, since fb2903b) or its own pass over the gradients (the code before; torch's AdamW)
+CLIP_MULTIPLY = ("update", "pass")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
 COMPUTE_PARTS = ("dense_matmul", "expert_matmul", "attention", "elementwise", "head_loss", "fp8_quant")
@@ -254,6 +258,8 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
             and not t.lora.rank and opt_kind == "adamw_triton" and p.grad_norm == "triton"):
         # the experts' gradients are not read by the norm's pass: their GEMMs summed the squares, at a fraction of it
         passes["optimizer"] -= (1 - r.norm_epilogue) * count_params(cfg.model).experts_total * pb / r.grad_norm
+    if t.grad_clip > 0 and (opt_kind != "adamw_triton" or p.clip_multiply == "pass"):
+        passes["optimizer"] += 2 * trained_bytes / r.copy  # clipping's multiply: every gradient read and written
     passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0

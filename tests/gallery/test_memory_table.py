@@ -51,7 +51,7 @@ BASE = {"system": "moelab", "workload": "qwen3-moe-30b-a3b-proxy", "gpus": 1, "g
         "tokens_per_s_per_gpu": 1000.0, "peak_memory_gb": 50.0, "global_batch_size": 4, "micro_batch_size": 4,
         "seq_len": 4096, "dtype": "bfloat16", "param_dtype": "bfloat16", "compile": True, "fp8": "off",
         "router": "learned", "loss": "chunked", "command": "synthetic", "commit": "abc",
-        "date": "2026-12-06T21:00:00Z"}
+        "date": "2026-12-07T16:00:00Z"}
 
 
 def _render(gallery, records: dict) -> dict:
@@ -104,12 +104,16 @@ def test_a_record_from_before_lean_fsdp_is_planned_as_its_code_wrapped(gallery):
     assert planner_options({"date": old_date}) == {"fsdp_one_rank": "wrapped", "local_weighting": "combine",
                                                   "sonic_wgrad": "autograd", "sonic_tiles": "quack",
                                                   "grad_norm": "torch", "into_grad": "autograd",
-                                                  "expert_norm": "pass", "full_loss": "compiled"}
+                                                  "expert_norm": "pass", "full_loss": "compiled",
+                                                  "clip_multiply": "pass"}
     assert planner_options(BASE) == planner_options({}) == {}
     # a record of today's code timed with the norm's own pass (gpu_perf's bf16-norm-pass)
     assert planner_options({**BASE, "norm_in_gemms": False}) == {"expert_norm": "pass"}
     # ... and with the compiled full loss beside its in-place kernel (gpu_perf's bf16-loss-compiled)
     assert planner_options({**BASE, "loss_in_place": False}) == {"full_loss": "compiled"}
+    # ... and clipping with its multiply's own pass (gpu_perf's bf16-clip-pass)
+    assert planner_options({**BASE, "grad_clip": 1.0, "clip_in_update": False}) == {"clip_multiply": "pass"}
+    assert planner_options({**BASE, "grad_clip": 1.0, "clip_in_update": True}) == {}
     planned, text = _render(gallery, {"ep2-old": {**two, "date": old_date}, "ep2-new": two,
                                       "1gpu-old": {"date": old_date}, "1gpu-new": {}})
     assert planned["ep2-old"] > planned["ep2-new"]

@@ -371,9 +371,35 @@ def test_the_experts_gradient_norm_in_their_gemms_saves_its_share_of_the_norms_p
             == plan(one, gpu="h100", grad_norm="torch", expert_norm="pass").speed.parts_s)
     assert planner_options({"date": "2026-12-06T17:20:00Z"})["expert_norm"] == "pass"  # issue 41 call 26
     assert "expert_norm" not in planner_options({"date": "2026-12-06T17:53:00Z"})  # call 28's default
-    assert planner_options({"date": "2026-12-06T21:10:00Z", "norm_in_gemms": False}) == {"expert_norm": "pass"}
+    assert planner_options({"date": "2026-12-07T16:00:00Z", "norm_in_gemms": False}) == {"expert_norm": "pass"}
     with pytest.raises(ConfigError, match="expert_norm='fast'.*gemm, pass"):
         plan(one, gpu="h100", expert_norm="fast")
+
+
+def test_clipping_multiply_is_a_pass_over_the_gradients_unless_the_triton_adamw_takes_it():
+    # train.grad_clip > 0: torch's AdamW (and the Triton AdamW before fb2903b, or timed with the pass) read and
+    # write every gradient once more at the copy rate; today's Triton AdamW multiplies inside its update
+    from moelab.planner.rates import rates
+
+    cfg = load_config(PROXY, {**BF16, "train.compile": True, "train.global_batch_size": 2,
+                              "train.micro_batch_size": 2, "train.grad_clip": 1.0})
+    for gpu in ("h100", "h200"):
+        now, then = (plan(cfg, gpu=gpu, clip_multiply=c) for c in ("update", "pass"))
+        grads = now.memory["gradients"]
+        extra = then.speed.parts_s["optimizer"] - now.speed.parts_s["optimizer"]
+        assert extra == pytest.approx(2 * grads / rates(gpu_kind(gpu), False).copy, rel=1e-9)
+        unclipped = plan(cfg.replace(**{"train.grad_clip": 0.0}), gpu=gpu)
+        assert unclipped.speed.parts_s == pytest.approx(now.speed.parts_s)
+        assert plan(cfg.replace(**{"train.grad_clip": 0.0}), gpu=gpu, clip_multiply="pass").speed.parts_s == (
+            pytest.approx(now.speed.parts_s))  # nothing to multiply without clipping
+        torch_adamw = cfg.replace(**{"train.optimizer": "adamw"})
+        assert (plan(torch_adamw, gpu=gpu).speed.parts_s["optimizer"]
+                - plan(torch_adamw.replace(**{"train.grad_clip": 0.0}), gpu=gpu).speed.parts_s["optimizer"]
+                == pytest.approx(extra, rel=1e-9))
+    assert planner_options({"date": "2026-12-07T10:26:33Z"})["clip_multiply"] == "pass"  # issue 41 call 38
+    assert "clip_multiply" not in planner_options({"date": "2026-12-07T16:00:00Z"})
+    with pytest.raises(ConfigError, match="clip_multiply='fused'.*update, pass"):
+        plan(cfg, gpu="h100", clip_multiply="fused")
 
 
 def test_the_full_loss_kernel_is_planned_at_its_measured_rate_and_holds_one_buffer_of_logits():
