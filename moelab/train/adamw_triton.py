@@ -39,10 +39,11 @@ def _same_layout(p: torch.Tensor, *others: torch.Tensor) -> bool:
 def _kernel():
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit
     def adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, n, lr, beta1, beta2, log2_beta1, log2_beta2,
-                     eps, weight_decay, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, weight_decay, SCALE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -51,10 +52,14 @@ def _kernel():
         bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if SCALE > 0:  # clipping's multiply, in fp32 and (SCALE 2) rounded into the gradient's dtype, as torch's
-            g = g * tl.load(scale_ptr).to(tl.float32)
-            if SCALE == 2:
-                g = g.to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+        if SCALE == 1:  # clipping's multiply of an fp32 gradient, rounded once as torch's multiply pass stores it
+            if INTERPRETED:  # (numpy contracts nothing; on the GPU a multiply-add could skip the rounding)
+                g = g * tl.load(scale_ptr)
+            else:
+                g = libdevice.mul_rn(g, tl.load(scale_ptr))
+        if SCALE == 2:  # a narrower gradient: the product of two bf16 / fp16 values is exact in fp32, then rounded
+            g = (g * tl.load(scale_ptr).to(tl.float32)).to(g_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            g = g.to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         p = p * (1.0 - lr * weight_decay)
@@ -79,14 +84,17 @@ def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, scale=None) -> None:
     """One AdamW update of p, m, v (in place) from g, all dense in one layout (``_same_layout``); `step` (a 0-d
-    tensor) already counts this step. `scale` (a 0-d tensor, or None): the update reads g * scale, rounded into
-    g's dtype as torch's `_foreach_mul_` would store it (gradient clipping's multiply; g itself is not written).
-    Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
+    tensor) already counts this step. `scale` (a 0-d tensor in g's dtype, or None): the update reads g * scale,
+    rounded into g's dtype as torch's multiply of a CUDA tensor by a 0-d CUDA tensor stores it (gradient
+    clipping's multiply; g itself is not written). Runs under TRITON_INTERPRET=1 on CPU tensors too (the tests)."""
     n = p.numel()
+    if scale is not None and scale.dtype != g.dtype:
+        raise ValueError(f"adamw_update: scale is {scale.dtype}, the gradient {g.dtype}: pass the factor in the "
+                         "gradient's dtype (torch multiplies a tensor by a 0-d tensor in the tensor's dtype)")
     kind = 0 if scale is None else 1 if g.dtype == torch.float32 else 2
     _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, step if scale is None else scale, n, float(lr), float(beta1),
                                  float(beta2), math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
-                                 SCALE=kind, BLOCK=BLOCK, num_warps=WARPS)
+                                 SCALE=kind, INTERPRETED=g.device.type == "cpu", BLOCK=BLOCK, num_warps=WARPS)
 
 
 def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
@@ -126,12 +134,14 @@ class TritonAdamW(torch.optim.AdamW):
 
     def clip_in_step(self, coef: "torch.Tensor | None") -> None:
         """Gradient clipping's multiply, done by this optimizer's next step() calls (until set again): the kernel
-        reads each large gradient times `coef` (rounded into its dtype, as torch's `_foreach_mul_` stores it) and
-        leaves the gradient as it is; the other gradients are multiplied in place first, as clipping did. `coef`:
-        the 0-d factor clipping would multiply by (moelab.parallel's clip_grad_norm), or None (no clipping).
-        Bitwise the update of clipping's multiply pass and then step() (tests/train/test_adamw_triton.py), one
-        read and write of every large gradient fewer: on the Qwen3 proxy's 11 GB of bf16 gradients, a pass of
-        about 22 GB moved."""
+        reads each large gradient times `coef` (the factor in the gradient's dtype, the product rounded into it,
+        as torch's multiply of a CUDA gradient stores it) and leaves the gradient as it is; the other gradients
+        are multiplied in place first, as clipping did. `coef`: the 0-d factor clipping would multiply by
+        (moelab.parallel's clip_grad_norm), or None (no clipping). On the GPU the update is bitwise that of the
+        multiply pass and then step() (gallery/scripts/gpu_check_clip.py; under Triton's interpreter
+        tests/train/test_adamw_triton.py), with one read and write of every large gradient fewer: on the Qwen3
+        proxy's 11 GB of bf16 gradients a pass of 22 GB, which torch runs at 1 TB/s (a bf16 gradient and an fp32
+        factor take its slow path)."""
         self._clip_coef = coef
 
     def _kernel_params(self, group) -> list:
@@ -155,6 +165,7 @@ class TritonAdamW(torch.optim.AdamW):
         coef = getattr(self, "_clip_coef", None)  # clip_in_step's
         if coef is not None and coef.is_cuda:  # read on this stream (train.optimizer_overlap's side stream)
             coef.record_stream(torch.cuda.current_stream(coef.device))
+        factor: dict[torch.dtype, torch.Tensor] = {}  # coef in each gradient dtype, as torch's multiply takes it
         for group in self.param_groups:
             params = self._kernel_params(group)
             steps = []
@@ -173,7 +184,8 @@ class TritonAdamW(torch.optim.AdamW):
                     s["exp_avg"], s["exp_avg_sq"] = (_like(p, s["exp_avg"]), _like(p, s["exp_avg_sq"]))
                     m, v = _local(s["exp_avg"]), _local(s["exp_avg_sq"])
                 adamw_update(_local(p), _local(p.grad), m, v, s["step"], group["lr"], beta1, beta2,
-                             group["eps"], group["weight_decay"], scale=coef)
+                             group["eps"], group["weight_decay"],
+                             scale=None if coef is None else factor.setdefault(p.grad.dtype, coef.to(p.grad.dtype)))
                 hidden.append((p, p.grad))
                 p.grad = None  # torch's step below skips it
         if coef is not None:  # the gradients torch's step takes: clipping's multiply, as clipping made it

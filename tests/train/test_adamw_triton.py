@@ -137,7 +137,7 @@ def test_triton_adamw_keeps_bf16_moments_beside_fp32_weights():
 
 CLIP = textwrap.dedent('''
     import torch
-    from moelab.train.adamw_triton import TritonAdamW
+    from moelab.train.adamw_triton import TritonAdamW, adamw_update
 
     torch.manual_seed(0)
     TritonAdamW.DEVICES, TritonAdamW.MIN_NUMEL = ("cpu",), 1000
@@ -157,10 +157,11 @@ CLIP = textwrap.dedent('''
             assert float(coef) < 1.0  # the step clips
             for a, b, g in zip(ref, new, grads):
                 a.grad, b.grad = g.clone(), g.clone()
-            # clipping's multiply first, as torch's clip_grads_with_norm_ (the interpreter truncates its bf16)
+            # clipping's multiply first: torch's on the tensor torch's step takes; on the kernel's, the multiply of
+            # a CUDA gradient by the factor in its dtype (here rounded as the interpreter rounds to bf16)
             for j, a in enumerate(ref):
                 a.grad = (a.grad * coef if j == 1 or dtype == torch.float32  # (in the gradient's layout)
-                          else torch.empty_like(a.grad).copy_(trunc_bf16(a.grad.float() * coef)))
+                          else torch.empty_like(a.grad).copy_(trunc_bf16(a.grad.float() * coef.to(dtype).float())))
             o_ref.step()
             o_new.clip_in_step(coef)
             o_new.step()
@@ -170,14 +171,23 @@ CLIP = textwrap.dedent('''
         for a, b in zip(ref, new):
             assert torch.equal(a, b), (dtype, (a.float() - b.float()).abs().max())
             assert all(torch.equal(o_ref.state[a][k], o_new.state[b][k]) for k in ("exp_avg", "exp_avg_sq"))
+    p = torch.zeros(4, dtype=torch.bfloat16)
+    try:
+        adamw_update(p, p.clone(), p.clone(), p.clone(), torch.ones(()), 1e-2, 0.9, 0.95, 1e-8, 0.0,
+                     scale=torch.tensor(0.5))
+        raise AssertionError("an fp32 factor for a bf16 gradient was taken")
+    except ValueError as e:
+        assert "gradient's dtype" in str(e)
     print("ok")
 ''')
 
 
 def test_clipping_multiply_in_the_update_is_bitwise_the_multiply_pass_then_the_step():
-    """TritonAdamW.clip_in_step: the kernel reads each large gradient times clipping's factor (rounded into the
-    gradient's dtype, as the multiply pass stores it) and leaves it as it is; the gradients torch's step takes are
-    multiplied in place. Weights and moments bitwise those of the multiply pass and then step(), fp32 and bf16."""
+    """TritonAdamW.clip_in_step: the kernel reads each large gradient times clipping's factor (the factor in the
+    gradient's dtype, the product rounded into it, as torch's multiply of a CUDA gradient stores it) and leaves it
+    as it is; the gradients torch's step takes are multiplied in place. Weights and moments bitwise those of the
+    multiply and then step(), fp32 and bf16 (the GPU's own check: gallery/scripts/gpu_check_clip.py); a factor
+    in another dtype than the gradient's is refused."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", CLIP], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
