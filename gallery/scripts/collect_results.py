@@ -46,7 +46,8 @@ def main():
                 tags = [r.get("experts_implementation", ""),
                         "" if "compile" not in r else ("compile" if r["compile"] else "eager"),
                         r.get("compile_mode", "") if r.get("compile") else "",  # trainer | blocks
-                        f"fp8-{fp8}" if fp8 != "off" else "", f"gbs{r['global_batch_size']}"]
+                        f"fp8-{fp8}" if fp8 != "off" else "", f"clip{r['grad_clip']:g}" if r.get("grad_clip") else "",
+                        f"gbs{r['global_batch_size']}"]
                 variant = "-".join(t for t in tags if t)
             name = f"{r['workload']}--{r['system']}--{slug(variant)}.json"
         (RESULTS / name).write_text(json.dumps(r, indent=1) + "\n")

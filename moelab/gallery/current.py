@@ -15,8 +15,9 @@ The rule (``current_records``), applied to every record, peers and moelab alike:
    history.
 3. A slot is (system, workload, GPU, GPUs, sequence, global batch, micro batch, FP8 on or off) (``slot_of``). In
    each slot every configuration of a system (``configuration_of``: compile and its mode, FP8 recipe, loss,
-   optimizer, experts implementation, backends set, parameter dtype) keeps its newest record (by date): a re-run
-   replaces the older record of the same configuration, faster or not. The slot's row is the fastest of those.
+   optimizer, experts implementation, backends set, parameter dtype, clipping) keeps its newest record (by date):
+   a re-run replaces the older record of the same configuration, faster or not. The slot's row is the fastest of
+   those.
 
     cur = current_records(load_results(), {e.name: e for e in load_entries()})
     cur.best[slot]          # the row of a slot
@@ -73,14 +74,15 @@ _BACKEND_CHOICES = ("backend.attention", "backend.experts", "backend.dispatcher"
 def configuration_of(r: dict) -> tuple:
     """How a system ran in its slot: compiled (and how), FP8 recipe, loss, optimizer kernel, experts
     implementation, the backends it set (`--set backend.experts=...`; the resolved defaults are no choice),
-    parameter dtype. Two records with one configuration measure the same thing, whichever script wrote them."""
+    parameter dtype, gradient clipping (`grad_clip`: a peer clipping as its trainer does, gpu_perf.sh's CLIP).
+    Two records with one configuration measure the same thing, whichever script wrote them."""
     ran = record_settings(r) if r.get("system") == "moelab" else {}  # (the defaults of moelab's past days)
     chosen = tuple(sorted((k, v) for k, v in recorded_overrides(r).items() if k in _BACKEND_CHOICES))
     # a record that says it ran without train.optimizer_overlap is another configuration (records before the
     # field ran without it too, as the code then did: they stay in the slot of today's code); so is each step trial
     return (bool(r.get("compile")), r.get("compile_mode"), fp8_of(r), ran.get("loss"), ran.get("optimizer"),
             r.get("experts_implementation"), chosen, r.get("param_dtype"), r.get("optimizer_overlap") is False,
-            tuple(sorted(step_trials(r))))
+            tuple(sorted(step_trials(r))), float(r.get("grad_clip") or 0.0))
 
 
 def step_trials(r: dict) -> dict:
@@ -159,8 +161,10 @@ def default_deviations(r: dict, entries: "dict | None" = None) -> dict:
     if cfg is None:
         out["config"] = (why, "rebuildable")
         return out
-    if r.get("grad_clip") is not None and float(r["grad_clip"]) != cfg.train.grad_clip:  # gpu_perf --clip's
-        out["grad_clip"] = (r["grad_clip"], cfg.train.grad_clip)
+    if r.get("grad_clip") is not None:  # gpu_perf --clip's: clipping other than its entry's or preset's
+        base, _ = rebuild_config({k: v for k, v in r.items() if k != "grad_clip"}, entries or {})
+        if base is not None and float(r["grad_clip"]) != base.train.grad_clip:
+            out["grad_clip"] = (r["grad_clip"], base.train.grad_clip)
     today = resolve_loss(cfg.replace(**{"backend.loss": "auto"}), gpus=int(r.get("gpus") or 1),
                          gpu_memory_gb=gpu_memory_of(r.get("gpu_name")), on_cuda=True)
     if ran.get("loss") != today:

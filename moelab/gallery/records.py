@@ -98,7 +98,7 @@ _RESULT_OVERRIDES = {"global_batch_size": "train.global_batch_size", "micro_batc
                      "activation_checkpointing": "train.activation_checkpointing", "compile": "train.compile",
                      "fake_balanced_gate": "backend.fake_balanced_gate", "fake_gate_noise": "backend.fake_gate_noise",
                      "optimizer_state": "train.optimizer_state", "fp8": "train.fp8",
-                     "loss_chunk_tokens": "backend.loss_chunk_tokens"}
+                     "loss_chunk_tokens": "backend.loss_chunk_tokens", "grad_clip": "train.grad_clip"}
 REBUILD_KEYS = ("global_batch_size", "micro_batch_size", "seq_len", "dtype", "param_dtype", "layout")
 # what changed a default that records did not write down: records older than the commit's date ran the old value
 # (the record field, its value before, the commit, its date)

@@ -190,6 +190,14 @@ LOSS_KERNEL_MEASURED = {
     "h100": (3 * 2 * 8192 * 151936 / 2.4883e-3 / 1e12, _LOSS_CHECK + ": ms_loss_kernel_by_block_and_warps 8192x16 "
              "(default_block_and_warps) 2.488 ms"),
 }
+# Gradient clipping's multiply as its own pass (torch.nn.utils.clip_grads_with_norm_ with an fp32 factor: over bf16
+# gradients torch's foreach multiply takes its per-tensor slow path), bytes read and written per second, measured on
+# one expert weight of the Qwen3 proxy (402.7 M bf16 elements: 1.61 GB moved) by issue 41 call 41's clip check; a
+# kind not measured carries it by the HBM ratio. The Triton AdamW does the multiply in its update (no pass).
+_CLIP_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--clip-check-h100-issue41-call41.json"
+CLIP_PASS_MEASURED = {
+    "h100": (2 * 2 * 402653184 / 1.5521e-3 / 1e12, _CLIP_CHECK + ": timing multiply_pass_ms 1.552"),
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -229,6 +237,7 @@ class Rates:
     grad_norm: float  # bytes/s of the gradient norm's own pass (GRAD_NORM_MEASURED)
     norm_epilogue: float  # the experts' squares in their GEMMs' epilogue, in units of that pass's time (NORM_EPILOGUE)
     loss_kernel: float  # bytes/s of the full loss's in-place kernel: two reads of the logits and one write
+    clip_pass: float  # bytes/s of clipping's multiply as its own pass: each gradient read and written
 
     def per_element(self, key: str) -> float:
         """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
@@ -237,7 +246,8 @@ class Rates:
 
 def _measured_tb_s(table: dict, kind: GPUKind) -> float:
     """TB/s of a memory-bound pass on `kind` from `table` (ADAMW_MEASURED: TritonAdamW's kernel;
-    GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel): measured there, else the
+    GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel; CLIP_PASS_MEASURED:
+    clipping's multiply): measured there, else the
     first kind measured (the H200 where it was) by the HBM bandwidth ratio."""
     key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
     if key in table:
@@ -265,4 +275,5 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  exchange_s=v["exchange_s"], idle_s_per_layer=v["idle_s_per_layer"],
                  idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm,
                  grad_norm=_measured_tb_s(GRAD_NORM_MEASURED, kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0],
-                 loss_kernel=_measured_tb_s(LOSS_KERNEL_MEASURED, kind) * 1e12)
+                 loss_kernel=_measured_tb_s(LOSS_KERNEL_MEASURED, kind) * 1e12,
+                 clip_pass=_measured_tb_s(CLIP_PASS_MEASURED, kind) * 1e12)

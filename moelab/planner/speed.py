@@ -28,7 +28,7 @@ moelab.planner.rates (measured on one H200, carried to the GPU kind by datasheet
 - The optimizer reads p, g, m, v and writes p, m, v, the gradient norm reads g (2 x (parameter + gradient +
   state) bytes per trained parameter of the rank) at the measured bandwidth of train.optimizer's kernel (auto:
   the Triton AdamW, as on a CUDA machine with Triton); with train.grad_clip > 0, torch's AdamW also pays
-  clipping's multiply (every gradient read and written at the copy rate), the Triton AdamW does it in its update;
+  clipping's multiply (every gradient read and written at its measured rate), the Triton AdamW does it in its update;
   fp32 weights computing in bf16 on one GPU pay autocast's cast of every weight per micro batch.
 
 Communication, and how much of it the schedule hides (Speed.hidden_s; parts_s holds what is exposed):
@@ -259,7 +259,7 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
         # the experts' gradients are not read by the norm's pass: their GEMMs summed the squares, at a fraction of it
         passes["optimizer"] -= (1 - r.norm_epilogue) * count_params(cfg.model).experts_total * pb / r.grad_norm
     if t.grad_clip > 0 and (opt_kind != "adamw_triton" or p.clip_multiply == "pass"):
-        passes["optimizer"] += 2 * trained_bytes / r.copy  # clipping's multiply: every gradient read and written
+        passes["optimizer"] += 2 * trained_bytes / r.clip_pass  # clipping's multiply: each gradient read, written
     passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0

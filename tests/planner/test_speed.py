@@ -378,7 +378,7 @@ def test_the_experts_gradient_norm_in_their_gemms_saves_its_share_of_the_norms_p
 
 def test_clipping_multiply_is_a_pass_over_the_gradients_unless_the_triton_adamw_takes_it():
     # train.grad_clip > 0: torch's AdamW (and the Triton AdamW before fb2903b, or timed with the pass) read and
-    # write every gradient once more at the copy rate; today's Triton AdamW multiplies inside its update
+    # write every gradient once more at the pass's measured rate; today's Triton AdamW multiplies inside its update
     from moelab.planner.rates import rates
 
     cfg = load_config(PROXY, {**BF16, "train.compile": True, "train.global_batch_size": 2,
@@ -387,7 +387,7 @@ def test_clipping_multiply_is_a_pass_over_the_gradients_unless_the_triton_adamw_
         now, then = (plan(cfg, gpu=gpu, clip_multiply=c) for c in ("update", "pass"))
         grads = now.memory["gradients"]
         extra = then.speed.parts_s["optimizer"] - now.speed.parts_s["optimizer"]
-        assert extra == pytest.approx(2 * grads / rates(gpu_kind(gpu), False).copy, rel=1e-9)
+        assert extra == pytest.approx(2 * grads / rates(gpu_kind(gpu), False).clip_pass, rel=1e-9)
         unclipped = plan(cfg.replace(**{"train.grad_clip": 0.0}), gpu=gpu)
         assert unclipped.speed.parts_s == pytest.approx(now.speed.parts_s)
         assert plan(cfg.replace(**{"train.grad_clip": 0.0}), gpu=gpu, clip_multiply="pass").speed.parts_s == (

@@ -205,7 +205,8 @@ TRAIN = textwrap.dedent('''
 
     def run(name):
         cfg = load_config("tiny", ["train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
-                                   "train.optimizer=adamw_triton", "train.grad_clip=0.05", "train.save_checkpoints=false"])
+                                   "train.optimizer=adamw_triton", "train.grad_clip=0.05",
+                                   "train.save_checkpoints=false"])
         tr = Trainer(cfg, sys.argv[1] + "/" + name)
         tr.run()
         events = [e for e in read_events(sys.argv[1] + "/" + name + "/metrics.jsonl") if e["event"] == "step"]
