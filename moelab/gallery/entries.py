@@ -23,7 +23,7 @@ import yaml
 
 from moelab.config import Config, ConfigError, load_config
 from moelab.gallery.memory import MEMORY_TARGET, memory_section  # noqa: F401  (MEMORY_TARGET: read from here)
-from moelab.gallery.current import peers_section
+from moelab.gallery.current import peers_section, step_trials
 from moelab.gallery.records import (REBUILD_KEYS as _REBUILD_KEYS, fmt as _fmt, gpu_memory_of, planner_options,
                                    rebuild_config, router_of, router_sweep_section, stale_note)
 
@@ -268,8 +268,10 @@ def entry_result(results: list[dict], entry: Entry) -> dict | None:
     """The newest moelab result of `entry`: one named after it, or a run of its preset through moelab's command
     (not a `python` script, which may change the model in place) on the same number of GPUs whose recorded
     settings (batch, sequence, dtypes, checkpointing, compile, FP8, router kind, EP) equal the entry's; a newer
-    run replaces an older named one."""
-    mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.name]
+    run replaces an older named one. An A/B arm that ran other than today's code (moelab.gallery.current's
+    step_trials, e.g. clipping's multiply as its own pass) is not the entry's result."""
+    mine = [r for r in results if r.get("system") == "moelab" and r.get("workload") == entry.name
+            and not step_trials(r)]
     try:
         cfg = entry.config()
     except ConfigError:

@@ -175,6 +175,13 @@ def test_a_bench_run_of_the_same_config_counts_for_its_entry(gallery):
     assert "44,444" in row and "same.json" in row
     ep2 = [l for l in text.splitlines() if l.startswith("| qwen3-moe-30b-a3b-proxy-ep2 |")][0]
     assert "not run here" in ep2
+    # a newer A/B arm that ran other than today's code (clipping's multiply as its own pass) is not the row
+    (gallery / "results" / "arm.json").write_text(json.dumps({**_result(
+        "moelab", "qwen3-moe-30b-a3b-proxy-1gpu", **same, tokens_per_s_per_gpu=33333.0),
+        "grad_clip": 1.0, "clip_in_update": False, "date": "2099-01-01T00:00:00Z"}))
+    row = [l for l in render_report(gallery, plots=False).splitlines()
+           if l.startswith("| qwen3-moe-30b-a3b-proxy-1gpu |")][0]
+    assert "44,444" in row and "33,333" not in row
 
 
 def test_speed_tables_render_from_the_result_files(gallery):
