@@ -4,7 +4,7 @@ gradients (the trainer's path for an optimizer without clip_in_step, as before f
 arm's allocator peak includes the first arm's model, still held: it is recorded as peak_memory_gb_with_first_arm,
 and its peak_memory_gb left empty.
 
-    python gallery/scripts/gpu_clip_entry.py --entry deepseek-v3-proxy-1gpu --out DIR   # DIR/<entry>--moelab--clip-*.json
+    python gallery/scripts/gpu_clip_entry.py --entry deepseek-v3-proxy-1gpu --out DIR   # <entry>--moelab--clip-*.json
 """
 from __future__ import annotations
 
