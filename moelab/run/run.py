@@ -177,10 +177,20 @@ class Run:
             run.set({"model.moe.bias_update_rate": 1e-3}, wait=60)["step"]
             run.set(lr=1e-4, at=500)                        # from step 501 on, whenever it is asked
         """
-        from moelab.run.controls import request, wait_outcome
+        from moelab.run.controls import request
 
         rid = request(self, {**(changes or {}), **fields}, origin=origin, at=at)
-        return rid if wait is None else wait_outcome(self.folder, rid, timeout=wait, run=self)
+        return rid if wait is None else self.outcome(rid, wait=wait)
+
+    def outcome(self, request_id: str, wait: float | None = None) -> "dict | str | None":
+        """How a change `set` returned the id of ended: {"kind": "applied", "step": ...}, "rejected", or None while
+        it is undecided; `wait` (seconds) blocks until it is decided or the run ends.
+
+            rid = run.set(lr=1e-4, at=500); ...; run.outcome(rid, wait=600)["step"]   # 501
+        """
+        from moelab.run.controls import wait_outcome
+
+        return wait_outcome(self.folder, request_id, timeout=wait or 0.0, run=self)
 
     @property
     def controls(self) -> list[dict]:
