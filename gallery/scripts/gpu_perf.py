@@ -293,11 +293,12 @@ def cmd_bench(args) -> None:
             continue
         if mode == "off" and args.clip:  # the same model clipping at train.grad_clip=CLIP, the multiply in the
             bench_mode(tr, b, args, mode, out)  # update (today's) and as its own pass over the gradients
-            tr.cfg.train.grad_clip = float(args.clip)
+            before, tr.cfg.train.grad_clip = tr.cfg.train.grad_clip, float(args.clip)
             bench_mode(tr, b, args, mode, out, tag="bf16-clip", profile=False)
             tr.optimizer.clip_in_step = None  # the trainer's path for an optimizer without it: the multiply pass
             bench_mode(tr, b, args, mode, out, tag="bf16-clip-pass", profile=False)
             del tr.optimizer.clip_in_step
+            tr.cfg.train.grad_clip = before  # the modes after it (--fp8 off,rowwise) at the preset's clipping
             continue
         if mode == "off" and args.triton_adamw:  # the same model and step with the other AdamW
             from moelab.train.adamw_triton import TritonAdamW, use_triton_adamw
