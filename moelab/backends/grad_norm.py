@@ -123,3 +123,17 @@ def param_squared_norms(params: list[torch.Tensor]) -> torch.Tensor:
     rest_sq = squared_norms([params[i].grad for i in rest]) if rest else None
     where = {i: j for j, i in enumerate(rest)}
     return torch.stack([recorded[i].float() if i in recorded else rest_sq[where[i]] for i in range(len(params))])
+
+
+def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Clipping's multiply, in place: each gradient times the 0-d factor `coef`, one foreach multiply per (device,
+    dtype), with torch.nn.utils.clip_grads_with_norm_'s values on each device. On CUDA torch rounds an fp32 factor
+    to a bf16 / fp16 gradient's dtype before multiplying; the factor is handed over in that dtype, which keeps the
+    multiply on torch's fast foreach path (an fp32 factor beside bf16 gradients sent it tensor by tensor: 1.04 TB/s
+    on an H100, issue 41 call 41's clip check). On the CPU torch multiplies by the fp32 factor itself, and so does
+    this."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), group in groups.items():
+        torch._foreach_mul_(group, coef.to(device=device, dtype=dtype) if device.type == "cuda" else coef.to(device))

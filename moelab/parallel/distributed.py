@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moelab.backends.grad_norm import squared_norms
+from moelab.backends.grad_norm import scale_grads, squared_norms
 from moelab.config import Config, ConfigError, ParallelConfig
 from moelab.parallel.env import DistEnv
 from moelab.model.assemble import cast_params
@@ -103,7 +103,7 @@ class DistributedParallelized(Parallelized):
             if multiply_later is not None:
                 multiply_later(coef.to(local[0].dtype))
             else:
-                torch._foreach_mul_(local, coef.to(local[0].dtype))
+                scale_grads(local, coef)
         return total
 
     def finish_gradients(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moelab.backends.grad_norm import on_kernel, param_squared_norms
+from moelab.backends.grad_norm import on_kernel, param_squared_norms, scale_grads
 from moelab.config import Config, ParallelConfig
 from moelab.model.assemble import materialize as materialize_model
 from moelab.parallel.env import DistEnv
@@ -53,17 +53,19 @@ class Parallelized:
         """The gradient norm (and clipping by it, torch's clip_grad_norm_ split in its two halves): on CUDA the
         large gradients' squares summed by one Triton pass each (moelab.backends.grad_norm), elsewhere torch's
         get_total_norm. `multiply_later(coef)` (TritonAdamW.clip_in_step): clipping's multiply is handed over
-        as its 0-d factor, the gradients left as they are."""
+        as its 0-d factor, the gradients left as they are; without it the gradients are multiplied in place
+        (grad_norm.scale_grads: clip_grads_with_norm_'s values on torch's fast foreach path)."""
         params = [p for p in model.parameters() if p.grad is not None]
         if not any(on_kernel(p.grad) for p in params):
             total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         else:
             total = param_squared_norms(params).sum().sqrt()  # with the sums the backward made (grad_norm)
         if max_norm > 0 and params:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s factor
             if multiply_later is not None:
-                multiply_later(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grads_with_norm_'s factor
+                multiply_later(coef)
             else:
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+                scale_grads([p.grad for p in params], coef)
         return total
 
     # Statistics are summed over all ranks; these weights make that sum the right global value.

@@ -22,6 +22,7 @@ import math
 import torch
 
 from moelab.backends.flat import cdiv, dense, kernel_devices
+from moelab.backends.grad_norm import scale_grads
 from moelab.train.adamw_moments import keep_moments_in, moments_step, new_state
 
 
@@ -95,16 +96,6 @@ def adamw_update(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay, scale=No
     _kernel()[(cdiv(n, BLOCK),)](p, g, m, v, step, step if scale is None else scale, n, float(lr), float(beta1),
                                  float(beta2), math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay),
                                  SCALE=kind, INTERPRETED=g.device.type == "cpu", BLOCK=BLOCK, num_warps=WARPS)
-
-
-def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """grads *= coef, one foreach multiply per device (clipping's multiply: torch.nn.utils.clip_grads_with_norm_
-    and moelab.parallel.distributed's)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, gs in by_device.items():
-        torch._foreach_mul_(gs, coef.to(device))
 
 
 def use_triton_adamw(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:
@@ -189,7 +180,7 @@ class TritonAdamW(torch.optim.AdamW):
                 hidden.append((p, p.grad))
                 p.grad = None  # torch's step below skips it
         if coef is not None:  # the gradients torch's step takes: clipping's multiply, as clipping made it
-            _scale_in_place([_local(p.grad) for group in self.param_groups for p in group["params"]
+            scale_grads([_local(p.grad) for group in self.param_groups for p in group["params"]
                              if p.grad is not None], coef)
         base = torch.optim.AdamW.step  # torch's step for the rest, without running the step hooks a second time
         if getattr(base, "hooked", False):

@@ -50,15 +50,18 @@ def test_squared_norms_and_clipping_under_the_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
-def test_a_cpu_run_keeps_torchs_own_clip_grad_norm(monkeypatch, max_norm):
+def test_a_cpu_run_clips_as_torchs_clip_grad_norm(monkeypatch, max_norm, dtype):
+    """The norm is torch's get_total_norm off the kernel devices, and the multiply (grad_norm.scale_grads, the
+    factor in the gradients' dtype) leaves every gradient bitwise as torch's clip_grad_norm_ does."""
     from moelab.backends import grad_norm
     from moelab.parallel.place import Parallelized
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(grad_norm, "MIN_NUMEL", 1)  # every gradient large enough: still not on a kernel device
     torch.manual_seed(0)
-    model, ref = nn.Linear(32, 16), nn.Linear(32, 16)
+    model, ref = nn.Linear(32, 16).to(dtype), nn.Linear(32, 16).to(dtype)
     for p, q in zip(model.parameters(), ref.parameters()):
         p.grad = torch.randn_like(p) * 5
         q.grad = p.grad.clone()
@@ -68,6 +71,29 @@ def test_a_cpu_run_keeps_torchs_own_clip_grad_norm(monkeypatch, max_norm):
             else torch.nn.utils.get_total_norm(grads, foreach=True))
     assert torch.equal(total, want)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    if max_norm:
+        assert float(total) > max_norm, "the case clips: the factor is below one"
+
+
+def test_scale_grads_multiplies_each_dtype_as_clip_grads_with_norm_():
+    """Gradients of several dtypes in one call (one foreach multiply each), a factor whose fp16 rounding changes
+    the products: bitwise torch's clip_grads_with_norm_ on the CPU, which multiplies by the fp32 factor itself (on
+    CUDA torch rounds it to the gradient's dtype first: gallery/scripts/gpu_check_clip.py checks that branch)."""
+    from moelab.backends.grad_norm import scale_grads
+
+    torch.manual_seed(0)
+    grads = [torch.randn(300, 7).to(d) for d in (torch.bfloat16, torch.float32, torch.float16, torch.bfloat16)]
+    grads[1] = grads[1].t()
+    params = [torch.zeros_like(g, requires_grad=True) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total = torch.tensor(3.14159274)
+    coef = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+    rounded_first = (grads[2].float() * coef.to(torch.float16).float()).to(torch.float16)
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, total, foreach=True)
+    scale_grads(grads, coef)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    assert not torch.equal(grads[2], rounded_first), "the CPU's products are with the fp32 factor"
 
 
 def test_the_norm_takes_the_sums_the_backward_recorded_and_reads_the_rest():
