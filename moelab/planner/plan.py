@@ -157,8 +157,9 @@ class Plan:
     # backend.loss=full's loss: "kernel" (the in-place kernel, moelab.backends.loss_kernel: the logits' gradient
     # written over them) or "compiled" (the compiled loss, the code before 56f5afa; planned for records measured with it)
     full_loss: str = "kernel"
-    # gradient clipping's multiply beside the Triton AdamW: "update" (in its update, TritonAdamW.clip_in_step) or
-    # "pass" (its own pass over the gradients, the code before fb2903b; planned for records measured with it)
+    # gradient clipping's multiply: "update" (today's: in the Triton AdamW's update, TritonAdamW.clip_in_step;
+    # beside torch's AdamW a pass on torch's fast foreach path, grad_norm.scale_grads) or "pass" (torch's multiply
+    # with its fp32 factor, the code before fb2903b; planned for records measured with it)
     clip_multiply: str = "update"
     loss: str = ""  # backend.loss as planned (auto resolved for the GPU)
 

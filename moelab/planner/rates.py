@@ -198,6 +198,13 @@ _CLIP_CHECK = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--clip-check-h100-issue
 CLIP_PASS_MEASURED = {
     "h100": (2 * 2 * 402653184 / 1.5521e-3 / 1e12, _CLIP_CHECK + ": timing multiply_pass_ms 1.552"),
 }
+# The same multiply since ccb44ef wherever the optimizer does not take the factor (torch's AdamW): the factor in the
+# gradients' dtype keeps torch's foreach multiply on its fast path (moelab.backends.grad_norm.scale_grads, same
+# values), measured on the same weight by issue 41 call 43's clip check
+_CLIP_CHECK_43 = _RESULTS + "qwen3-moe-30b-a3b-proxy--moelab--clip-check-h100-issue41-call43.json"
+CLIP_FOREACH_MEASURED = {
+    "h100": (2 * 2 * 402653184 / 0.72216e-3 / 1e12, _CLIP_CHECK_43 + ": timing scale_grads_ms 0.722"),
+}
 # Without train.compile the elementwise, permute and loss work costs this many times the compiled figure: the
 # eager and compiled steps of one call (fake gate, global batch 2: 195.3 and 137.3 ms, records
 # ...--fake-gate-gbs2.json and ...--fake-gate-gbs2-compile.json) differ by 58.0 ms over the compiled 19.0 ms.
@@ -238,6 +245,7 @@ class Rates:
     norm_epilogue: float  # the experts' squares in their GEMMs' epilogue, in units of that pass's time (NORM_EPILOGUE)
     loss_kernel: float  # bytes/s of the full loss's in-place kernel: two reads of the logits and one write
     clip_pass: float  # bytes/s of clipping's multiply as its own pass: each gradient read and written
+    clip_foreach: float  # the same pass with the factor in the gradients' dtype (grad_norm.scale_grads)
 
     def per_element(self, key: str) -> float:
         """Seconds per element of a memory-bound H200_MEASURED figure (elementwise_s, loss_full_s, ...) here."""
@@ -246,8 +254,8 @@ class Rates:
 
 def _measured_tb_s(table: dict, kind: GPUKind) -> float:
     """TB/s of a memory-bound pass on `kind` from `table` (ADAMW_MEASURED: TritonAdamW's kernel;
-    GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel; CLIP_PASS_MEASURED:
-    clipping's multiply): measured there, else the
+    GRAD_NORM_MEASURED: the norm's pass; LOSS_KERNEL_MEASURED: the full loss's kernel; CLIP_PASS_MEASURED and
+    CLIP_FOREACH_MEASURED: clipping's multiply): measured there, else the
     first kind measured (the H200 where it was) by the HBM bandwidth ratio."""
     key = next((k for k, g in GPU_KINDS.items() if g == kind), None)
     if key in table:
@@ -276,4 +284,5 @@ def rates(kind: GPUKind, balanced: bool) -> Rates:
                  idle_s_per_step=v["idle_s_per_step"], grad_accumulate=v["grad_accumulate_tb_s"] * 1e12 * hbm,
                  grad_norm=_measured_tb_s(GRAD_NORM_MEASURED, kind) * 1e12, norm_epilogue=NORM_EPILOGUE[0],
                  loss_kernel=_measured_tb_s(LOSS_KERNEL_MEASURED, kind) * 1e12,
-                 clip_pass=_measured_tb_s(CLIP_PASS_MEASURED, kind) * 1e12)
+                 clip_pass=_measured_tb_s(CLIP_PASS_MEASURED, kind) * 1e12,
+                 clip_foreach=_measured_tb_s(CLIP_FOREACH_MEASURED, kind) * 1e12)

@@ -103,8 +103,9 @@ EXPERT_NORM = ("gemm", "pass")
 # backend.loss=full's loss kernels (Plan.full_loss): the in-place kernel (moelab.backends.loss_kernel, since 56f5afa)
 # or the compiled loss (the code before, and the vocabulary-parallel loss under TP)
 FULL_LOSS = ("kernel", "compiled")
-# gradient clipping's multiply (train.grad_clip > 0, Plan.clip_multiply) beside train.optimizer=adamw_triton: in its
-# update (TritonAdamW.clip_in_step, since fb2903b) or its own pass over the gradients (the code before; torch's AdamW)
+# gradient clipping's multiply (train.grad_clip > 0, Plan.clip_multiply): "update" is today's code, in the Triton
+# AdamW's update (TritonAdamW.clip_in_step, since fb2903b) and, beside torch's AdamW, a pass on torch's fast foreach
+# path (grad_norm.scale_grads, since ccb44ef); "pass" is the code before, torch's multiply with its fp32 factor
 CLIP_MULTIPLY = ("update", "pass")
 
 COMM_PARTS = ("all_to_all", "tp", "cp", "pipeline_send", "fsdp", "fsdp_copies", "replicated")
@@ -259,7 +260,8 @@ def _memory_passes(cfg, p, r: Rates, m: int) -> tuple[dict, str]:
         # the experts' gradients are not read by the norm's pass: their GEMMs summed the squares, at a fraction of it
         passes["optimizer"] -= (1 - r.norm_epilogue) * count_params(cfg.model).experts_total * pb / r.grad_norm
     if t.grad_clip > 0 and (opt_kind != "adamw_triton" or p.clip_multiply == "pass"):
-        passes["optimizer"] += 2 * trained_bytes / r.clip_pass  # clipping's multiply: each gradient read, written
+        # clipping's multiply as a pass: each gradient read and written
+        passes["optimizer"] += 2 * trained_bytes / (r.clip_pass if p.clip_multiply == "pass" else r.clip_foreach)
     passes["grad_accumulate"] = (m - 1) * 3 * _accumulated_bytes(cfg, p) / r.grad_accumulate
     a = 2 if t.dtype == "bfloat16" else 4
     passes["casts"] = m * mem["parameters"] / pb * (pb + a) / r.copy if a < pb and p.gpus == 1 else 0.0

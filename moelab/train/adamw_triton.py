@@ -181,7 +181,7 @@ class TritonAdamW(torch.optim.AdamW):
                 p.grad = None  # torch's step below skips it
         if coef is not None:  # the gradients torch's step takes: clipping's multiply, as clipping made it
             scale_grads([_local(p.grad) for group in self.param_groups for p in group["params"]
-                             if p.grad is not None], coef)
+                         if p.grad is not None], coef)
         base = torch.optim.AdamW.step  # torch's step for the rest, without running the step hooks a second time
         if getattr(base, "hooked", False):
             base = base.__wrapped__

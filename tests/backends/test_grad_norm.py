@@ -53,8 +53,8 @@ def test_squared_norms_and_clipping_under_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_norm", [0.0, 1.0])
 def test_a_cpu_run_clips_as_torchs_clip_grad_norm(monkeypatch, max_norm, dtype):
-    """The norm is torch's get_total_norm off the kernel devices, and the multiply (grad_norm.scale_grads, the
-    factor in the gradients' dtype) leaves every gradient bitwise as torch's clip_grad_norm_ does."""
+    """The norm is torch's get_total_norm off the kernel devices, and the multiply (grad_norm.scale_grads) leaves
+    every gradient bitwise as torch's clip_grad_norm_ does, in each dtype."""
     from moelab.backends import grad_norm
     from moelab.parallel.place import Parallelized
 

@@ -143,6 +143,22 @@ def test_the_full_loss_kernel_is_its_checks_default_on_the_h100_and_carried_by_h
         LOSS_KERNEL_MEASURED["h100"][0] * 1e12 * GPU_KINDS["h200"].hbm_tb_s / GPU_KINDS["h100"].hbm_tb_s)
 
 
+def test_clipping_passes_are_the_clip_checks_on_the_h100():
+    """Clipping's multiply as a pass: torch's (fp32 factor, slow path: call 41) and grad_norm.scale_grads' (the factor
+    in the gradients' dtype: call 43), each gradient read and written, on the checks' expert weight; both checks
+    found the values bitwise as torch's."""
+    from moelab.planner.rates import CLIP_FOREACH_MEASURED, CLIP_PASS_MEASURED
+
+    for table, name, key in ((CLIP_PASS_MEASURED, "call41", "multiply_pass_ms"),
+                             (CLIP_FOREACH_MEASURED, "call43", "scale_grads_ms")):
+        check = record(f"qwen3-moe-30b-a3b-proxy--moelab--clip-check-h100-issue41-{name}.json")
+        assert check["ok"] and check["gpu_name"] == "NVIDIA H100 80GB HBM3"
+        t = check["timing"]
+        assert table["h100"][0] == pytest.approx(2 * 2 * t["elements"] / (t[key] * 1e-3) / 1e12, rel=1e-4)
+    assert record("qwen3-moe-30b-a3b-proxy--moelab--clip-check-h100-issue41-call43.json")["scale_grads_equal"] == {
+        "bfloat16": True, "float16": True, "float32": True}
+
+
 def test_fp8_rates_are_the_fp8_profile_and_kernel_check(proxy):
     mdl, fl = proxy
     prof = record("qwen3-moe-30b-a3b-proxy--moelab--profile-fp8-rowwise-compile-gbs2-5fe5a16.json")

@@ -377,8 +377,9 @@ def test_the_experts_gradient_norm_in_their_gemms_saves_its_share_of_the_norms_p
 
 
 def test_clipping_multiply_is_a_pass_over_the_gradients_unless_the_triton_adamw_takes_it():
-    # train.grad_clip > 0: torch's AdamW (and the Triton AdamW before fb2903b, or timed with the pass) read and
-    # write every gradient once more at the pass's measured rate; today's Triton AdamW multiplies inside its update
+    # train.grad_clip > 0: the Triton AdamW before fb2903b (or timed with the pass) read and wrote every gradient once
+    # more at torch's slow pass's measured rate; today's Triton AdamW multiplies inside its update, and beside torch's
+    # AdamW the pass runs at the fast foreach rate (grad_norm.scale_grads)
     from moelab.planner.rates import rates
 
     cfg = load_config(PROXY, {**BF16, "train.compile": True, "train.global_batch_size": 2,
@@ -393,9 +394,12 @@ def test_clipping_multiply_is_a_pass_over_the_gradients_unless_the_triton_adamw_
         assert plan(cfg.replace(**{"train.grad_clip": 0.0}), gpu=gpu, clip_multiply="pass").speed.parts_s == (
             pytest.approx(now.speed.parts_s))  # nothing to multiply without clipping
         torch_adamw = cfg.replace(**{"train.optimizer": "adamw"})
-        assert (plan(torch_adamw, gpu=gpu).speed.parts_s["optimizer"]
-                - plan(torch_adamw.replace(**{"train.grad_clip": 0.0}), gpu=gpu).speed.parts_s["optimizer"]
-                == pytest.approx(extra, rel=1e-9))
+        unclipped_torch = plan(torch_adamw.replace(**{"train.grad_clip": 0.0}), gpu=gpu).speed.parts_s["optimizer"]
+        r = rates(gpu_kind(gpu), False)
+        for c, rate in (("update", r.clip_foreach), ("pass", r.clip_pass)):
+            assert (plan(torch_adamw, gpu=gpu, clip_multiply=c).speed.parts_s["optimizer"] - unclipped_torch
+                    == pytest.approx(2 * grads / rate, rel=1e-9))
+        assert r.clip_foreach > 2 * r.clip_pass
     assert planner_options({"date": "2026-12-07T10:26:33Z"})["clip_multiply"] == "pass"  # issue 41 call 38
     assert "clip_multiply" not in planner_options({"date": "2026-12-07T16:00:00Z"})
     with pytest.raises(ConfigError, match="clip_multiply='fused'.*update, pass"):
