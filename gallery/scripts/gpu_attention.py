@@ -4,8 +4,10 @@ At the proxy's shape (batch 2, 4,096 tokens, 32 query heads over 4 kv heads, hea
 the attention as moelab calls it (torch's SDPA with enable_gqa: cuDNN's kernels on Hopper), SDPA held to its flash
 backend, FlashAttention-4 (flash_attn.cute, the CuTe-DSL kernels, wheel flash-attn-4==4.0.0b10 carried in .whl:
 the last release on QuACK 0.3 / CUTLASS DSL 4.4.2, SonicMoE's pins) called directly, and FA4 through SDPA (torch's
-flash-attention registry) where this torch has it. Every variant's output and gradients are checked against an
-fp32 reference on the first batch row; the times are medians of CUDA-event timed iterations.
+flash-attention registry) where this torch has it, and moelab's own path to FA4 (moelab.backends.fa4's custom ops,
+backend.attention=fa4 and auto's choice), eager and compiled whole (fullgraph: no graph break). Every variant's output
+and gradients are checked against an fp32 reference on the first batch row; `ok`: moelab's FA4 variants ran and
+each error is within twice SDPA's plus 1e-3. The times are medians of CUDA-event timed iterations.
 
     python gallery/scripts/gpu_attention.py --out DIR      # DIR/attention.json
 """
@@ -61,6 +63,17 @@ def fa4_contiguous(q_BHLD, k_BGLD, v_BGLD):
                           v_BGLD.transpose(1, 2).contiguous(), causal=True)
     out = out[0] if isinstance(out, tuple) else out
     return out.transpose(1, 2)
+
+
+def moelab_fa4(q_BHLD, k_BGLD, v_BGLD):
+    """moelab's attention with backend.attention=fa4 (moelab.backends.fa4: FA4 as torch.library custom ops)."""
+    from moelab.backends.fa4 import fa4_causal_attention
+
+    return fa4_causal_attention(q_BHLD, k_BGLD, v_BGLD)
+
+
+def _moelab_fa4_compiled_fn():
+    return torch.compile(moelab_fa4, fullgraph=True)
 
 
 def activate_sdpa_fa4() -> str:
@@ -130,7 +143,8 @@ def main() -> int:
         rec["fa4_version"] = getattr(fa4, "__version__", "unknown")
     except Exception as e:  # noqa: BLE001 - reported, the other variants still run
         rec["fa4_version"] = f"not importable: {type(e).__name__}: {e}"
-    variants = [("sdpa (moelab today)", sdpa), ("sdpa flash backend", sdpa_flash), ("fa4 direct", fa4_direct),
+    variants = [("sdpa (moelab before fa4)", sdpa), ("sdpa flash backend", sdpa_flash), ("fa4 direct", fa4_direct),
+                ("moelab fa4 (custom ops)", moelab_fa4), ("moelab fa4 compiled", _moelab_fa4_compiled_fn()),
                 ("fa4 contiguous", fa4_contiguous), ("sdpa with fa4 registered", sdpa_flash)]
     for name, fn in variants:
         entry = rec["variants"][name] = {}
@@ -152,6 +166,12 @@ def main() -> int:
             entry["error"] = f"{type(e).__name__}: {e}"
             print(f"attention {name:26s} ERROR {entry['error']}", flush=True)
             traceback.print_exc()
+    v = rec["variants"]
+    base = v["sdpa (moelab before fa4)"].get("rel_err")
+    mine = [v[n] for n in ("moelab fa4 (custom ops)", "moelab fa4 compiled")]
+    rec["ok"] = bool(base) and all("rel_err" in m and all(m["rel_err"][t] <= 2 * base[t] + 1e-3 for t in base)
+                                   for m in mine)
+    print(f"attention check ok={rec['ok']}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "attention.json").write_text(json.dumps(rec, indent=1) + "\n")
     return 0

@@ -204,6 +204,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "fake_balanced_gate": backend.fake_balanced_gate, "fake_gate_noise": backend.fake_gate_noise,
             "loss": getattr(tr.model, "loss_kind", backend.loss), "loss_chunk_tokens": backend.loss_chunk_tokens,
             "experts": getattr(tr.model, "backends", {}).get("experts", backend.experts),
+            "attention": getattr(tr.model, "backends", {}).get("attention", backend.attention),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
             "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)

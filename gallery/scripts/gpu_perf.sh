@@ -27,6 +27,9 @@
 #     moelab-experts  moelab bf16 compiled with backend.experts=$EXPERTS (default sonic), 2 and 16, its profile at
 #                 PROFILE_GBS; not run by default. SONIC_TAR (gallery/scripts/sonic_site.sh's tarball, unpacked to
 #                 SONIC_SITE) installs SonicMoE, which `auto` then takes (moelab.backends.auto_experts)
+#     moelab-attention  moelab bf16 compiled with backend.attention=$ATTENTION (default sdpa: torch's SDPA, the
+#                 path `auto` took before FlashAttention-4), 2 and 16; not run by default. FA4 comes from .whl's
+#                 flash-attn-4 wheel with SONIC_TAR's QuACK / CUTLASS DSL; the moelab part's `auto` takes it
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
@@ -46,8 +49,9 @@
 #                 in both clocks, the update pending and after a synchronisation (gpu_check_host.py, about 110 s
 #                 alone; after the moelab part its compiles are cached); not run by default
 #     attention   issue 41: the proxy's attention forward + backward, SDPA as moelab calls it (cuDNN) against
-#                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL), checked
-#                 against fp32 (gpu_attention.py); not run by default (PARTS=attention)
+#                 FlashAttention-4 (flash-attn-4 wheel in .whl, SONIC_TAR for its QuACK / CUTLASS DSL) called directly
+#                 and through moelab.backends.fa4's custom ops, eager and compiled, checked against fp32
+#                 (gpu_attention.py; its `ok`: moelab's FA4 within SDPA's error); not run by default (PARTS=attention)
 #     blockwise   issue 31's blockwise FP8 trial at the experts' GEMMs (gpu_fp8_blockwise.py, about 60 s): bf16,
 #                 rowwise and 1x128/128x128 blockwise (torch's grouped op, cuBLAS dense, a Triton grouped kernel),
 #                 the quantisation passes and a per-layer projection; not run by default (PARTS=blockwise)
@@ -137,6 +141,9 @@ part host-check 240 python3 gallery/scripts/gpu_check_host.py --out $R
 part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} --set backend.experts=${EXPERTS:-sonic} \
   --tag bf16-${EXPERTS:-sonic} $DRY
+# the same model and seed with another attention backend (ATTENTION; default sdpa, the path before `auto` took FA4)
+part moelab-attention 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
+  --loss-steps ${LOSS_STEPS:-3} --set backend.attention=${ATTENTION:-sdpa} --tag bf16-${ATTENTION:-sdpa} $DRY
 part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
 part attention 240 python3 gallery/scripts/gpu_attention.py --out $R
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \

@@ -1,4 +1,5 @@
-"""The kernel switchboard's optional packages: grouped_gemm, Transformer Engine, SonicMoE and DeepEP, behind guards.
+"""The kernel switchboard's optional packages: grouped_gemm, Transformer Engine, SonicMoE, FlashAttention-4 and DeepEP,
+behind guards.
 
 Each package is detected when this module is imported (``importlib.util.find_spec``: cheap, imports nothing
 heavy). Asking for one that is missing, or that cannot run on this hardware, raises ``BackendUnavailable`` (a
@@ -19,6 +20,9 @@ What each backend replaces (the rest of the model is untouched):
                                    optional package, Hopper+); `auto` takes it where it is installed and applies
                                    (``auto_experts``), else torch's grouped GEMM
     backend.attention=te           TE DotProductAttention, TE Linear projections and TE RMSNorm
+    backend.attention=fa4          FlashAttention-4's kernels for causal attention (moelab.backends.fa4; optional
+                                   package, Hopper / Blackwell); `auto` takes it where it is installed and applies
+                                   (``auto_attention``), else torch's SDPA
     backend.dispatcher=deepep      DeepEP intranode dispatch/combine for expert parallelism (moelab.parallel.deepep)
     backend.loss=liger | cce       the LM head + loss as Liger Kernel's / cut-cross-entropy's fused kernel
                                    (moelab.backends.loss; the default `chunked` is moelab's own, no package)
@@ -34,7 +38,8 @@ from moelab.config import Config
 # Which config value asks for which package: (config field, value) -> package key.
 REQUESTS = {("experts", "grouped_gemm"): "grouped_gemm", ("experts", "te"): "te", ("attention", "te"): "te",
             ("experts", "triton_fused"): "triton", ("experts", "sonic"): "sonic",
-            ("dispatcher", "deepep"): "deep_ep", ("loss", "liger"): "liger", ("loss", "cce"): "cce"}
+            ("dispatcher", "deepep"): "deep_ep", ("loss", "liger"): "liger", ("loss", "cce"): "cce",
+            ("attention", "fa4"): "fa4"}
 TORCH_PATH = {"experts": "auto", "attention": "sdpa", "dispatcher": "all_to_all", "loss": "chunked"}
 
 
@@ -57,9 +62,18 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
             return ("its kernels read each routed row from its token on this rank, every assignment kept, and this "
                     f"run has parallel.ep={cfg.parallel.ep}, model.moe.capacity_factor={moe.capacity_factor}, "
                     f"dynamic_capacity={moe.dynamic_capacity}; use backend.experts=auto")
+    fa4_layers = (cfg.model.attention, cfg.parallel.cp, cfg.model.head_dim)
+    if key == "fa4" and (fa4_layers[0] == "mla" or fa4_layers[1] > 1 or fa4_layers[2] not in FA4_HEAD_DIMS):
+        return ("its kernels run GQA / MHA layers' causal attention whole on one rank, with the head dims measured, "
+                f"and this run has model.attention={cfg.model.attention!r}, parallel.cp={cfg.parallel.cp}, "
+                f"model.head_dim={cfg.model.head_dim} (taken: {list(FA4_HEAD_DIMS)}); use backend.attention=sdpa")
     if not device.startswith("cuda"):
         return f"it needs {p.needs}, and this run is on {device!r}"
     major, minor = torch.cuda.get_device_capability(device)
+    if key == "fa4" and major not in (9, 10):
+        return f"it needs {p.needs}; this GPU is sm{major}{minor}"
+    if key == "fa4" and cfg.train.dtype != "bfloat16":
+        return "its kernels run in bf16 here; set train.dtype=bfloat16"
     if key in ("grouped_gemm", "te", "triton", "sonic") and major < (9 if key == "sonic" else 8):
         return f"it needs {p.needs}; this GPU is sm{major}{minor}"
     if key in ("grouped_gemm", "te", "triton", "sonic") and cfg.train.dtype != "bfloat16":
@@ -103,6 +117,8 @@ def check_backends(cfg: Config, device: str = "cpu", world_size: int = 1) -> dic
         chosen["loss"] = _auto_loss(cfg, device, world_size)
     if b.experts == "auto":
         chosen["experts"] = auto_experts(cfg, device, world_size)
+    if b.attention == "auto":
+        chosen["attention"] = auto_attention(cfg, device, world_size)
     for (field_name, value), key in REQUESTS.items():
         if chosen[field_name] != value:
             continue
@@ -143,6 +159,26 @@ def auto_experts(cfg: Config, device: str, world_size: int = 1) -> str:
     return "sonic"
 
 
+FA4_HEAD_DIMS = (64, 128)
+"""The head dims backend.attention=fa4 takes (FlashAttention-4's sm90 tiles; 128 measured, issue 41)."""
+
+
+def auto_attention(cfg: Config, device: str, world_size: int = 1) -> str:
+    """backend.attention=auto: FlashAttention-4's kernels (``fa4``) where the package is installed and imports and
+    they apply to this run (``unsupported_reason``: GQA / MHA, no context parallelism, a head dim of FA4_HEAD_DIMS,
+    bf16 on an sm90 / sm100 GPU; its layers' windows, sinks and packed documents keep sdpa's paths); otherwise
+    ``sdpa``. Measured ahead of SDPA (cuDNN's kernels) at the Qwen3 proxy's shapes (gallery/perf-notes.md,
+    issue 41)."""
+    if not _DETECTED["fa4"] or unsupported_reason("fa4", cfg, device, world_size) is not None:
+        return "sdpa"
+    try:
+        import_package("fa4")
+    except BackendUnavailable as e:  # installed but broken here: say so once, keep SDPA
+        warnings.warn(f"backend.attention=auto keeps SDPA: {e}", RuntimeWarning, stacklevel=3)
+        return "sdpa"
+    return "fa4"
+
+
 def _auto_loss(cfg: Config, device: str, world_size: int) -> str:
     from moelab.planner.plan import resolve_loss
 
@@ -165,6 +201,9 @@ def apply_backends(model, cfg: Config, device: str = "cpu", world_size: int = 1)
         from moelab.backends.te import apply_te
 
         apply_te(model, cfg, experts=chosen["experts"] == "te", attention=chosen["attention"] == "te")
+    if chosen["attention"] == "fa4":
+        for block in model.layers.values():  # GQA layers (MLA is refused: unsupported_reason)
+            block.attention.backend = "fa4"
     for moe in model.moe_layers():
         if hasattr(moe.experts, "impl"):
             moe.experts.impl = chosen["experts"] if chosen["experts"] != "te" else moe.experts.impl

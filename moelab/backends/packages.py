@@ -1,5 +1,5 @@
-"""The optional packages of the kernel switchboard (grouped_gemm, TE, DeepEP, SonicMoE, and the fused losses' Liger
-Kernel and cut-cross-entropy): what each is, whether it is installed, how to import it.
+"""The optional packages of the kernel switchboard (grouped_gemm, TE, DeepEP, SonicMoE, FlashAttention-4, and the
+fused losses' Liger Kernel and cut-cross-entropy): what each is, whether it is installed, how to import it.
 
     detected()                   # {'grouped_gemm': False, 'te': False, 'deep_ep': False, 'liger': False, ...}
     import_package("te")         # the module, or BackendUnavailable saying how to install it
@@ -10,6 +10,7 @@ itself (which config asks for which package, and the hardware checks) is moelab.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
@@ -67,6 +68,11 @@ PACKAGES = {
         "nvidia-cutlass-dsl-libs-cu13==4.4.2 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 (the pins of "
         "moelab[sonic]; --no-deps because sonic-moe declares torch<=2.9.1, and it runs on torch 2.11; a machine "
         "without network: gallery/scripts/sonic_site.sh)", "a Hopper or newer CUDA GPU (sm90+)"),
+    "fa4": Package(
+        "fa4", "flash_attn.cute", "flash-attn-4",
+        "pip install --no-deps flash-attn-4==4.0.0b10, next to moelab[sonic]'s pins (the last FA4 release on "
+        "QuACK 0.3 and CUTLASS DSL 4.4.2, which it needs; or pip install 'moelab[fa4]' with them)",
+        "a Hopper or Blackwell CUDA GPU (sm90 / sm100)"),
 }
 
 def _find(module: str) -> bool:
@@ -77,7 +83,16 @@ def _find(module: str) -> bool:
         return False
 
 
-_DETECTED = {key: _find(p.module) for key, p in PACKAGES.items()}  # read-only after import
+def _installed(p: Package) -> bool:
+    if p.key == "fa4":  # flash-attn (FlashAttention-2) installs the same top-level package, without flash_attn.cute
+        try:
+            importlib.metadata.distribution(p.pip)
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return _find(p.module)
+
+
+_DETECTED = {key: _installed(p) for key, p in PACKAGES.items()}  # read-only after import
 
 
 def detected() -> dict[str, bool]:

@@ -275,7 +275,9 @@ class BackendConfig:
 
         load_config("tiny", ["backend.attention=eager", "backend.fallback=true"]).backend
     """
-    attention: Literal["sdpa", "flex", "eager", "te"] = "sdpa"  # sdpa: packed documents run flex on a GPU
+    # auto: FlashAttention-4's kernels (fa4) where installed and they apply, else sdpa (moelab.backends.auto_attention);
+    # sdpa and fa4: windows and sinks run eager, packed documents run flex on a GPU
+    attention: Literal["auto", "sdpa", "fa4", "flex", "eager", "te"] = "auto"
     experts: Literal["auto", "grouped_mm", "loop", "grouped_gemm", "te", "triton_fused", "sonic"] = "auto"
     dispatcher: Literal["all_to_all", "deepep"] = "all_to_all"
     fake_balanced_gate: bool = False

@@ -1,5 +1,5 @@
-"""Attention: grouped-query attention (MHA when kv heads == heads) through SDPA, FlexAttention or an eager
-reference; sliding windows and GPT-OSS sink logits through flex or eager.
+"""Attention: grouped-query attention (MHA when kv heads == heads) through SDPA, FlashAttention-4 (moelab.backends.fa4),
+FlexAttention or an eager reference; sliding windows and GPT-OSS sink logits through flex or eager.
 
 Shapes: B batch, L sequence, D hidden, H query heads, G kv heads, Dh head dim.
 
@@ -22,7 +22,8 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
                      block_mask=None, documents_BL=None):
     """Causal attention with optional sliding window and learned sink logits (GPT-OSS).
 
-    backend "sdpa" (plain causal and packed documents; windows and sinks fall to eager), "flex" (FlexAttention;
+    backend "sdpa" (plain causal and packed documents; windows and sinks fall to eager), "fa4" (FlashAttention-4's
+    kernels for plain causal attention with equal q and v head dims; the rest as sdpa), "flex" (FlexAttention;
     `block_mask` from `flex_block_mask` may be passed to reuse it), or "eager" (the reference). `scale` defaults
     to 1/sqrt(Dh).
     v may have a different head dim than q and k (MLA). `documents_BL` (packed sequences, moelab.data.sft):
@@ -31,7 +32,12 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     H, G = q_BHLD.shape[1], k_BGLD.shape[1]
     if backend == "flex":
         return flex_causal_attention(q_BHLD, k_BGLD, v_BGLD, window, sinks_H, scale, block_mask, documents_BL)
-    if backend == "sdpa" and not window and sinks_H is None:
+    if backend == "fa4" and not window and sinks_H is None and documents_BL is None \
+            and q_BHLD.shape[-1] == v_BGLD.shape[-1] and q_BHLD.shape[2] == k_BGLD.shape[2]:
+        from moelab.backends.fa4 import fa4_causal_attention
+
+        return fa4_causal_attention(q_BHLD, k_BGLD, v_BGLD, scale)
+    if backend in ("sdpa", "fa4") and not window and sinks_H is None:
         if documents_BL is not None:
             same_B1LS = (documents_BL[:, :, None] == documents_BL[:, None, :])[:, None]
             return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, attn_mask=same_B1LS.tril(), scale=scale,
@@ -59,12 +65,20 @@ def causal_attention(q_BHLD, k_BGLD, v_BGLD, backend: str, window: int = 0, sink
     return (probs.to(v_BHLD.dtype) @ v_BHLD)
 
 
+def module_backend(backend: BackendConfig) -> str:
+    """An attention module's backend when built: backend.attention, with `auto` as sdpa until moelab.backends'
+    apply_backends resolves it (fa4 where it applies: auto_attention)."""
+    return "sdpa" if backend.attention == "auto" else backend.attention
+
+
 def attention_path(backend: str, device: torch.device, packed: bool) -> str:
-    """The path backend.attention takes for one call: "sdpa" with packed documents runs FlexAttention on a GPU
-    (a document mask_mod, block-sparse; sdpa's dense block-diagonal mask ran 1.3x (full) to 1.45x (LoRA) slower
+    """The path backend.attention takes for one call: "sdpa" (or "fa4") with packed documents runs FlexAttention on a
+    GPU (a document mask_mod, block-sparse; sdpa's dense block-diagonal mask ran 1.3x (full) to 1.45x (LoRA) slower
     on an H200, gallery/results' finetune entries) and sdpa's masked kernel on CPU, where FlexAttention has no
-    backward. Any other combination is the backend itself."""
-    return "flex" if backend == "sdpa" and packed and device.type == "cuda" else backend
+    backward; "fa4" off CUDA is sdpa. Any other combination is the backend itself."""
+    if backend in ("sdpa", "fa4") and packed and device.type == "cuda":
+        return "flex"
+    return "sdpa" if backend == "fa4" and device.type != "cuda" else backend
 
 
 def flex_block_mask(L: int, S: int, window: int, device, documents_BL=None):
@@ -136,7 +150,7 @@ class GQAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: BackendConfig, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.backend, self.window = backend.attention, window
+        self.backend, self.window = module_backend(backend), window
         D, H, G, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(D, H * Dh, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(D, G * Dh, bias=cfg.attention_bias)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moelab.config import BackendConfig, ModelConfig
-from moelab.model.attention import attention_path, cached_block_mask, causal_attention
+from moelab.model.attention import attention_path, cached_block_mask, causal_attention, module_backend
 from moelab.model.layers import RMSNorm, apply_rope, yarn_mscale
 
 # HF and DeepSeek's reference build the two latent norms with RMSNorm's default eps, whatever rms_norm_eps says.
@@ -45,7 +45,7 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: BackendConfig):
         super().__init__()
         D, H = cfg.hidden_size, cfg.num_heads
-        self.num_heads, self.backend = H, backend.attention
+        self.num_heads, self.backend = H, module_backend(backend)
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim

@@ -85,7 +85,8 @@ def _attention(cfg: Config, a: int, compiled: bool, eager_path: bool, r: int) ->
         xn = trained("q_a_proj" if Q else "q_proj") or trained("kv_a_proj")  # the matmuls reading the norm
         q_b, kv_b = bool(Q) and trained("q_b_proj"), trained("kv_b_proj")  # and reading the latents' norms
         kernel = a * (2 * H * d_qk + H * (Dn + Dv) + H * Dv) + 4 * H  # q, k, the kv_b projection, output; LSE
-        if cfg.parallel.cp > 1 and cfg.backend.attention == "sdpa":  # k and the kv_b projection gathered instead
+        # k and the kv_b projection gathered instead (auto is sdpa under context parallelism)
+        if cfg.parallel.cp > 1 and cfg.backend.attention in ("sdpa", "auto"):
             kernel += _context_parallel_extra(cfg, a, d_qk, Dv) - a * H * (d_qk + Dn + Dv)
         if compiled:  # x, xn; q latent before its norm and after; kv latent (with the rope key) and after its norm
             out = a * D * (1 + xn) + a * (Q + q_b * Q + (C + Dr) + kv_b * C) + kernel
@@ -98,7 +99,7 @@ def _attention(cfg: Config, a: int, compiled: bool, eager_path: bool, r: int) ->
         G, Dh = m.num_kv_heads, m.head_dim
         xn = any(trained(n) for n in ("q_proj", "k_proj", "v_proj"))
         kernel = a * (H + 2 * G) * Dh + a * H * Dh + 4 * H  # q, k, v, output; LSE
-        if cfg.parallel.cp > 1 and cfg.backend.attention == "sdpa":
+        if cfg.parallel.cp > 1 and cfg.backend.attention in ("sdpa", "auto"):
             kernel += _context_parallel_extra(cfg, a, Dh, Dh) - 2 * a * G * Dh
         sinks = 0  # sinks scale the output by an fp32 sigmoid: the output projection reads a new tensor
         if m.attention_sinks:

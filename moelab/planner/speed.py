@@ -432,7 +432,7 @@ def unmodelled(cfg) -> list[str]:
     if b.attention == "eager" or (b.attention != "flex" and (m.sliding_window or m.attention_sinks)):
         out.append("attention: sliding windows / sinks run moelab's eager attention (scores materialised), timed "
                    "at SDPA's rate")
-    elif b.attention != "sdpa":
+    elif b.attention not in ("sdpa", "auto"):  # auto: FA4's kernels where installed, timed at SDPA's measured rate
         out.append(f"backend.attention={b.attention}: timed at SDPA's rate")
     if b.experts in ("loop", "grouped_gemm", "te", "triton_fused"):
         out.append(f"backend.experts={b.experts}: timed at torch's grouped GEMM rate")
