@@ -64,6 +64,8 @@ def describe(r: dict) -> str:
         parts += [f"loss {ran.get('loss', '?')}", ran.get("optimizer", "optimizer ?")]
         if r.get("experts") not in (None, "auto"):  # the experts backend the run took (auto's choice included)
             parts.append(f"experts {r['experts']}")
+        if r.get("attention") not in (None, "auto", "sdpa"):  # the attention it took, where not SDPA (fa4: auto's)
+            parts.append(f"attention {r['attention']}")
     return ", ".join(parts)
 
 
