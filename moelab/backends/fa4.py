@@ -9,7 +9,8 @@ so that torch.compile keeps a block whole around them (no graph break) and AOTAu
 and the log-sum-exp as SDPA's flash kernels do. They take the (B, L, heads, Dh) views of moelab's (B, heads, L, Dh)
 tensors as they are (strided: no copies); GQA runs in the kernels (no repeated k and v). Windows, sinks, packed
 documents and MLA's unequal head dims take the sdpa path's choices (moelab.model.attention.causal_attention).
-Checked against SDPA on the GPU, forward and every gradient, eager and compiled: gallery/scripts/gpu_check_fa4.py.
+Checked against fp32 beside SDPA on the GPU, forward and every gradient, eager and compiled:
+gallery/scripts/gpu_attention.py (`ok`).
 """
 from __future__ import annotations
 
