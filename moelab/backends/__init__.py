@@ -62,21 +62,19 @@ def unsupported_reason(key: str, cfg: Config, device: str, world_size: int = 1) 
             return ("its kernels read each routed row from its token on this rank, every assignment kept, and this "
                     f"run has parallel.ep={cfg.parallel.ep}, model.moe.capacity_factor={moe.capacity_factor}, "
                     f"dynamic_capacity={moe.dynamic_capacity}; use backend.experts=auto")
-    fa4_layers = (cfg.model.attention, cfg.parallel.cp, cfg.model.head_dim)
-    if key == "fa4" and (fa4_layers[0] == "mla" or fa4_layers[1] > 1 or fa4_layers[2] not in FA4_HEAD_DIMS):
+    m = cfg.model
+    if key == "fa4" and (m.attention == "mla" or cfg.parallel.cp > 1 or m.head_dim not in FA4_HEAD_DIMS):
         return ("its kernels run GQA / MHA layers' causal attention whole on one rank, with the head dims measured, "
-                f"and this run has model.attention={cfg.model.attention!r}, parallel.cp={cfg.parallel.cp}, "
-                f"model.head_dim={cfg.model.head_dim} (taken: {list(FA4_HEAD_DIMS)}); use backend.attention=sdpa")
+                f"and this run has model.attention={m.attention!r}, parallel.cp={cfg.parallel.cp}, "
+                f"model.head_dim={m.head_dim} (taken: {list(FA4_HEAD_DIMS)}); use backend.attention=sdpa")
     if not device.startswith("cuda"):
         return f"it needs {p.needs}, and this run is on {device!r}"
     major, minor = torch.cuda.get_device_capability(device)
     if key == "fa4" and major not in (9, 10):
         return f"it needs {p.needs}; this GPU is sm{major}{minor}"
-    if key == "fa4" and cfg.train.dtype != "bfloat16":
-        return "its kernels run in bf16 here; set train.dtype=bfloat16"
     if key in ("grouped_gemm", "te", "triton", "sonic") and major < (9 if key == "sonic" else 8):
         return f"it needs {p.needs}; this GPU is sm{major}{minor}"
-    if key in ("grouped_gemm", "te", "triton", "sonic") and cfg.train.dtype != "bfloat16":
+    if key in ("grouped_gemm", "te", "triton", "sonic", "fa4") and cfg.train.dtype != "bfloat16":
         return "its kernels run in bf16; set train.dtype=bfloat16"
     if key == "deep_ep":
         if major != 9:
