@@ -2,7 +2,7 @@
 
 FlashAttention-4's kernels run on sm90 / sm100 GPUs only: here the custom ops' shapes, layouts and autograd wiring are
 checked under fake tensors, and the switchboard's choices on this CPU machine; the kernels' values against SDPA,
-forward and every gradient, eager and compiled, are gallery/scripts/gpu_check_fa4.py's (a device call)."""
+forward and every gradient, eager and compiled, are gallery/scripts/gpu_attention.py's check (a device call)."""
 from __future__ import annotations
 
 import pytest
