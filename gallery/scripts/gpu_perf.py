@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from moelab.backends import full_loss, loss_kernel, sonic_squares
+from moelab.backends import full_loss, loss_kernel, sonic, sonic_squares
 from moelab.data import transfer
 from moelab.train import adamw_triton
 from moelab.train.bench import Bencher, bench_config, commit_id
@@ -207,6 +207,7 @@ def base_record(tr, b, args, fp8: str) -> dict:
             "attention": getattr(tr.model, "backends", {}).get("attention", backend.attention),
             "optimizer": type(tr.optimizer).__name__, "optimizer_overlap": getattr(tr, "overlap", None) is not None,
             "norm_in_gemms": sonic_squares.ENABLED,  # the experts' gradient squares summed by their GEMMs
+            "sonic_add": sonic.add_via(),  # how SonicMoE's weight-gradient GEMMs add into .grad
             "loss_in_place": full_loss.IN_PLACE,  # backend.loss=full's in-place kernel (moelab.backends.loss_kernel)
             "loss_kernel": loss_kernel.config_name(),  # its block, warps, programs per SM and L2 hints
             "adamw_kernel": f"{adamw_triton.BLOCK}x{adamw_triton.WARPS}",  # TritonAdamW's block and warps

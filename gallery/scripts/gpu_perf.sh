@@ -30,6 +30,11 @@
 #     moelab-attention  moelab bf16 compiled with backend.attention=$ATTENTION (default sdpa: torch's SDPA, the
 #                 path `auto` took before FlashAttention-4), 2 and 16; not run by default. FA4 comes from .whl's
 #                 flash-attn-4 wheel with SONIC_TAR's QuACK / CUTLASS DSL; the moelab part's `auto` takes it
+#     moelab-add  moelab bf16 compiled with SonicMoE's weight-gradient GEMMs adding into .grad by MOELAB_SONIC_ADD=
+#                 $SONIC_ADD (default load: .grad read as the GEMMs' C operand), 2 and 16; not run by default
+#     wgrad       issue 41: SonicMoE's weight-gradient GEMMs writing, adding by QuACK's reduce store, adding with .grad
+#                 read as C (and its squares), at one and two micro batches' rows, checked and timed
+#                 (gpu_wgrad.py, SONIC_TAR); not run by default
 #     moe-layer   issue 41: one MoE layer's experts forward + backward, today's compiled path vs backend.experts=
 #                 triton_fused vs SonicMoE (SONIC_SITE: gallery/scripts/sonic_site.sh), checked against fp32,
 #                 time, TFLOP/s, saved bytes (gpu_moe_layer.py, about 90 s); not run by default (PARTS=moe-layer)
@@ -119,6 +124,7 @@ part loss-check 150 python3 gallery/scripts/gpu_check_loss_kernel.py --out $R
 part adamw-check 90 python3 gallery/scripts/gpu_check_adamw.py --out $R
 part copy-check 60 python3 gallery/scripts/gpu_check_copy.py --out $R
 part clip-check 90 python3 gallery/scripts/gpu_check_clip.py --out $R
+part wgrad 200 python3 gallery/scripts/gpu_wgrad.py --out $R
 # TRIAL=best (with OVERLAP_OFF=1): the moelab part also times the step (tag bf16-trial) with the loss and AdamW
 # checks' fastest settings, where a check passed and its fastest is not the default
 # fastest FILE TABLE DEFAULT_KEY: the check's fastest setting where it passed and differs from its default
@@ -144,6 +150,9 @@ part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8
 # the same model and seed with another attention backend (ATTENTION; default sdpa, the path before `auto` took FA4)
 part moelab-attention 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --loss-steps ${LOSS_STEPS:-3} --set backend.attention=${ATTENTION:-sdpa} --tag bf16-${ATTENTION:-sdpa} $DRY
+# the same model and seed with the weight-gradient GEMMs' other add into .grad (SONIC_ADD, default load)
+part moelab-add 260 env MOELAB_SONIC_ADD=${SONIC_ADD:-load} python3 gallery/scripts/gpu_perf.py bench --out $R \
+  --fp8 off --gbs ${BF16_GBS:-2,16} --loss-steps ${LOSS_STEPS:-3} --tag bf16-add-${SONIC_ADD:-load} $DRY
 part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
 part attention 240 python3 gallery/scripts/gpu_attention.py --out $R
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \

@@ -97,13 +97,14 @@ def squares_in_backward(on: bool):
         _collecting = was
 
 
-def wants_squares(w: torch.Tensor) -> bool:
-    """Whether the backward now writing w's whole gradient should sum its squares: inside ``squares_in_backward``,
-    w a parameter of one process (no process group: its gradient is then reduced or resharded after), no hooks
-    that would change the gradient after it is written."""
+def wants_squares(w: torch.Tensor, adds_in_epilogue: bool = False) -> bool:
+    """Whether the backward now making w's gradient should sum its squares: inside ``squares_in_backward``, w a
+    parameter of one process (no process group: its gradient is then reduced or resharded after), no hooks that
+    would change the gradient after it is made, and the backward's value the final gradient: written whole (no
+    .grad yet), or `adds_in_epilogue` (its kernel adds .grad in registers and stores the sum)."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (_collecting and type(w) is torch.nn.Parameter and w.grad is None and not distributed
-            and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
+    return (_collecting and type(w) is torch.nn.Parameter and (w.grad is None or adds_in_epilogue)
+            and not distributed and not w._backward_hooks and not getattr(w, "_post_accumulate_grad_hooks", None))
 
 
 def record_squares(w: torch.Tensor, sq: torch.Tensor) -> None:

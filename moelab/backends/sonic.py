@@ -87,6 +87,24 @@ def rows_once() -> frozenset[str]:
     return chosen
 
 
+ADD_VIA = "reduce"
+"""How a later micro batch's two weight-gradient GEMMs add into .grad: "reduce", QuACK's add-to-output epilogue (a
+TMA reduce-add store: the sum formed in L2, rounded twice), or "load", .grad read as the GEMM's C operand and
+acc + C stored (one rounding; the epilogue sees the final gradient, so its squares can be summed there for the
+step's norm, as a written one's are)."""
+
+
+def add_via() -> str:
+    """ADD_VIA, or MOELAB_SONIC_ADD ("reduce" or "load": a measurement's variant, gallery/scripts/gpu_wgrad.py)."""
+    env = os.environ.get("MOELAB_SONIC_ADD")
+    if env is None:
+        return ADD_VIA
+    if env not in ("reduce", "load"):
+        raise ValueError(f"MOELAB_SONIC_ADD={env}: the weight-gradient GEMMs add into .grad by 'reduce' (QuACK's "
+                         f"TMA reduce store) or 'load' (.grad read as C)")
+    return env
+
+
 def tiles_for(major: int) -> dict[str, tuple]:
     """GEMM -> its tile (TILE_FIELDS) on a GPU of this compute capability: TILES, with the entries of
     MOELAB_SONIC_TILES (a JSON file {GEMM: [TILE_FIELDS...]}) in place of the table's: a measurement's candidates
@@ -143,14 +161,16 @@ def gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, config=None) -> None:
 
 
 def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares_of) -> None:
-    """D (+)= A @ B per expert (QuACK's varlen-K GEMM). `squares_of`: the weight whose gradient D is, written whole
-    (add False): the sum of D's squares is recorded for the step's gradient norm (moelab.backends.grad_norm) by
-    the same GEMM's epilogue where moelab.backends.sonic_squares applies."""
-    if squares_of is not None and not add and sonic_squares.ENABLED:
+    """D (+)= A @ B per expert (QuACK's varlen-K GEMM; an add by add_via()). `squares_of`: the weight whose final
+    gradient D is (written whole, or summed in the epilogue by add_via() "load"): the sum of D's squares is recorded
+    for the step's gradient norm (moelab.backends.grad_norm) by the same GEMM's epilogue where
+    moelab.backends.sonic_squares applies."""
+    load = add and add_via() == "load"
+    if squares_of is not None and (load or not add) and sonic_squares.ENABLED:
         tiles = sonic_squares.n_tiles(D.shape[2], D.device, config)
         sq_LMT = torch.zeros(D.shape[0], D.shape[1], tiles, dtype=torch.float32, device=D.device)
         try:
-            done = sonic_squares.gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT)
+            done = sonic_squares.gemm_sq(A, B, D, offsets_E1, gather_N, config, concat_layout, sq_LMT, add=load)
         except Exception as e:  # noqa: BLE001 - QuACK's compile of the epilogue: the plain GEMM and the norm's pass
             sonic_squares.ENABLED = False
             warnings.warn(f"moelab.backends.sonic_squares is off for this process ({type(e).__name__}: {e}); the "
@@ -159,6 +179,10 @@ def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares
         if done:
             record_squares(squares_of, sq_LMT.sum())
             return
+    if load:  # D read as C (one rounding of the sum); the interleaved gate|up layout applies to it as to D
+        _quack()[0](A, B, D, D, cu_seqlens_k=offsets_E1, A_idx=gather_N, config=config,
+                    concat_layout=concat_layout and concat_layout + ("C",))
+        return
     _quack()[0](A, B, D, cu_seqlens_k=offsets_E1, A_idx=gather_N, add_to_output=add, config=config,
                 concat_layout=concat_layout)
 
@@ -250,7 +274,8 @@ class _SonicExperts(torch.autograd.Function):
         dx_ND = x_TD.new_empty(N, D)
         gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, cfg["up_dx"])
         dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w_gate_up_EDF2, w_down_EFD)
-        sq1, sq2 = (w if wants_squares(w) else None for w in (w_gate_up_EDF2, w_down_EFD))  # for the norm
+        adds = accumulate and add_via() == "load"  # the epilogue sees the sum: its squares are the final gradient's
+        sq1, sq2 = (w if wants_squares(w, adds) else None for w in (w_gate_up_EDF2, w_down_EFD))  # for the norm
         x_A, x_idx = operand("up_dw", x_TD, x_TD.index_select(0, gather_N) if "up_dw" in rows else None)
         gemm_up_dw(x_A, dh_NF2, dw1_EDF2, offsets_E1, x_idx, accumulate, cfg["up_dw"], sq1)
         del x_A

@@ -7,12 +7,14 @@ batch, the experts' weight-gradient GEMMs write each gradient whole; here QuACK'
 GEMMs (varlen K, rows gathered by token), so the norm needs no pass over them. The squares are of the fp32 values
 before their rounding to the gradient's bf16 (relative difference in the sum of order 1e-6).
 
-Only on SM90 (Hopper), and only where the GEMM writes the gradient (no add into .grad: QuACK adds through a TMA
-reduce store, whose sum the registers never see); anything else returns False and the caller runs
-moelab.backends.sonic's plain GEMM.
+Only on SM90 (Hopper), and only where the epilogue sees the gradient whole: where the GEMM writes it, or adds into
+.grad by reading it as the GEMM's C operand (``add=True``: D = A @ B + D, the squares of the sum; QuACK's other add,
+a TMA reduce store, forms the sum in L2, where the registers never see it). Anything else returns False and the
+caller runs moelab.backends.sonic's plain GEMM.
 
     sq_LMT = torch.zeros(E, M, n_tiles(N, config))
     done = gemm_sq(A, B, D, cu_seqlens_k, A_idx, config, concat_layout, sq_LMT)   # D written, sq_LMT filled
+    done = gemm_sq(A, B, D, cu_seqlens_k, A_idx, config, concat_layout, sq_LMT, add=True)   # D += A @ B
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ def n_tiles(n: int, device: torch.device, config=None) -> int:
     return -(-n // tile_n)
 
 
-def _compile_sonic_dw_sq(a_dtype, b_dtype, d_dtype, a_major, b_major, d_major, tile_shape_mn, cluster_shape_mnk,
-                         pingpong, is_dynamic_persistent, gather_A, concat_layout, device_capacity):
-    """quack.gemm's default-epilogue compile with quack.gemm_sq_reduce's class and its (L, M, N-tiles) output."""
+def _compile_sonic_dw_sq(a_dtype, b_dtype, d_dtype, c_dtype, a_major, b_major, d_major, c_major, tile_shape_mn,
+                         cluster_shape_mnk, pingpong, is_dynamic_persistent, gather_A, concat_layout, device_capacity):
+    """quack.gemm's default-epilogue compile with quack.gemm_sq_reduce's class and its (L, M, N-tiles) output (C:
+    c_dtype None for none)."""
     from quack.compile_utils import make_fake_tensor
     from quack.gemm_sq_reduce import GemmSqReduceSm90
     from quack.gemm_tvm_ffi_utils import (compile_gemm_kernel, make_fake_gemm_tensors, make_fake_scheduler_args,
@@ -44,8 +47,8 @@ def _compile_sonic_dw_sq(a_dtype, b_dtype, d_dtype, a_major, b_major, d_major, t
     from cutlass import Float32
     import cutlass.cute as cute
 
-    mA, mB, mD, mC, m, n, k, l = make_fake_gemm_tensors(a_dtype, b_dtype, d_dtype, None, a_major, b_major, d_major,
-                                                        None, varlen_k=True, gather_A=gather_A)
+    mA, mB, mD, mC, m, n, k, l = make_fake_gemm_tensors(a_dtype, b_dtype, d_dtype, c_dtype, a_major, b_major,
+                                                        d_major, c_major, varlen_k=True, gather_A=gather_A)
     tiles = cute.sym_int()
     sq = make_fake_tensor(Float32, (l, m, tiles), leading_dim=2, divisibility=1)
     epi_args = GemmSqReduceSm90.EpilogueArguments(mColVecReduce=sq)
@@ -69,10 +72,11 @@ def _compiled(*key):
 
 
 def gemm_sq(A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, cu_seqlens_k: torch.Tensor, A_idx, config,
-            concat_layout: "tuple | None", sq_LMT: torch.Tensor) -> bool:
-    """D = A @ B per expert (QuACK's varlen-K layout: A (M, total_K) or gathered by A_idx, B (total_K, N), D (E, M,
-    N)) and sq_LMT[e, m, t] = the sum over N tile t of D[e, m, :]^2 (fp32, before rounding). False (nothing run)
-    where this path does not apply: not SM90, or a config that swaps A and B (or gathers rows across N)."""
+            concat_layout: "tuple | None", sq_LMT: torch.Tensor, add: bool = False) -> bool:
+    """D = A @ B (add: D = A @ B + D, D read as C) per expert (QuACK's varlen-K layout: A (M, total_K) or gathered by
+    A_idx, B (total_K, N), D (E, M, N)) and sq_LMT[e, m, t] = the sum over N tile t of D[e, m, :]^2 (fp32, before
+    rounding). False (nothing run) where this path does not apply: not SM90, or a config that swaps A and B (or
+    gathers rows across N)."""
     from quack.cute_dsl_utils import get_device_capacity, get_max_active_clusters, torch2cute_dtype_map
     from quack.gemm_tvm_ffi_utils import get_majors, make_scheduler_args, make_varlen_args, perm3d
     from quack.gemm_sq_reduce import GemmSqReduceMixin
@@ -82,16 +86,17 @@ def gemm_sq(A: torch.Tensor, B: torch.Tensor, D: torch.Tensor, cu_seqlens_k: tor
     if capacity[0] != 9 or getattr(config, "swap_ab", False) or (A_idx is not None and config.cluster_n != 1):
         return False
     B = B.mT  # (N, total_K), as quack.gemm_interface passes it
-    A_p, B_p, D_p, _ = perm3d(A, B, D, None, varlen_k=True)
-    a_major, b_major, d_major, _ = get_majors(A_p, B_p, D_p, None)
+    C = D if add else None
+    A_p, B_p, D_p, C_p = perm3d(A, B, D, C, varlen_k=True)
+    a_major, b_major, d_major, c_major = get_majors(A_p, B_p, D_p, C_p)
     dt = torch2cute_dtype_map
-    compiled = _compiled(dt[A.dtype], dt[B.dtype], dt[D.dtype], a_major, b_major, d_major,
-                         (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1), config.pingpong,
-                         config.is_dynamic_persistent, A_idx is not None, tuple(sorted(concat_layout or ())),
-                         capacity)
+    concat = tuple(sorted(set(concat_layout or ()) | ({"C"} if add and "out" in (concat_layout or ()) else set())))
+    compiled = _compiled(dt[A.dtype], dt[B.dtype], dt[D.dtype], dt[D.dtype] if add else None, a_major, b_major,
+                         d_major, c_major, (config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n, 1),
+                         config.pingpong, config.is_dynamic_persistent, A_idx is not None, concat, capacity)
     semaphore = torch.zeros(1, dtype=torch.int32, device=A.device) if config.is_dynamic_persistent else None
     epi_args = GemmSqReduceMixin.EpilogueArguments(mColVecReduce=sq_LMT, add_to_output=None, rounding_mode=None)
     scheduler_args = make_scheduler_args(get_max_active_clusters(config.cluster_m * config.cluster_n),
                                          config.max_swizzle_size, semaphore)
-    compiled(A_p, B_p, D_p, None, epi_args, scheduler_args, make_varlen_args(None, cu_seqlens_k, A_idx), None)
+    compiled(A_p, B_p, D_p, C_p, epi_args, scheduler_args, make_varlen_args(None, cu_seqlens_k, A_idx), None)
     return True

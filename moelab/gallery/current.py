@@ -94,7 +94,8 @@ def step_trials(r: dict) -> dict:
     `overlap_split_sms`, taken out after it), SonicMoE's GEMMs on tiles other than moelab.backends.sonic.TILES
     (`sonic_tiles`, a sweep's choice run as MOELAB_SONIC_TILES: calls 14-15's, call 39's 64-row tiles), clipping's
     multiply as its own pass over the gradients (`clip_in_update` false at a `grad_clip` above 0: gpu_perf --clip's
-    bf16-clip-pass).
+    bf16-clip-pass), the weight-gradient GEMMs' add into .grad other than moelab.backends.sonic.ADD_VIA
+    (`sonic_add`, run as MOELAB_SONIC_ADD).
     {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the code
     then did."""
     out = {}
@@ -115,6 +116,9 @@ def step_trials(r: dict) -> dict:
         out["sonic_tiles"] = tiles
     if r.get("grad_clip") and r.get("clip_in_update") is False:
         out["clip_in_update"] = (False, True)
+    from moelab.backends.sonic import ADD_VIA
+    if r.get("sonic_add", ADD_VIA) != ADD_VIA:
+        out["sonic_add"] = (r["sonic_add"], ADD_VIA)
     return out
 
 

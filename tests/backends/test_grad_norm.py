@@ -113,6 +113,9 @@ def test_the_norm_takes_the_sums_the_backward_recorded_and_reads_the_rest():
     assert not G.wants_squares(a), "restored on exit"
     a.grad, b.grad = torch.full((4,), 2.0), torch.full((3,), 3.0)
     assert not G.wants_squares(a) and not G.wants_squares(torch.ones(2)), "a gradient to add to; not a parameter"
+    with G.squares_in_backward(True):
+        assert not G.wants_squares(a), "autograd adds to the gradient after the backward made its part"
+        assert G.wants_squares(a, adds_in_epilogue=True), "the kernel adds .grad and stores the sum: the final one"
     assert G.param_squared_norms([b, a]).tolist() == pytest.approx([27.0, 100.0])
     assert G.param_squared_norms([b, a]).tolist() == pytest.approx([27.0, 16.0]), "a record counts for one step only"
     G.record_squares(torch.nn.Parameter(torch.ones(4)), torch.tensor(5.0))  # another parameter's: not a's

@@ -307,3 +307,46 @@ def test_the_backward_gathers_rows_where_the_measurement_found_it_fastest(monkey
     monkeypatch.setenv("MOELAB_SONIC_ROWS_ONCE", "up")
     with pytest.raises(ValueError, match="MOELAB_SONIC_ROWS_ONCE=up: the GEMMs that gather rows in backward are"):
         rows_once()
+
+
+@pytest.mark.parametrize("add_via", ["reduce", "load"])
+@pytest.mark.parametrize("gemm", ["up_dw", "down_dw"])
+def test_a_later_micro_batchs_weight_gradient_gemm_adds_into_grad_as_add_via_says(monkeypatch, add_via, gemm):
+    # moelab.backends.sonic._dw's calls into QuACK (recorded on CPU): "reduce" adds by QuACK's add-to-output store;
+    # "load" hands .grad itself as the C operand (D = A @ B + D), with the gate|up interleave applied to C as to D,
+    # and only then may the squares of the final gradient come from the same epilogue
+    import moelab.backends.sonic as S
+    from moelab.backends import grad_norm, sonic_squares
+
+    calls, squares = [], []
+    monkeypatch.setattr(S, "_quack", lambda: (lambda *a, **k: calls.append((a, k)),) * 3)
+    monkeypatch.setattr(sonic_squares, "n_tiles", lambda n, device, config=None: 2)
+
+    def gemm_sq(A, B, D, offsets, gather, config, concat, sq_LMT, add=False):
+        squares.append((D, concat, add))
+        sq_LMT.fill_(1.0)
+        return True
+    monkeypatch.setattr(sonic_squares, "gemm_sq", gemm_sq)
+    monkeypatch.setenv("MOELAB_SONIC_ADD", add_via)
+    E, D, F, T = 2, 4, 3, 5
+    x_TD, dh_NF2, a_NF = torch.ones(T, D), torch.ones(T, 2 * F), torch.ones(T, F)
+    dw1, dw2 = torch.zeros(E, 2 * F, D).transpose(1, 2), torch.zeros(E, D, F).transpose(1, 2)
+    w = torch.nn.Parameter(torch.zeros(1))
+    run = (lambda sq: S.gemm_up_dw(x_TD, dh_NF2, dw1, None, None, True, None, sq)) if gemm == "up_dw" else \
+        (lambda sq: S.gemm_down_dw(x_TD, a_NF, dw2, None, None, True, None, sq))
+    run(None)
+    (A, B, out, *rest), kw = calls.pop()
+    concat = ("out",) if gemm == "up_dw" else None
+    if add_via == "reduce":
+        assert rest == [] and kw["add_to_output"] is True and kw["concat_layout"] == concat
+    else:
+        assert rest[0] is out and not kw.get("add_to_output") and kw["concat_layout"] == (concat and ("out", "C"))
+    run(w)  # the step's last micro batch: the norm wants w's squares
+    if add_via == "reduce":
+        assert not squares and calls, "a reduce store's sum is never in registers: the norm reads the gradient"
+    else:
+        assert not calls and squares[0][1:] == (concat, True)
+        assert grad_norm.param_squared_norms([w]).tolist() == [2.0 * E * D], "the epilogue's sum is the record"
+    monkeypatch.setenv("MOELAB_SONIC_ADD", "fused")
+    with pytest.raises(ValueError, match="MOELAB_SONIC_ADD=fused: the weight-gradient GEMMs add into .grad by"):
+        S.add_via()
