@@ -31,7 +31,8 @@
 #                 path `auto` took before FlashAttention-4), 2 and 16; not run by default. FA4 comes from .whl's
 #                 flash-attn-4 wheel with SONIC_TAR's QuACK / CUTLASS DSL; the moelab part's `auto` takes it
 #     moelab-add  moelab bf16 compiled with SonicMoE's weight-gradient GEMMs adding into .grad by MOELAB_SONIC_ADD=
-#                 $SONIC_ADD (default load: .grad read as the GEMMs' C operand), 2 and 16; not run by default
+#                 $SONIC_ADD (default load: .grad read as the GEMMs' C operand; squares: only on the last micro
+#                 batch, with the norm's squares), 2 and 16, its profile at PROFILE_GBS; not run by default
 #     wgrad       issue 41: SonicMoE's weight-gradient GEMMs writing, adding by QuACK's reduce store, adding with .grad
 #                 read as C (and its squares), at one and two micro batches' rows, checked and timed
 #                 (gpu_wgrad.py, SONIC_TAR); not run by default
@@ -151,8 +152,9 @@ part moelab-experts 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8
 part moelab-attention 260 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${BF16_GBS:-2,16} \
   --loss-steps ${LOSS_STEPS:-3} --set backend.attention=${ATTENTION:-sdpa} --tag bf16-${ATTENTION:-sdpa} $DRY
 # the same model and seed with the weight-gradient GEMMs' other add into .grad (SONIC_ADD, default load)
-part moelab-add 260 env MOELAB_SONIC_ADD=${SONIC_ADD:-load} python3 gallery/scripts/gpu_perf.py bench --out $R \
-  --fp8 off --gbs ${BF16_GBS:-2,16} --loss-steps ${LOSS_STEPS:-3} --tag bf16-add-${SONIC_ADD:-load} $DRY
+part moelab-add 300 env MOELAB_SONIC_ADD=${SONIC_ADD:-load} python3 gallery/scripts/gpu_perf.py bench --out $R \
+  --fp8 off --gbs ${BF16_GBS:-2,16} --profile --profile-gbs ${PROFILE_GBS:-2} --loss-steps ${LOSS_STEPS:-3} \
+  --tag bf16-add-${SONIC_ADD:-load} $DRY
 part moe-layer 400 python3 gallery/scripts/gpu_moe_layer.py --out $R ${MOE_LAYER_ARGS:-}
 part attention 240 python3 gallery/scripts/gpu_attention.py --out $R
 part moelab-loss 240 python3 gallery/scripts/gpu_perf.py bench --out $R --fp8 off --gbs ${LOSS_GBS:-2,16} \

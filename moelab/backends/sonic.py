@@ -89,19 +89,22 @@ def rows_once() -> frozenset[str]:
 
 ADD_VIA = "reduce"
 """How a later micro batch's two weight-gradient GEMMs add into .grad: "reduce", QuACK's add-to-output epilogue (a
-TMA reduce-add store: the sum formed in L2, rounded twice), or "load", .grad read as the GEMM's C operand and
-acc + C stored (one rounding; the epilogue sees the final gradient, so its squares can be summed there for the
-step's norm, as a written one's are)."""
+TMA reduce-add store: the sum formed in L2, rounded twice); "load", .grad read as the GEMM's C operand and acc + C
+stored (one rounding; the epilogue sees the final gradient, so its squares can be summed there for the step's norm,
+as a written one's are); "squares", the reduce store except where the step's norm wants the final gradient's squares
+(its last micro batch), there the load with the squares (issue 41 call 45: the load alone is no faster)."""
+ADDS = ("reduce", "load", "squares")
 
 
 def add_via() -> str:
-    """ADD_VIA, or MOELAB_SONIC_ADD ("reduce" or "load": a measurement's variant, gallery/scripts/gpu_wgrad.py)."""
+    """ADD_VIA, or MOELAB_SONIC_ADD (one of ADDS: a measurement's variant, gallery/scripts/gpu_wgrad.py)."""
     env = os.environ.get("MOELAB_SONIC_ADD")
     if env is None:
         return ADD_VIA
-    if env not in ("reduce", "load"):
+    if env not in ADDS:
         raise ValueError(f"MOELAB_SONIC_ADD={env}: the weight-gradient GEMMs add into .grad by 'reduce' (QuACK's "
-                         f"TMA reduce store) or 'load' (.grad read as C)")
+                         f"TMA reduce store), 'load' (.grad read as C) or 'squares' (the load where the norm wants "
+                         f"the squares, else the reduce store)")
     return env
 
 
@@ -162,10 +165,11 @@ def gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, config=None) -> None:
 
 def _dw(A, B, D, offsets_E1, gather_N, add: bool, config, concat_layout, squares_of) -> None:
     """D (+)= A @ B per expert (QuACK's varlen-K GEMM; an add by add_via()). `squares_of`: the weight whose final
-    gradient D is (written whole, or summed in the epilogue by add_via() "load"): the sum of D's squares is recorded
-    for the step's gradient norm (moelab.backends.grad_norm) by the same GEMM's epilogue where
-    moelab.backends.sonic_squares applies."""
-    load = add and add_via() == "load"
+    gradient D is (written whole, or summed in the epilogue by the load): the sum of D's squares is recorded for the
+    step's gradient norm (moelab.backends.grad_norm) by the same GEMM's epilogue where moelab.backends.sonic_squares
+    applies."""
+    via = add_via()
+    load = add and (via == "load" or (via == "squares" and squares_of is not None and sonic_squares.ENABLED))
     if squares_of is not None and (load or not add) and sonic_squares.ENABLED:
         tiles = sonic_squares.n_tiles(D.shape[2], D.device, config)
         sq_LMT = torch.zeros(D.shape[0], D.shape[1], tiles, dtype=torch.float32, device=D.device)
@@ -274,7 +278,7 @@ class _SonicExperts(torch.autograd.Function):
         dx_ND = x_TD.new_empty(N, D)
         gemm_up_dx(dh_NF2, w1, dx_ND, offsets_E1, cfg["up_dx"])
         dw1_EDF2, dw2_EFD, accumulate = weight_grad_buffers(w_gate_up_EDF2, w_down_EFD)
-        adds = accumulate and add_via() == "load"  # the epilogue sees the sum: its squares are the final gradient's
+        adds = accumulate and add_via() != "reduce"  # the epilogue sees the sum: its squares are the final gradient's
         sq1, sq2 = (w if wants_squares(w, adds) else None for w in (w_gate_up_EDF2, w_down_EFD))  # for the norm
         x_A, x_idx = operand("up_dw", x_TD, x_TD.index_select(0, gather_N) if "up_dw" in rows else None)
         gemm_up_dw(x_A, dh_NF2, dw1_EDF2, offsets_E1, x_idx, accumulate, cfg["up_dw"], sq1)

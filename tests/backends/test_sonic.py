@@ -309,12 +309,12 @@ def test_the_backward_gathers_rows_where_the_measurement_found_it_fastest(monkey
         rows_once()
 
 
-@pytest.mark.parametrize("add_via", ["reduce", "load"])
+@pytest.mark.parametrize("add_via", ["reduce", "load", "squares"])
 @pytest.mark.parametrize("gemm", ["up_dw", "down_dw"])
 def test_a_later_micro_batchs_weight_gradient_gemm_adds_into_grad_as_add_via_says(monkeypatch, add_via, gemm):
     # moelab.backends.sonic._dw's calls into QuACK (recorded on CPU): "reduce" adds by QuACK's add-to-output store;
     # "load" hands .grad itself as the C operand (D = A @ B + D), with the gate|up interleave applied to C as to D,
-    # and only then may the squares of the final gradient come from the same epilogue
+    # and only then may the squares of the final gradient come from the same epilogue; "squares" loads only there
     import moelab.backends.sonic as S
     from moelab.backends import grad_norm, sonic_squares
 
@@ -337,7 +337,7 @@ def test_a_later_micro_batchs_weight_gradient_gemm_adds_into_grad_as_add_via_say
     run(None)
     (A, B, out, *rest), kw = calls.pop()
     concat = ("out",) if gemm == "up_dw" else None
-    if add_via == "reduce":
+    if add_via != "load":
         assert rest == [] and kw["add_to_output"] is True and kw["concat_layout"] == concat
     else:
         assert rest[0] is out and not kw.get("add_to_output") and kw["concat_layout"] == (concat and ("out", "C"))
@@ -348,5 +348,6 @@ def test_a_later_micro_batchs_weight_gradient_gemm_adds_into_grad_as_add_via_say
         assert not calls and squares[0][1:] == (concat, True)
         assert grad_norm.param_squared_norms([w]).tolist() == [2.0 * E * D], "the epilogue's sum is the record"
     monkeypatch.setenv("MOELAB_SONIC_ADD", "fused")
+    assert S.ADD_VIA in S.ADDS
     with pytest.raises(ValueError, match="MOELAB_SONIC_ADD=fused: the weight-gradient GEMMs add into .grad by"):
         S.add_via()

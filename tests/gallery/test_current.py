@@ -84,8 +84,8 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     unnamed = next(x for x in GEMMS if x not in table)
     assert default_deviations(rec("untabled", sonic_tiles={unnamed: table[g]}))["sonic_tiles"][1] == (
         f"{unnamed} QuACK's default")
-    from moelab.backends.sonic import ADD_VIA  # gpu_perf.sh's moelab-add: the weight-gradient GEMMs' other add
-    other_add = {"reduce": "load", "load": "reduce"}[ADD_VIA]
+    from moelab.backends.sonic import ADD_VIA, ADDS  # gpu_perf.sh's moelab-add: the weight-gradient GEMMs' other add
+    other_add = next(a for a in ADDS if a != ADD_VIA)
     assert default_deviations(rec("add", sonic_add=ADD_VIA)) == {}
     assert default_deviations(rec("other add", sonic_add=other_add)) == {"sonic_add": (other_add, ADD_VIA)}
     # gpu_perf --clip: the preset's grad_clip (0 for the Qwen3 proxy) is today's; the multiply's own pass a trial
