@@ -573,7 +573,6 @@ def _communication(z: _Sizes, worst: dict) -> dict:
     """Bytes sent per GPU, for the rank that needs the most memory."""
     p, a, T, m = z.p, z.a, z.T, z.m
     mdl, t = z.cfg.model, z.cfg.train
-    frac = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     # dispatch+combine, fwd+bwd (+ full recompute's rerun of the block; selective keeps what the dispatch
     # delivered and exchanges nothing again); the tokens of one rank: its sequence shard under TP
     passes = exchanges_per_moe_layer(t.activation_checkpointing)

@@ -94,7 +94,7 @@ def _attention(cfg: Config, a: int, compiled: bool, eager_path: bool, r: int) ->
             nw = trained("norms")
             out = _norm_eager(D, a, xn, nw, r) + (_norm_eager(Q, a, q_b, nw) if Q else 0) \
                 + _norm_eager(C, a, kv_b, nw) + kernel
-        d_v, kv_heads = Dv, H
+        kv_heads = H
     else:
         G, Dh = m.num_kv_heads, m.head_dim
         xn = any(trained(n) for n in ("q_proj", "k_proj", "v_proj"))
@@ -109,7 +109,7 @@ def _attention(cfg: Config, a: int, compiled: bool, eager_path: bool, r: int) ->
         else:
             qk_norm = _norm_eager((H + G) * Dh, a, False, trained("norms")) if m.qk_norm else 0
             out = _norm_eager(D, a, xn, trained("norms"), r) + qk_norm + kernel + sinks
-        d_qk = d_v = Dh
+        d_qk = Dh
         kv_heads = G
     attention = [n for n in lora_modules_present(m) if n not in ("dense_mlp", "shared_experts", "experts")]
     out += a * _adapters(cfg, attention)
