@@ -94,8 +94,8 @@ def step_trials(r: dict) -> dict:
     `overlap_split_sms`, taken out after it), SonicMoE's GEMMs on tiles other than moelab.backends.sonic.TILES
     (`sonic_tiles`, a sweep's choice run as MOELAB_SONIC_TILES: calls 14-15's, call 39's 64-row tiles), clipping's
     multiply as its own pass over the gradients (`clip_in_update` false at a `grad_clip` above 0: gpu_perf --clip's
-    bf16-clip-pass), the weight-gradient GEMMs' add into .grad other than moelab.backends.sonic.ADD_VIA
-    (`sonic_add`, run as MOELAB_SONIC_ADD).
+    bf16-clip-pass), the weight-gradient GEMMs' add into .grad other than moelab.backends.sonic.ADD_VIA in a step
+    of several micro batches (`sonic_add`, run as MOELAB_SONIC_ADD).
     {setting: (ran, today)}; records before these fields ran as today's code in these respects, or as the code
     then did."""
     out = {}
@@ -117,7 +117,8 @@ def step_trials(r: dict) -> dict:
     if r.get("grad_clip") and r.get("clip_in_update") is False:
         out["clip_in_update"] = (False, True)
     from moelab.backends.sonic import ADD_VIA
-    if r.get("sonic_add", ADD_VIA) != ADD_VIA:
+    adds = (r.get("global_batch_size") or 0) > (r.get("micro_batch_size") or 0) * (r.get("gpus") or 1)
+    if adds and r.get("sonic_add", ADD_VIA) != ADD_VIA:  # one micro batch a step never adds into .grad
         out["sonic_add"] = (r["sonic_add"], ADD_VIA)
     return out
 

@@ -87,7 +87,10 @@ def test_moelab_counts_only_where_it_ran_todays_defaults():
     from moelab.backends.sonic import ADD_VIA, ADDS  # gpu_perf.sh's moelab-add: the weight-gradient GEMMs' other add
     other_add = next(a for a in ADDS if a != ADD_VIA)
     assert default_deviations(rec("add", sonic_add=ADD_VIA)) == {}
-    assert default_deviations(rec("other add", sonic_add=other_add)) == {"sonic_add": (other_add, ADD_VIA)}
+    assert default_deviations(rec("other add", sonic_add=other_add, global_batch_size=16, micro_batch_size=2)) == {
+        "sonic_add": (other_add, ADD_VIA)}
+    assert default_deviations(rec("one micro batch", sonic_add=other_add, global_batch_size=2,
+                                  micro_batch_size=2)) == {}, "a step of one micro batch never adds into .grad"
     # gpu_perf --clip: the preset's grad_clip (0 for the Qwen3 proxy) is today's; the multiply's own pass a trial
     assert default_deviations(rec("unclipped", grad_clip=0.0, clip_in_update=False)) == {}
     assert default_deviations(rec("clip", grad_clip=1.0, clip_in_update=True)) == {"grad_clip": (1.0, 0.0)}
